@@ -1,0 +1,194 @@
+"""Batches: iteration, size, device moves, microbatch split, BatchNorm guard.
+
+A batch is a tensor, a tuple/list of batches, or a mapping of names to
+batches (``dict``, HuggingFace ``BatchEncoding`` and anything with ``keys``
+and ``__getitem__``). Its size is the leading dimension of its first tensor
+(for mappings, ``input_ids`` when present).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any
+
+
+def _is_mapping(batch: object) -> bool:
+    return isinstance(batch, Mapping) or (
+        hasattr(batch, "keys") and hasattr(batch, "__getitem__") and not isinstance(batch, torch.Tensor)
+    )
+
+
+def _first_tensor(batch: Batch) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if _is_mapping(batch):
+        keys = list(batch.keys())
+        if "input_ids" in keys:
+            keys.remove("input_ids")
+            keys.insert(0, "input_ids")
+        for key in keys:
+            t = _first_tensor(batch[key])
+            if t is not None:
+                return t
+        return None
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_size(batch: Batch) -> int:
+    """Number of samples in a batch: leading dimension of its first tensor."""
+    t = _first_tensor(batch)
+    if t is None:
+        raise TypeError(
+            f"cannot find a tensor in a batch of type {type(batch).__name__}; batches must be "
+            "tensors, tuples/lists or mappings of tensors"
+        )
+    if t.dim() == 0:
+        raise ValueError("the first tensor of the batch is a scalar; batch tensors need a leading batch dimension")
+    return int(t.shape[0])
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """Move every tensor of a batch to ``device`` (other leaves untouched)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if hasattr(batch, "to") and _is_mapping(batch) and not isinstance(batch, dict):
+        return batch.to(device)  # BatchEncoding-like objects know how to move themselves
+    if _is_mapping(batch):
+        return {k: to_device(batch[k], device) for k in batch.keys()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(b, device) for b in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    return batch
+
+
+def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == size else batch
+    if _is_mapping(batch):
+        return {k: _slice(batch[k], start, stop, size) for k in batch.keys()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_slice(b, start, stop, size) for b in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice(b, start, stop, size) for b in batch)
+    return batch
+
+
+def split_batch(batch: Batch, microbatch_size: int) -> list[Batch]:
+    """Split along the leading dimension into chunks of at most ``microbatch_size``.
+
+    Tensors whose leading dimension is not the batch size (and non-tensor
+    leaves) are shared by every chunk.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    size = batch_size(batch)
+    if size <= microbatch_size:
+        return [batch]
+    return [_slice(batch, s, min(s + microbatch_size, size), size) for s in range(0, size, microbatch_size)]
+
+
+def batchnorm_modules(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm modules of ``model`` that are in training mode."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+
+
+def check_microbatching(model: nn.Module, microbatch_size: int | None, unsafe: bool) -> None:
+    """Raise when microbatching would change the curvature (BatchNorm in training mode)."""
+    if microbatch_size is None or unsafe:
+        return
+    bns = batchnorm_modules(model)
+    if bns:
+        raise ValueError(
+            f"microbatching changes the result of BatchNorm layers in training mode ({bns[:3]}...): "
+            "their statistics depend on the whole batch. Call model.eval(), drop microbatch_size, "
+            "or pass microbatch_unsafe=True to accept the approximation"
+        )
+
+
+class BatchSource:
+    """The batches one product runs over.
+
+    ``full_dataset=True``: every batch of ``dataloader`` (at most
+    ``num_batches``), re-iterated on every product. ``full_dataset=False``:
+    one batch per product, the next one each time, cycling back to the start
+    when the loader is exhausted.
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable[Batch],
+        *,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if isinstance(dataloader, torch.Tensor) or _is_mapping(dataloader):
+            raise TypeError(
+                "dataloader must be an iterable of batches (a DataLoader or a list of batches); "
+                "wrap a single batch as [batch]"
+            )
+        if not isinstance(dataloader, Iterable):
+            raise TypeError(f"dataloader must be iterable, got {type(dataloader).__name__}")
+        if num_batches is not None and num_batches < 1:
+            raise ValueError(f"num_batches must be >= 1 or None, got {num_batches}")
+        self.dataloader = dataloader
+        self.full_dataset = full_dataset
+        self.num_batches = num_batches
+        self.device = device
+        self._cycle: Iterator[Batch] | None = None
+
+    def _fresh(self) -> Iterator[Batch]:
+        it = iter(self.dataloader)
+        if self.num_batches is not None:
+            it = itertools.islice(it, self.num_batches)
+        return it
+
+    def _next_cycled(self) -> Batch:
+        if self._cycle is not None:
+            try:
+                return next(self._cycle)
+            except StopIteration:
+                pass
+        self._cycle = self._fresh()
+        try:
+            return next(self._cycle)
+        except StopIteration:
+            raise ValueError("the dataloader yielded no batch") from None
+
+    def batches(self) -> Iterator[Batch]:
+        """Batches of one product, moved to the device."""
+        if not self.full_dataset:
+            batch = self._next_cycled()
+            yield batch if self.device is None else to_device(batch, self.device)
+            return
+        empty = True
+        for batch in self._fresh():
+            empty = False
+            yield batch if self.device is None else to_device(batch, self.device)
+        if empty:
+            raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+
+    def single_batch_hint(self) -> bool:
+        """True when the data of one product is known up front to be a single batch."""
+        if not self.full_dataset or self.num_batches == 1:
+            return True
+        try:
+            return len(self.dataloader) == 1  # type: ignore[arg-type]
+        except TypeError:
+            return False

@@ -1,0 +1,6 @@
+"""Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher."""
+
+from hessian_eigenthings.operators.base import CurvatureOperator, DataCurvatureOperator, LambdaOperator
+from hessian_eigenthings.operators.hessian import HessianOperator
+
+__all__ = ["CurvatureOperator", "DataCurvatureOperator", "HessianOperator", "LambdaOperator"]

@@ -1,0 +1,541 @@
+"""The operator protocol and the data-driven base every curvature type shares.
+
+:class:`CurvatureOperator` is a symmetric matrix-free operator over a flat
+vector of length ``n``. Subclasses implement ``_matvec`` (one vector) or
+``_matmat_rows`` (a row block ``(k, n)``); each gets the other for free. The
+public ``matvec`` / ``matmat`` / ``@`` / ``__call__`` validate shape, dtype
+and device, then call the private one.
+
+:class:`DataCurvatureOperator` owns everything the Hessian, GGN and Fisher
+have in common: parameter selection and layout, the data loop
+(``full_dataset``, ``num_batches``, cycling), microbatching, batch-size
+weighting ``Σ bᵢ·Cᵢ / Σ bᵢ``, the output buffer, block chunking, graph
+reuse and restoring the model exactly. A curvature type writes two methods:
+``_prepare(batch)`` (forward and whatever first-order graph it needs) and
+``_apply(state, vecs, retain)`` (the per-batch product for a block).
+
+Cost per product: whatever the subclass's per-batch product costs, plus one
+copy of the result into a flat buffer; no ``torch.cat``, no host sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings.batching import (
+    Batch,
+    BatchSource,
+    batch_size,
+    check_microbatching,
+    split_batch,
+    to_device,
+)
+from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+
+# --------------------------------------------------------------------------
+# The protocol
+# --------------------------------------------------------------------------
+
+
+class CurvatureOperator(ABC):
+    """Symmetric linear operator ``A`` of shape ``(n, n)``, known through products.
+
+    Implement ``_matvec(v)`` for ``v`` of shape ``(n,)`` or
+    ``_matmat_rows(V)`` for a row block ``(k, n)`` (k products at once); the
+    other one is derived. ``num_matvecs`` counts products computed (a block
+    of k counts k), which tests and benchmarks use as a noise-free cost.
+    """
+
+    num_matvecs: int = 0
+
+    # -- to be provided by subclasses ------------------------------------
+    @property
+    def size(self) -> int:
+        return int(self._size)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    _size: int
+    _device: torch.device
+    _dtype: torch.dtype
+
+    def _matvec(self, v: torch.Tensor) -> torch.Tensor:
+        if type(self)._matmat_rows is CurvatureOperator._matmat_rows:
+            raise NotImplementedError(f"{type(self).__name__} must implement _matvec or _matmat_rows")
+        return self._matmat_rows(v.unsqueeze(0))[0]
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        if type(self)._matvec is CurvatureOperator._matvec:
+            raise NotImplementedError(f"{type(self).__name__} must implement _matvec or _matmat_rows")
+        out = torch.empty_like(V)
+        for i in range(V.shape[0]):
+            out[i] = self._matvec(V[i])
+        return out
+
+    # -- public API -------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.size, self.size)
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"{what} has dtype {x.dtype} but the operator works in {self.dtype}; "
+                f"pass x.to({self.dtype})"
+            )
+        if x.device != self.device:
+            raise ValueError(
+                f"{what} is on {x.device} but the operator is on {self.device}; pass x.to('{self.device}')"
+            )
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``A v`` for ``v`` of shape ``(n,)``."""
+        self._check_input(v, "v")
+        if v.dim() != 1 or v.shape[0] != self.size:
+            raise ValueError(f"matvec expects a vector of shape ({self.size},), got {tuple(v.shape)}")
+        out = self._matvec(v)
+        self.num_matvecs += 1
+        return out
+
+    def rmatvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``Aᵀ v`` (= ``A v``: curvature operators are symmetric)."""
+        return self.matvec(v)
+
+    def matmat(self, V: torch.Tensor) -> torch.Tensor:
+        """``A V`` for ``V`` of shape ``(n, k)``: k products in one pass over the data.
+
+        A block stored as rows ``B (k, n)`` costs no copy: ``op.matmat(B.T).T``.
+        """
+        self._check_input(V, "V")
+        if V.dim() != 2 or V.shape[0] != self.size:
+            raise ValueError(f"matmat expects a block of shape ({self.size}, k), got {tuple(V.shape)}")
+        if V.shape[1] == 0:
+            return torch.empty_like(V)
+        out = self._matmat_rows(V.T.contiguous())
+        self.num_matvecs += V.shape[1]
+        return out.T
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            return self.matmat(x)
+        return self.matvec(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.__matmul__(x)
+
+    def to_dense(self) -> torch.Tensor:
+        """The full ``(n, n)`` matrix, by n products (for small n only)."""
+        eye = torch.eye(self.size, dtype=self.dtype, device=self.device)
+        return self.matmat(eye)
+
+    def to_scipy(self) -> Any:
+        """A ``scipy.sparse.linalg.LinearOperator`` over float64 numpy vectors.
+
+        Each scipy product converts to the operator's dtype and device and
+        back (a host round trip per product): for ``eigsh``, ``cg``, ``lobpcg``.
+        """
+        import numpy as np
+        from scipy.sparse.linalg import LinearOperator as ScipyLinearOperator
+
+        def mv(x: Any) -> Any:
+            v = torch.as_tensor(np.ascontiguousarray(x).reshape(-1), device=self.device).to(self.dtype)
+            return self.matvec(v).detach().to("cpu", torch.float64).numpy()
+
+        def mm(X: Any) -> Any:
+            V = torch.as_tensor(np.ascontiguousarray(X), device=self.device).to(self.dtype)
+            return self.matmat(V).detach().to("cpu", torch.float64).numpy()
+
+        return ScipyLinearOperator(
+            shape=self.shape, matvec=mv, rmatvec=mv, matmat=mm, dtype=np.float64
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, dtype={self.dtype}, device={self.device})"
+
+
+class LambdaOperator(CurvatureOperator):
+    """An operator from a function ``v (n,) -> A v (n,)``.
+
+    ``matmat_fn`` (optional) computes a row block ``(k, n) -> (k, n)`` at once;
+    without it blocks are k calls of ``matvec_fn``.
+    """
+
+    def __init__(
+        self,
+        matvec_fn: Callable[[torch.Tensor], torch.Tensor],
+        size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        matmat_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if not callable(matvec_fn):
+            raise TypeError("matvec_fn must be callable: v (n,) -> A v (n,)")
+        if int(size) < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self._fn = matvec_fn
+        self._block_fn = matmat_fn
+        self._size = int(size)
+        self._device = torch.device(device)
+        self._dtype = dtype
+
+    def _matvec(self, v: torch.Tensor) -> torch.Tensor:
+        return self._fn(v)
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        if self._block_fn is not None:
+            return self._block_fn(V)
+        return torch.stack([self._fn(V[i]) for i in range(V.shape[0])])
+
+
+# --------------------------------------------------------------------------
+# Model state guard
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def preserve_model(
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    *,
+    double_backward: bool = False,
+) -> Iterator[None]:
+    """Run a product and leave ``model`` exactly as it was.
+
+    Enables ``requires_grad`` on selected frozen parameters for the duration,
+    snapshots buffers when any module is in training mode (BatchNorm running
+    statistics would otherwise move on every product), restores both in
+    ``finally``; forces math SDPA when a double backward is needed.
+    """
+    frozen = [p for p in params if not p.requires_grad]
+    training = any(m.training for m in model.modules())
+    saved_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if training:
+        saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [m.training for m in model.modules()]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        ctx = _torch_compat.math_sdpa() if double_backward else contextlib.nullcontext()
+        with ctx:
+            yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+        with torch.no_grad():
+            for b, copy in saved_buffers:
+                b.copy_(copy)
+        for m, mode in zip(model.modules(), modes, strict=False):
+            m.training = mode
+
+
+# --------------------------------------------------------------------------
+# Graph reuse
+# --------------------------------------------------------------------------
+
+# NOTE [graph reuse]
+# A Hessian product from scratch costs forward + backward(create_graph) +
+# double backward. When the data of a product is one batch (or a few), the
+# graph of the first backward can be kept, and every further product costs
+# only the second backward. The cached state is valid while (a) no selected
+# parameter and no buffer changed (tensor version counters, read on the host,
+# no sync) and (b) the batch is the same: the same tensor objects at the same
+# versions, else equal contents (one cheap comparison of the input batch).
+# Memory is bounded by `graph_reuse_max_batches` and, on CUDA, by
+# `graph_memory_budget` bytes measured when each graph is built.
+
+
+@dataclass
+class _CachedGraph:
+    raw: Batch
+    versions: tuple[int, ...]
+    state: Any
+    size: int
+    nbytes: int
+
+
+def _leaves(batch: Batch) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        out: list[Any] = []
+        for k in batch.keys():
+            out.append(k)
+            out.extend(_leaves(batch[k]))
+        return out
+    if isinstance(batch, (tuple, list)):
+        out = []
+        for b in batch:
+            out.extend(_leaves(b))
+        return out
+    return [batch]
+
+
+def _same_batch(a: Batch, b: Batch) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x is y and x._version == y._version:
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+                return False
+            if not torch.equal(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return False
+        elif x != y:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# The data-driven base
+# --------------------------------------------------------------------------
+
+Reuse = bool | Literal["auto"]
+
+
+class DataCurvatureOperator(CurvatureOperator):
+    """Base of curvature operators defined by a model, data and a loss.
+
+    Parameters shared by every subclass:
+
+    - ``param_filter``: which parameters (callable, glob or list of globs).
+    - ``full_dataset``: average over every batch (``True``) or take the next
+      batch on each product, cycling (``False``).
+    - ``num_batches``: cap on the batches of one product.
+    - ``microbatch_size``: split each batch into chunks of this many samples
+      (same result, lower peak memory; refused for BatchNorm in training
+      mode unless ``microbatch_unsafe=True``).
+    - ``max_block_size``: most vectors per pass of a block product;
+      ``block_memory_budget``: bytes a block pass may add on CUDA (the chunk
+      is sized from the measured cost of the first pass).
+    - ``graph_reuse``: ``"auto"`` / ``True`` / ``False``, see NOTE [graph reuse].
+    """
+
+    #: Subclasses set this when ``_apply`` may run several times on one state.
+    supports_graph_reuse: bool = False
+    #: Subclasses set this when products need a double backward.
+    needs_double_backward: bool = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        max_block_size: int | None = None,
+        block_memory_budget: int | None = None,
+        graph_reuse: Reuse = "auto",
+        graph_reuse_max_batches: int = 4,
+        graph_memory_budget: int | None = None,
+        backend: LinAlgBackend | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if microbatch_size is not None and (not isinstance(microbatch_size, int) or microbatch_size < 1):
+            raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}")
+        if max_block_size is not None and max_block_size < 1:
+            raise ValueError(f"max_block_size must be >= 1 or None, got {max_block_size}")
+        if graph_reuse not in (True, False, "auto"):
+            raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
+        check_microbatching(model, microbatch_size, microbatch_unsafe)
+        self.model = model
+        self.named_params = select_parameters(model, param_filter)
+        self.params = [p for _, p in self.named_params]
+        self.layout = ParamLayout.from_named(self.named_params)
+        self._size = self.layout.size
+        self._device = self.layout.device
+        self._dtype = self.layout.dtype
+        self.source = BatchSource(dataloader, full_dataset=full_dataset, num_batches=num_batches)
+        self.microbatch_size = microbatch_size
+        self.microbatch_unsafe = microbatch_unsafe
+        self.max_block_size = max_block_size
+        self.block_memory_budget = block_memory_budget
+        self.graph_reuse = graph_reuse
+        self.graph_reuse_max_batches = graph_reuse_max_batches
+        self.graph_memory_budget = graph_memory_budget
+        self.backend = default_backend(backend)
+        self._cache: dict[tuple[int, int], _CachedGraph] = {}
+        self._cache_bytes = 0
+        self._per_vector_bytes: float | None = None
+        #: passes over the data (one per batch chunk) and forward passes, for cost checks
+        self.num_passes = 0
+        self.num_forwards = 0
+
+    # -- hooks for subclasses -------------------------------------------------
+    def _prepare(self, batch: Batch) -> Any:
+        """Forward (and first-order graph) on one batch; returns the state."""
+        raise NotImplementedError
+
+    def _apply(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        """Per-batch product of the mean-loss curvature with a block.
+
+        ``vecs[i]`` has shape ``(k, *shape_i)``. Return one ``(k, *shape_i)``
+        tensor per parameter (``None`` for an exact zero). ``retain``: keep
+        the graph of ``state`` alive for another call.
+        """
+        raise NotImplementedError
+
+    def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """A product without a reusable state (e.g. finite differences)."""
+        return self._apply(self._prepare(batch), vecs, retain=False)
+
+    # -- graph reuse ----------------------------------------------------------
+    def _reuse_enabled(self) -> bool:
+        return self.supports_graph_reuse and self.graph_reuse is not False
+
+    def clear_cache(self) -> None:
+        """Drop kept graphs (they are dropped automatically when stale)."""
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.params) + tuple(b._version for b in self.model.buffers())
+
+    def _cached_entry(self, key: tuple[int, int], raw: Batch) -> _CachedGraph | None:
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        if entry.versions != self._versions() or not _same_batch(entry.raw, raw):
+            self._cache_bytes -= entry.nbytes
+            del self._cache[key]
+            return None
+        return entry
+
+    def _build_state(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
+        """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
+        if self.graph_reuse == "auto" and not self.source.full_dataset:
+            try:
+                cycle_len = len(self.source.dataloader)  # type: ignore[arg-type]
+            except TypeError:
+                cycle_len = -1
+            if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
+                return self._prepare(chunk), False
+        if len(self._cache) >= self.graph_reuse_max_batches:
+            return self._prepare(chunk), False
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        versions = self._versions()
+        state = self._prepare(chunk)
+        nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
+        budget = self.graph_memory_budget
+        if budget is None and cuda:
+            budget = int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
+        if budget is not None and self._cache_bytes + nbytes > budget:
+            return state, False
+        self._cache[key] = _CachedGraph(raw=raw, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
+        self._cache_bytes += nbytes
+        return state, True
+
+    # -- the data loop ----------------------------------------------------------
+    def _chunks(self, raw: Batch) -> list[Batch]:
+        batch = to_device(raw, self.device)
+        if self.microbatch_size is None:
+            return [batch]
+        return split_batch(batch, self.microbatch_size)
+
+    def _block_limit(self, k: int) -> int:
+        limit = self.max_block_size or k
+        if self.block_memory_budget is not None and self._per_vector_bytes:
+            limit = min(limit, max(1, int(self.block_memory_budget // self._per_vector_bytes)))
+        elif self.block_memory_budget is not None:
+            limit = min(limit, 1)  # measure one vector first
+        return max(1, min(limit, k))
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        k = V.shape[0]
+        out = self.layout.empty(k)
+        start = 0
+        while start < k:
+            stop = min(k, start + self._block_limit(k - start))
+            cuda = self.device.type == "cuda" and self.block_memory_budget is not None
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+            self._pass(V[start:stop], out[start:stop])
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(self.device) - base
+                self._per_vector_bytes = max(self._per_vector_bytes or 0.0, peak / (stop - start))
+            start = stop
+        return out
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        """One pass over the data for the row block ``V`` (k, n), written into ``out``.
+
+        ``out = Σ bᵢ·Pᵢ / Σ bᵢ`` over the chunks of the pass, where ``Pᵢ`` is
+        the product of chunk ``i`` (mean loss over its ``bᵢ`` samples). With
+        one chunk this is a single copy into the buffer.
+        """
+        vecs = self.layout.split_rows(V)
+        out_views = self.layout.split_rows(out)
+        count = 0
+        total = 0
+        with preserve_model(self.model, self.params, double_backward=self.needs_double_backward):
+            for prods, size in self._contributions(vecs):
+                pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
+                if count == 0:
+                    _torch_compat.foreach_copy_([o for o, _ in pairs], [p for _, p in pairs])
+                    for o, p in zip(out_views, prods, strict=True):
+                        if p is None:
+                            o.zero_()
+                else:
+                    if count == 1:
+                        out.mul_(float(total))
+                    _torch_compat.foreach_add_([o for o, _ in pairs], [p for _, p in pairs], alpha=float(size))
+                count += 1
+                total += size
+        if count > 1:
+            out.mul_(1.0 / total)
+
+    def _contributions(
+        self, vecs: list[torch.Tensor]
+    ) -> Iterator[tuple[Sequence[torch.Tensor | None], int]]:
+        """``(product, samples)`` of every chunk of one pass."""
+        reuse = self._reuse_enabled()
+        for position, raw in enumerate(self.source.batches()):
+            if not reuse:
+                for chunk in self._chunks(raw):
+                    self.num_passes += 1
+                    yield self._product(chunk, vecs), batch_size(chunk)
+                continue
+            chunks: list[Batch] | None = None
+            n_chunks = 1
+            if self.microbatch_size is not None:
+                n_chunks = math.ceil(batch_size(raw) / self.microbatch_size)
+            for c in range(n_chunks):
+                key = (position, c)
+                entry = self._cached_entry(key, raw)
+                if entry is not None:
+                    yield self._apply(entry.state, vecs, retain=True), entry.size
+                    continue
+                if chunks is None:
+                    chunks = self._chunks(raw)
+                chunk = chunks[c]
+                self.num_passes += 1
+                state, kept = self._build_state(key, raw, chunk)
+                yield self._apply(state, vecs, retain=kept), batch_size(chunk)

@@ -1,0 +1,223 @@
+"""Hessian of the mean loss over the data, ``H = ∇²_θ L(θ)``.
+
+``method="autograd"``: reverse-over-reverse. One forward and one backward
+with ``create_graph`` build ``g = ∇L``; a second backward of ``⟨g, v⟩``
+gives ``H v``. A block of k vectors goes through the second backward at once
+(``is_grads_batched``). With graph reuse (NOTE [graph reuse] in ``base``) the
+first two steps are paid once and each product costs one backward.
+
+``method="finite_difference"``: ``H v ≈ (g(θ + h v̂) − g(θ − h v̂)) ‖v‖ / 2h``
+(central difference, error O(h²)), two ordinary forward–backward passes per
+vector, no double backward: works with kernels that have none (flash
+attention, fused ops) and with sharded models. See NOTE [finite-difference step].
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.operators.base import DataCurvatureOperator, Reuse
+from hessian_eigenthings.param_utils import ParamFilter
+
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+# NOTE [finite-difference step]
+# The central difference has truncation error O(h²‖∇³L‖) and rounding error
+# O(ε_mach‖∇L‖/h); their sum is smallest near h ~ ε_mach^(1/3). Defaults per
+# dtype (f64 6e-6, f32 5e-3, f16 5e-2, bf16 0.2) are that cube root, rounded.
+# The step is taken along the unit vector v/‖v‖ so that h is a distance in
+# parameter space whatever the scale of v; the norm stays a device tensor.
+FD_EPS: dict[torch.dtype, float] = {
+    torch.float64: 6e-6,
+    torch.float32: 5e-3,
+    torch.float16: 5e-2,
+    torch.bfloat16: 0.2,
+}
+
+
+def default_fd_eps(dtype: torch.dtype) -> float:
+    """Finite-difference step for ``dtype`` (see NOTE [finite-difference step])."""
+    if dtype not in FD_EPS:
+        raise TypeError(f"finite differences need a floating dtype, got {dtype}")
+    return FD_EPS[dtype]
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar (mean loss over the batch), got shape {tuple(loss.shape)}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on the selected parameters (no autograd graph); check that "
+            "loss_fn calls the model and that the parameters require grad"
+        )
+    return loss.reshape(())
+
+
+class HessianOperator(DataCurvatureOperator):
+    """Hessian of ``loss_fn(model, batch)`` averaged over the data (weighted by batch size).
+
+    ``HessianOperator(model, dataloader, loss_fn, *, param_filter=None,
+    full_dataset=True, num_batches=None, microbatch_size=None,
+    microbatch_unsafe=False, method="autograd", fd_eps=None, backend=None)``
+    plus the block and graph-reuse options of :class:`DataCurvatureOperator`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        loss_fn: LossFn,
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        method: Literal["autograd", "finite_difference"] = "autograd",
+        fd_eps: float | None = None,
+        backend: LinAlgBackend | None = None,
+        max_block_size: int | None = None,
+        block_memory_budget: int | None = None,
+        graph_reuse: Reuse = "auto",
+        graph_reuse_max_batches: int = 4,
+        graph_memory_budget: int | None = None,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        if method not in ("autograd", "finite_difference"):
+            raise ValueError(f"method must be 'autograd' or 'finite_difference', got {method!r}")
+        super().__init__(
+            model,
+            dataloader,
+            param_filter=param_filter,
+            full_dataset=full_dataset,
+            num_batches=num_batches,
+            microbatch_size=microbatch_size,
+            microbatch_unsafe=microbatch_unsafe,
+            max_block_size=max_block_size,
+            block_memory_budget=block_memory_budget,
+            graph_reuse=graph_reuse,
+            graph_reuse_max_batches=graph_reuse_max_batches,
+            graph_memory_budget=graph_memory_budget,
+            backend=backend,
+        )
+        self.loss_fn = loss_fn
+        self.method = method
+        if fd_eps is not None and not fd_eps > 0:
+            raise ValueError(f"fd_eps must be positive, got {fd_eps}")
+        self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
+        self.supports_graph_reuse = method == "autograd"
+        self.needs_double_backward = method == "autograd"
+        self._batched_ok: bool | None = None  # is_grads_batched works for this model?
+
+    # -- autograd ---------------------------------------------------------------
+    def _prepare(self, batch: Batch) -> list[torch.Tensor | None]:
+        self.num_forwards += 1
+        loss = _scalar_loss(self.loss_fn(self.model, batch))
+        grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
+        # a gradient without graph is constant in θ: its Hessian rows are zero
+        return [g if g is not None and g.requires_grad else None for g in grads]
+
+    def _apply(
+        self, state: list[torch.Tensor | None], vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
+        live = [i for i, g in enumerate(state) if g is not None]
+        if not live:
+            return [None] * len(self.params)
+        grads = [state[i] for i in live]
+        k = vecs[0].shape[0]
+        if k == 1:
+            hv = torch.autograd.grad(
+                grads, self.params, grad_outputs=[vecs[i][0] for i in live],
+                retain_graph=retain, allow_unused=True,
+            )
+            return [None if h is None else h.unsqueeze(0) for h in hv]
+        if self._batched_ok is not False:
+            out = self._try_batched(grads, [vecs[i] for i in live], retain)
+            if out is not None:
+                return out
+        rows: list[Sequence[torch.Tensor | None]] = []
+        for j in range(k):
+            rows.append(
+                torch.autograd.grad(
+                    grads, self.params, grad_outputs=[vecs[i][j] for i in live],
+                    retain_graph=retain or j < k - 1, allow_unused=True,
+                )
+            )
+        return [
+            None if rows[0][p] is None else torch.stack([r[p] for r in rows])  # type: ignore[misc]
+            for p in range(len(self.params))
+        ]
+
+    def _try_batched(
+        self, grads: list[torch.Tensor | None], vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None] | None:
+        """k products in one vmapped backward; ``None`` when the model's ops lack batching rules."""
+        first = self._batched_ok is None
+        try:
+            with warnings.catch_warnings():
+                # torch warns (and loops) when an op has no batching rule: treat as unsupported
+                warnings.simplefilter("error", UserWarning)
+                hv = torch.autograd.grad(
+                    grads, self.params, grad_outputs=vecs, is_grads_batched=True,
+                    retain_graph=retain or first, allow_unused=True,
+                )
+        except (RuntimeError, UserWarning, NotImplementedError):
+            if not first:
+                raise
+            self._batched_ok = False
+            return None
+        self._batched_ok = True
+        return list(hv)
+
+    # -- finite differences ---------------------------------------------------
+    def _grad_at(self, batch: Batch) -> tuple[torch.Tensor | None, ...]:
+        self.num_forwards += 1
+        loss = _scalar_loss(self.loss_fn(self.model, batch))
+        return torch.autograd.grad(loss, self.params, allow_unused=True)
+
+    def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        if self.method == "autograd":
+            return super()._product(batch, vecs)
+        k = vecs[0].shape[0]
+        saved = [p.detach().clone() for p in self.params]
+        out = [torch.empty_like(v) for v in vecs]
+        try:
+            for j in range(k):
+                vj = [v[j] for v in vecs]
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in vj]))
+                # unit step h along v/‖v‖; a zero v gives a zero product (see NOTE [finite-difference step])
+                scale = self.fd_eps / norm.clamp_min(torch.finfo(norm.dtype).tiny ** 0.5)
+                with torch.no_grad():
+                    for p, x in zip(self.params, vj, strict=True):
+                        p.add_(x * scale)
+                g_plus = self._grad_at(batch)
+                with torch.no_grad():
+                    for p, s, x in zip(self.params, saved, vj, strict=True):
+                        p.copy_(s).sub_(x * scale)
+                g_minus = self._grad_at(batch)
+                with torch.no_grad():
+                    for p, s in zip(self.params, saved, strict=True):
+                        p.copy_(s)
+                    inv = 0.5 / scale
+                    for o, gp, gm in zip(out, g_plus, g_minus, strict=True):
+                        if gp is None or gm is None:
+                            o[j].zero_()
+                        else:
+                            torch.mul(gp - gm, inv, out=o[j])
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved, strict=True):
+                    p.copy_(s)
+        return out

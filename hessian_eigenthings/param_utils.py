@@ -1,0 +1,195 @@
+"""Parameter selection and the flat-vector layout.
+
+A curvature operator acts on the flat concatenation of the selected
+parameters. :class:`ParamLayout` is the one object that knows the names,
+shapes and offsets of that concatenation; everything else asks it for
+per-parameter *views* of a flat vector ``(n,)`` or of a row block ``(k, n)``
+instead of slicing offsets itself, so no product ever copies through
+``torch.cat``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+#: Decides whether a named parameter is selected.
+ParamFilter = Callable[[str, nn.Parameter], bool]
+
+
+def match_names(*globs: str) -> ParamFilter:
+    """Select parameters whose qualified name matches any shell-style glob.
+
+    ``match_names("fc2.*", "*.bias")`` selects every parameter of ``fc2`` and
+    every bias.
+    """
+    if not globs:
+        raise ValueError("match_names needs at least one glob, e.g. match_names('fc2.*')")
+    for g in globs:
+        if not isinstance(g, str):
+            raise TypeError(f"match_names takes strings, got {type(g).__name__}")
+
+    def _filter(name: str, _param: nn.Parameter) -> bool:
+        return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+    _filter.__qualname__ = f"match_names{globs!r}"
+    return _filter
+
+
+def match_regex(*patterns: str) -> ParamFilter:
+    """Select parameters whose qualified name matches any regex (``re.search``)."""
+    if not patterns:
+        raise ValueError("match_regex needs at least one pattern, e.g. match_regex(r'\\.weight$')")
+    compiled = [re.compile(p) for p in patterns]
+
+    def _filter(name: str, _param: nn.Parameter) -> bool:
+        return any(c.search(name) is not None for c in compiled)
+
+    _filter.__qualname__ = f"match_regex{patterns!r}"
+    return _filter
+
+
+def _as_filter(param_filter: ParamFilter | str | Sequence[str] | None) -> ParamFilter | None:
+    if param_filter is None or callable(param_filter):
+        return param_filter
+    if isinstance(param_filter, str):
+        return match_names(param_filter)
+    if isinstance(param_filter, Sequence) and all(isinstance(s, str) for s in param_filter):
+        return match_names(*param_filter)
+    raise TypeError(
+        "param_filter must be a callable (name, param) -> bool, a glob string or a list of "
+        f"globs; got {type(param_filter).__name__}"
+    )
+
+
+def select_parameters(
+    model: nn.Module,
+    param_filter: ParamFilter | str | Sequence[str] | None = None,
+) -> list[tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` pairs a curvature operator acts on.
+
+    Without a filter: every parameter with ``requires_grad``. With a filter:
+    the parameters it accepts (a frozen parameter may be selected explicitly;
+    operators enable its gradient only for the duration of a product).
+    Shared (tied) parameters are listed once, under their first name.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    flt = _as_filter(param_filter)
+    selected: list[tuple[str, nn.Parameter]] = []
+    for name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
+        keep = p.requires_grad if flt is None else bool(flt(name, p))
+        if keep:
+            selected.append((name, p))
+    if not selected:
+        if flt is None:
+            raise ValueError(
+                "the model has no parameter with requires_grad=True; unfreeze some or pass "
+                "param_filter=match_names(...) to select them explicitly"
+            )
+        names = [n for n, _ in model.named_parameters()][:8]
+        raise ValueError(
+            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected no parameter; "
+            f"the model's parameters are named like {names}"
+        )
+    return selected
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Names, shapes and offsets of the flat parameter vector.
+
+    ``split(v)`` returns per-parameter views of ``v`` (shape ``(n,)``) and
+    ``split_rows(V)`` per-parameter views ``(k, *shape)`` of a row block ``V``
+    of shape ``(k, n)``. Neither copies.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]  # offsets[i] = start of parameter i; offsets[-1] = size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def from_named(cls, named: Sequence[tuple[str, torch.Tensor]]) -> ParamLayout:
+        if not named:
+            raise ValueError("a parameter layout needs at least one parameter")
+        dtypes = {p.dtype for _, p in named}
+        devices = {p.device for _, p in named}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"the selected parameters have several dtypes {sorted(map(str, dtypes))}; "
+                "cast the model to one dtype or select parameters of one dtype with param_filter"
+            )
+        if len(devices) > 1:
+            raise ValueError(
+                f"the selected parameters live on several devices {sorted(map(str, devices))}; "
+                "move the model to one device or select the parameters of one device"
+            )
+        offsets = [0]
+        for _, p in named:
+            offsets.append(offsets[-1] + p.numel())
+        return cls(
+            names=tuple(n for n, _ in named),
+            shapes=tuple(p.shape for _, p in named),
+            offsets=tuple(offsets),
+            dtype=next(iter(dtypes)),
+            device=next(iter(devices)),
+        )
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    def split(self, vec: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat vector ``(n,)``."""
+        if vec.dim() != 1 or vec.shape[0] != self.size:
+            raise ValueError(f"expected a vector of shape ({self.size},), got {tuple(vec.shape)}")
+        o = self.offsets
+        return [vec[o[i] : o[i + 1]].view(s) for i, s in enumerate(self.shapes)]
+
+    def split_rows(self, block: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views ``(k, *shape)`` of a row block ``(k, n)``."""
+        if block.dim() != 2 or block.shape[1] != self.size:
+            raise ValueError(f"expected a block of shape (k, {self.size}), got {tuple(block.shape)}")
+        k = block.shape[0]
+        o = self.offsets
+        return [block[:, o[i] : o[i + 1]].view(k, *s) for i, s in enumerate(self.shapes)]
+
+    def empty(self, *lead: int) -> torch.Tensor:
+        """A fresh flat buffer of shape ``(*lead, n)`` in the layout's dtype and device."""
+        return torch.empty(*lead, self.size, dtype=self.dtype, device=self.device)
+
+
+def params_to_vector(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Flatten tensors into one new vector (a copy, detached)."""
+    plist = list(params)
+    if not plist:
+        raise ValueError("params_to_vector got no tensors")
+    layout = ParamLayout.from_named([(str(i), p) for i, p in enumerate(plist)])
+    out = layout.empty()
+    with torch.no_grad():
+        for view, p in zip(layout.split(out), plist, strict=True):
+            view.copy_(p)
+    return out
+
+
+def vector_to_params(vec: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
+    """Copy the slices of a flat vector into the tensors ``params`` (in place)."""
+    plist = list(params)
+    layout = ParamLayout.from_named([(str(i), p) for i, p in enumerate(plist)])
+    if vec.dim() != 1 or vec.numel() != layout.size:
+        raise ValueError(f"vector has shape {tuple(vec.shape)}, the parameters need ({layout.size},)")
+    with torch.no_grad():
+        for p, view in zip(plist, layout.split(vec.to(device=layout.device, dtype=layout.dtype)), strict=True):
+            p.copy_(view)
