@@ -509,6 +509,14 @@ class DataCurvatureOperator(CurvatureOperator):
                     _torch_compat.foreach_add_([o for o, _ in pairs], [p for _, p in pairs], alpha=float(size))
                 count += 1
                 total += size
+        if count == 0:
+            raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+        self._finish_pass(out, count, total)
+
+    def _finish_pass(self, out: torch.Tensor, count: int, total: int) -> None:
+        """Normalize the weighted sum. ``out`` holds ``P₁`` when ``count == 1``,
+        else ``Σ bᵢ·Pᵢ``; ``total = Σ bᵢ``. Distributed wrappers override this
+        to reduce across ranks before dividing."""
         if count > 1:
             out.mul_(1.0 / total)
 
