@@ -220,16 +220,12 @@ def preserve_model(
 ) -> Iterator[None]:
     """Run a product and leave ``model`` exactly as it was.
 
-    Enables ``requires_grad`` on selected frozen parameters for the duration,
-    snapshots buffers when any module is in training mode (BatchNorm running
-    statistics would otherwise move on every product), restores both in
-    ``finally``; forces math SDPA when a double backward is needed.
+    Enables ``requires_grad`` on selected frozen parameters for the duration
+    and restores it, and the train/eval flags, in ``finally``; forces math
+    SDPA when a double backward is needed. Buffers are protected per forward
+    by :func:`private_buffers`.
     """
     frozen = [p for p in params if not p.requires_grad]
-    training = any(m.training for m in model.modules())
-    saved_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if training:
-        saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [m.training for m in model.modules()]
     try:
         for p in frozen:
@@ -240,11 +236,32 @@ def preserve_model(
     finally:
         for p in frozen:
             p.requires_grad_(False)
-        with torch.no_grad():
-            for b, copy in saved_buffers:
-                b.copy_(copy)
         for m, mode in zip(model.modules(), modes, strict=False):
             m.training = mode
+
+
+@contextlib.contextmanager
+def private_buffers(model: nn.Module) -> Iterator[None]:
+    """Give one forward its own copies of the buffers of training modules.
+
+    A module in training mode may update its buffers in place (BatchNorm
+    running statistics). Swapping in fresh copies and putting the original
+    tensor objects back leaves the user's buffers bit-identical with their
+    version counters untouched, so graphs that saved them stay valid.
+    """
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for m in model.modules():
+            if not m.training:
+                continue
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    swapped.append((m, name, b))
+                    m._buffers[name] = b.detach().clone()
+        yield
+    finally:
+        for m, name, b in swapped:
+            m._buffers[name] = b
 
 
 # --------------------------------------------------------------------------
@@ -265,7 +282,7 @@ def preserve_model(
 
 @dataclass
 class _CachedGraph:
-    raw: Batch
+    raw: tuple[list[Any], tuple[int, ...]]
     versions: tuple[int, ...]
     state: Any
     size: int
@@ -289,21 +306,30 @@ def _leaves(batch: Batch) -> list[Any]:
     return [batch]
 
 
-def _same_batch(a: Batch, b: Batch) -> bool:
-    la, lb = _leaves(a), _leaves(b)
-    if len(la) != len(lb):
+def _batch_key(batch: Batch) -> tuple[list[Any], tuple[int, ...]]:
+    """Leaves of a batch and the version counters of its tensors, for NOTE [graph reuse]."""
+    leaves = _leaves(batch)
+    return leaves, tuple(x._version for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
+    old_leaves, old_versions = kept
+    new_leaves = _leaves(batch)
+    if len(old_leaves) != len(new_leaves):
         return False
-    for x, y in zip(la, lb, strict=True):
+    versions = iter(old_versions)
+    for x, y in zip(old_leaves, new_leaves, strict=True):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x is y and x._version == y._version:
+            version = next(versions)
+            if x is y:
+                if x._version != version:
+                    return False  # modified in place since the graph was built
                 continue
             if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
                 return False
-            if not torch.equal(x, y):
+            if x._version != version or not torch.equal(x, y):
                 return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return False
-        elif x != y:
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
             return False
     return True
 
@@ -415,7 +441,13 @@ class DataCurvatureOperator(CurvatureOperator):
         self._cache_bytes = 0
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.params) + tuple(b._version for b in self.model.buffers())
+        # Buffers count only in eval mode: in training mode our own forward moves
+        # them (and preserve_model puts them back), and the output of a training
+        # BatchNorm does not read them.
+        params = tuple(p._version for p in self.params)
+        if any(m.training for m in self.model.modules()):
+            return params
+        return params + tuple(b._version for b in self.model.buffers())
 
     def _cached_entry(self, key: tuple[int, int], raw: Batch) -> _CachedGraph | None:
         entry = self._cache.get(key)
@@ -435,20 +467,24 @@ class DataCurvatureOperator(CurvatureOperator):
             except TypeError:
                 cycle_len = -1
             if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
-                return self._prepare(chunk), False
+                with private_buffers(self.model):
+                    return self._prepare(chunk), False
         if len(self._cache) >= self.graph_reuse_max_batches:
-            return self._prepare(chunk), False
+            with private_buffers(self.model):
+                return self._prepare(chunk), False
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         versions = self._versions()
-        state = self._prepare(chunk)
+        raw_key = _batch_key(raw)
+        with private_buffers(self.model):
+            state = self._prepare(chunk)
         nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
         budget = self.graph_memory_budget
         if budget is None and cuda:
             budget = int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
         if budget is not None and self._cache_bytes + nbytes > budget:
             return state, False
-        self._cache[key] = _CachedGraph(raw=raw, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
+        self._cache[key] = _CachedGraph(raw=raw_key, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
         self._cache_bytes += nbytes
         return state, True
 
@@ -529,7 +565,9 @@ class DataCurvatureOperator(CurvatureOperator):
             if not reuse:
                 for chunk in self._chunks(raw):
                     self.num_passes += 1
-                    yield self._product(chunk, vecs), batch_size(chunk)
+                    with private_buffers(self.model):
+                        prods = self._product(chunk, vecs)
+                    yield prods, batch_size(chunk)
                 continue
             chunks: list[Batch] | None = None
             n_chunks = 1

@@ -135,7 +135,7 @@ class HessianOperator(DataCurvatureOperator):
         live = [i for i, g in enumerate(state) if g is not None]
         if not live:
             return [None] * len(self.params)
-        grads = [state[i] for i in live]
+        grads: list[torch.Tensor] = [g for g in state if g is not None]
         k = vecs[0].shape[0]
         if k == 1:
             hv = torch.autograd.grad(
@@ -161,7 +161,7 @@ class HessianOperator(DataCurvatureOperator):
         ]
 
     def _try_batched(
-        self, grads: list[torch.Tensor | None], vecs: list[torch.Tensor], retain: bool
+        self, grads: list[torch.Tensor], vecs: list[torch.Tensor], retain: bool
     ) -> Sequence[torch.Tensor | None] | None:
         """k products in one vmapped backward; ``None`` when the model's ops lack batching rules."""
         first = self._batched_ok is None

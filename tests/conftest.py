@@ -1,0 +1,53 @@
+"""Shared models and data for the test suite (float64 unless a test says otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def mlp(d_in: int = 5, hidden: int = 7, d_out: int = 3) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out)).double()
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 4 * 4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.conv(x)))
+        return self.fc(h.flatten(1))
+
+
+class TinyTransformer(nn.Module):
+    """Embedding + one attention block + head; batches are dicts."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = self.norm(h + self.out(a))
+        return self.head(h)
+
+
+def classification_data(n: int = 10, d_in: int = 5, classes: int = 3, batch: int = 4):
+    X = torch.randn(n, d_in, dtype=torch.float64)
+    Y = torch.randint(0, classes, (n,))
+    return [(X[i : i + batch], Y[i : i + batch]) for i in range(0, n, batch)]
