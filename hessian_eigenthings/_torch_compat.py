@@ -35,6 +35,16 @@ def has_triton() -> bool:
     return triton_version() is not None
 
 
+@functools.lru_cache(maxsize=1)
+def compile_supported() -> bool:
+    """Whether ``torch.compile`` can run here (dynamo lags new Python releases)."""
+    try:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+    except Exception:
+        return False
+    return bool(is_dynamo_supported())
+
+
 @contextlib.contextmanager
 def math_sdpa() -> Iterator[None]:
     """Force the math backend of ``scaled_dot_product_attention``.

@@ -26,15 +26,16 @@ def cross_entropy_hvp_reference(
     valid: torch.Tensor | None = None,
     n: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eager reference in float32 accumulation; result in the logits dtype.
+    """Eager reference, accumulating in float32 (float64 for float64 logits).
 
     ``logits`` and ``u``: ``(..., V)``; ``valid``: boolean ``(...)`` rows that
-    count (``None``: all); ``n``: the mean's denominator (``None``: number of
-    valid rows).
+    count (``None``: all); ``n``: the mean's denominator, a number or a 0-d
+    tensor (``None``: number of valid rows). Result in the logits dtype.
     """
-    z = logits.float()
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    z = logits.to(acc)
     p = torch.softmax(z, dim=-1)
-    pu = p * u.float()
+    pu = p * u.to(acc)
     out = pu - p * pu.sum(dim=-1, keepdim=True)
     if valid is not None:
         out = out * valid.unsqueeze(-1).to(out.dtype)
@@ -46,11 +47,15 @@ def cross_entropy_hvp_reference(
 
 def _check(logits: torch.Tensor, u: torch.Tensor, valid: torch.Tensor | None) -> None:
     if logits.shape != u.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and u {tuple(u.shape)} must have the same shape")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and u {tuple(u.shape)} must have the same shape"
+        )
     if logits.dim() < 1:
         raise ValueError("logits need a class dimension (the last one)")
     if valid is not None and valid.shape != logits.shape[:-1]:
-        raise ValueError(f"valid must have shape {tuple(logits.shape[:-1])} (one flag per row), got {tuple(valid.shape)}")
+        raise ValueError(
+            f"valid must have shape {tuple(logits.shape[:-1])} (one flag per row), got {tuple(valid.shape)}"
+        )
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
 

@@ -1,0 +1,348 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
+"""Triton kernel for the cross-entropy output-Hessian product.
+
+Row-wise, with ``p = softmax(z)``::
+
+    out = exp(z − M) / s · (u − t / s) · valid / n,
+    M = max z,  s = Σ exp(z − M),  t = Σ exp(z − M) · u
+
+so one pass over ``(z, u)`` gives the three statistics and a second pass
+writes ``out``. Cost: ``(read z + read u) · passes + write out``.
+
+NOTE [row on chip]
+Two streaming passes move 5 row-lengths of bytes against a floor of 3 (read
+z, read u, write out): ~1.67× the floor. Each program therefore splits its row
+in two parts:
+
+* a *kept* head of ``KEEP`` columns (a power of two), loaded once into
+  registers, used for the statistics and again, without a second read, for
+  the output. When ``V <= KEEP`` the whole row is kept: one read of each
+  input, one write (the single-pass variant).
+* a *streamed* tail in blocks of ``BLOCK`` columns, read for the statistics
+  and read again for the output. The second pass walks the tail backwards, so
+  the blocks it re-reads first are the ones read last (still in L2), and the
+  first pass loads with ``evict_last`` while the second pass and the stores
+  use ``evict_first`` so the output does not push the row out of L2.
+
+Programs are persistent (``grid = programs``, each loops over rows with
+stride ``grid``): the number of rows in flight, and with it the L2 working
+set ``programs × row bytes``, is a launch parameter, as are ``KEEP``,
+``BLOCK`` and ``num_warps`` (see :class:`TritonConfig`; the benchmark sweeps
+them).
+
+NOTE [online statistics]
+The streamed tail keeps per-lane running ``(m, s, t)`` and combines lanes
+once at the end, so the loop has no cross-lane reduction and one ``exp`` per
+element: with ``d = z − m``, a new maximum (``d > 0``) rescales the old sums
+by ``exp(−d)`` and adds ``1`` (resp. ``u``); otherwise the element adds
+``exp(d)`` (resp. ``exp(d)·u``). Both cases use ``exp(−|d|)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Finite stand-in for −inf as the running maximum: exp(-inf - (-inf)) is NaN,
+# exp(-inf - _MIN) is 0, so masked lanes and ignored rows contribute nothing.
+_MIN = -3.0e38
+
+
+@triton.jit
+def _ce_hvp_kernel(
+    z_ptr,
+    u_ptr,
+    out_ptr,
+    valid_ptr,
+    n_ptr,
+    n_rows,
+    inner,
+    V,
+    z_s0,
+    z_s1,
+    z_sv,
+    u_s0,
+    u_s1,
+    u_sv,
+    o_s0,
+    o_s1,
+    o_sv,
+    inv_n,
+    HAS_VALID: tl.constexpr,
+    N_ON_DEVICE: tl.constexpr,
+    KEEP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STREAM: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if N_ON_DEVICE:  # noqa: SIM108 (constexpr branch, resolved at compile time)
+        scale = 1.0 / tl.load(n_ptr).to(tl.float32)
+    else:
+        scale = inv_n
+    kc = tl.arange(0, KEEP)
+    bc = tl.arange(0, BLOCK)
+    for row in range(pid, n_rows, nprog):
+        # Rows are (outer, inner) pairs so sliced logits (e.g. ``z[:, :-1]``)
+        # need no copy; int64 offsets because B·T·V exceeds 2**31.
+        r0 = (row // inner).to(tl.int64)
+        r1 = (row % inner).to(tl.int64)
+        z_row = z_ptr + r0 * z_s0 + r1 * z_s1
+        u_row = u_ptr + r0 * u_s0 + r1 * u_s1
+        o_row = out_ptr + r0 * o_s0 + r1 * o_s1
+        kin = kc < V
+        if HAS_VALID:
+            # Ignored rows are never read (masked loads move no bytes): their
+            # load limit is 0 columns instead of V.
+            ok = tl.load(valid_ptr + row) != 0
+            vlim = V * ok.to(tl.int32)
+        else:
+            vlim = V
+        kload = kc < vlim
+        zk = tl.load(z_row + kc * z_sv, mask=kload, other=-float("inf")).to(tl.float32)
+        uk = tl.load(u_row + kc * u_sv, mask=kload, other=0.0).to(tl.float32)
+        m = tl.maximum(tl.max(zk, axis=0), _MIN)
+        ek = tl.exp(zk - m)
+        s = tl.sum(ek, axis=0)
+        t = tl.sum(ek * uk, axis=0)
+        if STREAM:
+            # See NOTE [online statistics].
+            mv = tl.full([BLOCK], _MIN, tl.float32)
+            sv = tl.zeros([BLOCK], tl.float32)
+            tv = tl.zeros([BLOCK], tl.float32)
+            for start in range(KEEP, V, BLOCK):
+                c = start + bc
+                cload = c < vlim
+                z = tl.load(
+                    z_row + c * z_sv, mask=cload, other=-float("inf"), eviction_policy="evict_last"
+                ).to(tl.float32)
+                u = tl.load(
+                    u_row + c * u_sv, mask=cload, other=0.0, eviction_policy="evict_last"
+                ).to(tl.float32)
+                d = z - mv
+                e = tl.exp(-tl.abs(d))
+                grow = d > 0
+                sv = tl.where(grow, sv * e + 1.0, sv + e)
+                tv = tl.where(grow, tv * e + u, tv + e * u)
+                mv = tl.maximum(mv, z)
+            mt = tl.max(mv, axis=0)
+            mm = tl.maximum(m, mt)
+            wt = tl.exp(mv - mm)
+            wk = tl.exp(m - mm)
+            s = s * wk + tl.sum(sv * wt, axis=0)
+            t = t * wk + tl.sum(tv * wt, axis=0)
+            m = mm
+        if HAS_VALID:
+            # s and t are 0 on ignored rows: a is 0, b is 0/1, the output 0.
+            a = tl.where(ok, scale, 0.0) / tl.where(ok, s, 1.0)
+            b = t / tl.where(ok, s, 1.0)
+        else:
+            a = scale / s
+            b = t / s
+        ok_out = tl.exp(zk - m) * a * (uk - b)
+        tl.store(o_row + kc * o_sv, ok_out.to(out_ptr.dtype.element_ty), mask=kin)
+        if STREAM:
+            nblk = tl.cdiv(V - KEEP, BLOCK)
+            for i in range(0, nblk):
+                if REVERSE:  # noqa: SIM108
+                    blk = nblk - 1 - i
+                else:
+                    blk = i
+                c = KEEP + blk * BLOCK + bc
+                cin = c < V
+                cload = c < vlim
+                z = tl.load(
+                    z_row + c * z_sv, mask=cload, other=-float("inf"), eviction_policy="evict_first"
+                ).to(tl.float32)
+                u = tl.load(
+                    u_row + c * u_sv, mask=cload, other=0.0, eviction_policy="evict_first"
+                ).to(tl.float32)
+                o = tl.exp(z - m) * a * (u - b)
+                tl.store(
+                    o_row + c * o_sv,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=cin,
+                    eviction_policy="evict_first",
+                )
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Launch parameters of the kernel (see NOTE [row on chip]).
+
+    ``keep``: columns held in registers (power of two, >= 16); rows with
+    ``V <= keep`` are read once. ``block``: streamed block (power of two).
+    ``programs_per_sm``: persistent programs per multiprocessor (on the
+    interpreter: the grid size). ``reverse``: walk the streamed part
+    backwards in the second pass.
+    """
+
+    keep: int = 4096
+    block: int = 2048
+    num_warps: int = 8
+    programs_per_sm: int = 2
+    reverse: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("keep", "block"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TritonConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(
+                f"TritonConfig.num_warps must be a power of two <= 32, got {self.num_warps}"
+            )
+        if self.programs_per_sm < 1:
+            raise ValueError("TritonConfig.programs_per_sm must be >= 1")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(4, (x - 1).bit_length())
+
+
+#: Largest row (in columns) the default config keeps entirely in registers.
+SINGLE_PASS_MAX_V = 16384
+
+
+def default_config(V: int, dtype: torch.dtype) -> TritonConfig:
+    """Launch parameters chosen from the row length and input width."""
+    if V <= SINGLE_PASS_MAX_V:
+        keep = _next_pow2(V)
+        warps = min(16, max(1, keep // 512))
+        return TritonConfig(keep=keep, block=16, num_warps=warps, programs_per_sm=4)
+    wide = dtype == torch.float32
+    return TritonConfig(
+        keep=8192 if wide else 16384, block=2048 if wide else 4096, num_warps=16, programs_per_sm=1
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _row_layout(*xs: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """A row addressing shared by tensors of one shape ``(..., V)``.
+
+    Returns ``inner`` and per tensor ``(s0, s1, sv)`` such that row ``r``
+    starts at ``(r // inner)·s0 + (r % inner)·s1``; leading dims are merged
+    where every tensor allows it. ``None`` when more than two remain (the
+    caller then copies).
+    """
+    shape = xs[0].shape[:-1]
+    keep_dims = [i for i, size in enumerate(shape) if size != 1]
+    groups: list[list[int]] = []
+    for i in keep_dims:
+        if groups and all(x.stride(groups[-1][-1]) == x.stride(i) * shape[i] for x in xs):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    if len(groups) > 2:
+        return None
+    while len(groups) < 2:
+        groups.insert(0, [])
+    inner = math.prod(shape[i] for i in groups[1])
+    strides = [
+        (
+            x.stride(groups[0][-1]) if groups[0] else 0,
+            x.stride(groups[1][-1]) if groups[1] else 0,
+            x.stride(-1),
+        )
+        for x in xs
+    ]
+    return inner, strides
+
+
+def interpreter_active() -> bool:
+    """Whether triton was imported in interpreter mode (CPU tensors allowed)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cross_entropy_hvp_triton(
+    logits: torch.Tensor,
+    u: torch.Tensor,
+    valid: torch.Tensor | None,
+    n: float | torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    config: TritonConfig | None = None,
+) -> torch.Tensor:
+    """Fused product on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
+
+    Shapes and dtypes are checked by the caller (``cross_entropy_hvp``).
+    ``n``: number, 0-d tensor (read on device, no host sync), or ``None``
+    (number of valid rows, counted on device).
+    """
+    V = logits.shape[-1]
+    if out is None:
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    rows = logits.numel() // V if V else 0
+    if rows == 0 or V == 0:
+        return out
+    cfg = config if config is not None else default_config(V, logits.dtype)
+
+    target = out
+    layout = _row_layout(logits, u, out)
+    if layout is None:
+        # More than two non-mergeable leading dims: flat copies, and an output
+        # buffer we can address (copied back into ``out`` at the end).
+        logits, u = logits.reshape(rows, V), u.reshape(rows, V)
+        target = torch.empty((rows, V), dtype=out.dtype, device=out.device)
+        layout = _row_layout(logits, u, target)
+        assert layout is not None
+    inner, ((z0, z1, zv), (u0, u1, uv), (o0, o1, ov)) = layout
+
+    valid_flat = valid.reshape(rows).view(torch.uint8) if valid is not None else None
+    n_dev: torch.Tensor | None = None
+    inv_n = 1.0
+    if isinstance(n, torch.Tensor):
+        n_dev = n.reshape(())
+    elif n is None:
+        if valid_flat is not None:
+            n_dev = valid_flat.sum()
+        else:
+            inv_n = 1.0 / rows
+    else:
+        inv_n = 1.0 / float(n) if n != 0 else math.inf
+
+    if logits.is_cuda:
+        programs = min(rows, _num_sms(logits.device.index or 0) * cfg.programs_per_sm)
+    else:
+        programs = min(rows, cfg.programs_per_sm)
+    dummy = logits  # placeholder pointer for absent optional arguments
+    _ce_hvp_kernel[(programs,)](
+        logits,
+        u,
+        target,
+        valid_flat if valid_flat is not None else dummy,
+        n_dev if n_dev is not None else dummy,
+        rows,
+        inner,
+        V,
+        z0,
+        z1,
+        zv,
+        u0,
+        u1,
+        uv,
+        o0,
+        o1,
+        ov,
+        inv_n,
+        HAS_VALID=valid_flat is not None,
+        N_ON_DEVICE=n_dev is not None,
+        KEEP=cfg.keep,
+        BLOCK=cfg.block,
+        STREAM=cfg.keep < V,
+        REVERSE=cfg.reverse,
+        num_warps=cfg.num_warps,
+    )
+    if target is not out:
+        out.copy_(target.reshape(out.shape))
+    return out
