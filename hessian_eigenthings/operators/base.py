@@ -363,6 +363,9 @@ class DataCurvatureOperator(CurvatureOperator):
     supports_graph_reuse: bool = False
     #: Subclasses set this when products need a double backward.
     needs_double_backward: bool = True
+    #: ``"size"``: batches weighted by their sample count (``Σ bᵢ·Pᵢ / Σ bᵢ``);
+    #: ``"uniform"``: every batch weighs the same (the 0.x facade). See NOTE [batch weighting].
+    batch_weighting: Literal["size", "uniform"] = "size"
 
     def __init__(
         self,
@@ -530,7 +533,7 @@ class DataCurvatureOperator(CurvatureOperator):
         vecs = self.layout.split_rows(V)
         out_views = self.layout.split_rows(out)
         count = 0
-        total = 0
+        total = 0.0
         with preserve_model(self.model, self.params, double_backward=self.needs_double_backward):
             for prods, size in self._contributions(vecs):
                 pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
@@ -549,17 +552,17 @@ class DataCurvatureOperator(CurvatureOperator):
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
         self._finish_pass(out, count, total)
 
-    def _finish_pass(self, out: torch.Tensor, count: int, total: int) -> None:
+    def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
         """Normalize the weighted sum. ``out`` holds ``P₁`` when ``count == 1``,
-        else ``Σ bᵢ·Pᵢ``; ``total = Σ bᵢ``. Distributed wrappers override this
+        else ``Σ wᵢ·Pᵢ``; ``total = Σ wᵢ`` (``wᵢ = bᵢ`` unless NOTE [batch weighting]). Distributed wrappers override this
         to reduce across ranks before dividing."""
         if count > 1:
             out.mul_(1.0 / total)
 
     def _contributions(
         self, vecs: list[torch.Tensor]
-    ) -> Iterator[tuple[Sequence[torch.Tensor | None], int]]:
-        """``(product, samples)`` of every chunk of one pass."""
+    ) -> Iterator[tuple[Sequence[torch.Tensor | None], float]]:
+        """``(product, weight)`` of every chunk of one pass (weight: its samples, see ``_weight``)."""
         reuse = self._reuse_enabled()
         for position, raw in enumerate(self.source.batches()):
             if not reuse:
@@ -567,7 +570,7 @@ class DataCurvatureOperator(CurvatureOperator):
                     self.num_passes += 1
                     with private_buffers(self.model):
                         prods = self._product(chunk, vecs)
-                    yield prods, batch_size(chunk)
+                    yield prods, self._weight(batch_size(chunk), raw)
                 continue
             chunks: list[Batch] | None = None
             n_chunks = 1
@@ -577,11 +580,24 @@ class DataCurvatureOperator(CurvatureOperator):
                 key = (position, c)
                 entry = self._cached_entry(key, raw)
                 if entry is not None:
-                    yield self._apply(entry.state, vecs, retain=True), entry.size
+                    yield self._apply(entry.state, vecs, retain=True), self._weight(entry.size, raw)
                     continue
                 if chunks is None:
                     chunks = self._chunks(raw)
                 chunk = chunks[c]
                 self.num_passes += 1
                 state, kept = self._build_state(key, raw, chunk)
-                yield self._apply(state, vecs, retain=kept), batch_size(chunk)
+                yield self._apply(state, vecs, retain=kept), self._weight(batch_size(chunk), raw)
+
+    # NOTE [batch weighting]
+    # The default weights each chunk by its samples, so the product is that of
+    # the mean loss over all samples and a short last batch does not bias it.
+    # 0.x averaged per batch with equal weights; the 0.x facade sets
+    # batch_weighting = "uniform" to keep its results. Then a chunk of a split
+    # batch weighs chunk/batch samples, so each batch still counts once and its
+    # own product is its exact mean.
+    def _weight(self, samples: int, raw: Batch) -> float:
+        """Weight of a chunk of ``samples`` samples cut from the batch ``raw``."""
+        if self.batch_weighting == "size":
+            return samples
+        return samples / batch_size(raw)
