@@ -7,8 +7,9 @@ label). Applied to ``u`` and scaled for a mean over ``n`` rows::
     out = (p ⊙ u − p ⟨p, u⟩) · valid / n
 
 Cost: one softmax and two reductions per row, O(rows × V) memory traffic.
-This module holds the eager reference and the dispatch; fused versions are
-tested against the reference.
+This module holds the eager reference and the public entry point; ``impl=``
+is resolved in ``_dispatch``; the fused versions are tested against the
+reference.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def cross_entropy_hvp_reference(
     return out.to(logits.dtype)
 
 
-def _check(logits: torch.Tensor, u: torch.Tensor, valid: torch.Tensor | None) -> None:
+def _check(
+    logits: torch.Tensor, u: torch.Tensor, valid: torch.Tensor | None, out: torch.Tensor | None
+) -> None:
     if logits.shape != u.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and u {tuple(u.shape)} must have the same shape"
@@ -56,8 +59,14 @@ def _check(logits: torch.Tensor, u: torch.Tensor, valid: torch.Tensor | None) ->
         raise ValueError(
             f"valid must have shape {tuple(logits.shape[:-1])} (one flag per row), got {tuple(valid.shape)}"
         )
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if valid is not None and valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool mask, got {valid.dtype}")
+    if not logits.is_floating_point() or not u.is_floating_point():
+        raise TypeError(f"logits and u must be floating point, got {logits.dtype} and {u.dtype}")
+    if out is not None and (out.shape != logits.shape or not out.is_floating_point()):
+        raise ValueError(
+            f"out must be a floating tensor of shape {tuple(logits.shape)}, got {tuple(out.shape)} {out.dtype}"
+        )
 
 
 def cross_entropy_hvp(
@@ -71,11 +80,20 @@ def cross_entropy_hvp(
 ) -> torch.Tensor:
     """``(p ⊙ u − p ⟨p, u⟩) · valid / n`` row-wise, ``p = softmax(logits)``.
 
+    ``logits``, ``u``: ``(..., V)`` (any strides); ``valid``: boolean
+    ``(...)`` or None; ``n``: number, 0-d tensor (read on device: no host
+    sync), or None (number of valid rows). Result in the logits dtype,
+    accumulated in float32 (float64 for float64 logits).
+
     ``impl``: ``"eager"`` (reference), ``"compile"`` (``torch.compile`` of the
-    reference), ``"triton"`` (fused kernel, CUDA or ``TRITON_INTERPRET=1``),
-    ``"auto"`` (the fastest available for the input). ``out`` may alias ``u``.
+    reference, cached), ``"triton"`` (fused kernel: CUDA, or CPU under
+    ``TRITON_INTERPRET=1``; not differentiable), ``"auto"``: eager below
+    ``AUTO_EAGER_MAX_VOCAB`` classes, for float64, or when the inputs need
+    autograd and Triton would be chosen; otherwise Triton on CUDA when triton
+    imports, else ``torch.compile``. ``out`` (written in full) may alias
+    ``u``; the Triton kernel then works in place with no temporary.
     """
-    _check(logits, u, valid)
+    _check(logits, u, valid, out)
     from hessian_eigenthings.kernels import _dispatch
 
     return _dispatch.run(logits, u, valid, n, impl=impl, out=out)
