@@ -1,0 +1,150 @@
+"""Loss helpers for HuggingFace ``transformers`` models.
+
+Batches are mappings (``dict`` / ``BatchEncoding``) with ``input_ids`` and
+optionally ``attention_mask`` and ``labels``, or a bare ``input_ids`` tensor.
+
+Causal LM (``hf_lm_*``): the logits at position ``t`` predict token
+``t + 1``, mean cross-entropy over the positions that count, as
+``transformers`` computes it:
+
+- with ``batch["labels"]``: targets ``labels[:, 1:]``, positions whose label
+  is ``-100`` left out; the attention mask is not consulted (HuggingFace does
+  not consult it either: collators write ``-100`` at padding).
+- without labels: targets ``input_ids[:, 1:]``, positions whose *target*
+  token is padding (``attention_mask == 0``) left out, which is what
+  ``DataCollatorForLanguageModeling`` produces.
+
+The output Hessian of that loss is ``(diag p − p pᵀ)/n`` on every counted
+row and zero on the last position (:func:`hf_lm_loss_of_output`, via
+:func:`hessian_eigenthings.kernels.cross_entropy_hvp`). Logits in half
+precision are upcast to float32 for the loss value, as HuggingFace does.
+
+Nothing from ``transformers`` is imported: the helpers use only the calling
+convention ``model(**inputs).logits``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.loss_fns._cross_entropy import (
+    IGNORE_INDEX,
+    Impl,
+    ShiftedCrossEntropy,
+    upcast,
+)
+from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossFn
+
+
+def _is_mapping(batch: object) -> bool:
+    return hasattr(batch, "keys") and hasattr(batch, "__getitem__") and not isinstance(batch, torch.Tensor)
+
+
+def _model_inputs(model: nn.Module, batch: Batch, *, drop_labels: bool = True) -> dict[str, Any]:
+    if isinstance(batch, torch.Tensor):
+        inputs: dict[str, Any] = {"input_ids": batch}
+    elif _is_mapping(batch):
+        inputs = {k: batch[k] for k in batch.keys() if not (drop_labels and k == "labels")}
+    else:
+        raise TypeError(
+            "HuggingFace helpers expect a mapping batch (input_ids, attention_mask, labels, ...) "
+            f"or an input_ids tensor, got {type(batch).__name__}"
+        )
+    # the key/value cache is for generation; here it only costs memory
+    if "use_cache" not in inputs and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _logits(out: Any) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned {type(out).__name__} without logits; is it a *ForCausalLM / *ForSeq2SeqLM model?")
+    return logits
+
+
+def hf_lm_forward() -> ForwardFn:
+    """``forward_fn(model, batch) -> logits (B, T, V)`` of a causal LM (``labels`` are not passed)."""
+
+    def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+        return _logits(model(**_model_inputs(model, batch)))
+
+    return forward
+
+
+class HFCausalLMLoss(ShiftedCrossEntropy):
+    """Shifted causal-LM cross-entropy of the logits with ``ignore_index=-100``.
+
+    ``fused`` is passed to :func:`hessian_eigenthings.kernels.cross_entropy_hvp`
+    as ``impl``.
+    """
+
+    def targets(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, torch.Tensor):
+            tgt = batch[:, 1:]
+            return tgt, torch.ones_like(tgt, dtype=torch.bool)
+        if not _is_mapping(batch):
+            raise TypeError(f"expected a mapping batch or an input_ids tensor, got {type(batch).__name__}")
+        keys = list(batch.keys())
+        if "labels" in keys:
+            tgt = batch["labels"][:, 1:]
+            return tgt, tgt != IGNORE_INDEX
+        if "input_ids" not in keys:
+            raise KeyError("the batch has neither 'labels' nor 'input_ids'; the causal-LM loss needs one of them")
+        tgt = batch["input_ids"][:, 1:]
+        if "attention_mask" in keys and batch["attention_mask"] is not None:
+            return tgt, batch["attention_mask"][:, 1:].bool()
+        return tgt, torch.ones_like(tgt, dtype=torch.bool)
+
+
+def hf_lm_loss_of_output(*, fused: Impl = "auto") -> HFCausalLMLoss:
+    """Shifted causal-LM cross-entropy of the logits, closed-form output Hessian.
+
+    ``fused``: ``"auto"`` / ``"eager"`` / ``"compile"`` / ``"triton"``, the
+    kernel of the Hessian product.
+    """
+    return HFCausalLMLoss(fused=fused)
+
+
+def hf_lm_loss() -> LossFn:
+    """``loss_fn(model, batch)``: shifted causal-LM cross-entropy (``ignore_index=-100``)."""
+    forward = hf_lm_forward()
+    loss = HFCausalLMLoss()
+
+    def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+        return loss(forward(model, batch), batch)
+
+    return loss_fn
+
+
+def hf_seq2seq_loss() -> LossFn:
+    """``loss_fn(model, batch)`` for encoder-decoder models: cross-entropy of the decoder
+    logits against ``batch["labels"]`` (aligned, no shift; ``-100`` ignored).
+
+    Decoder inputs come from ``decoder_input_ids`` when the batch has them,
+    else from ``model.prepare_decoder_input_ids_from_labels`` (the labels
+    shifted right), else the model derives them from ``labels`` itself.
+    """
+
+    def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+        if not _is_mapping(batch) or "labels" not in list(batch.keys()):
+            raise KeyError("hf_seq2seq_loss needs batches with 'labels' (the decoder targets)")
+        labels = batch["labels"]
+        inputs = _model_inputs(model, batch)
+        if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+            if callable(prepare):
+                inputs["decoder_input_ids"] = prepare(labels=labels)
+            else:
+                inputs["labels"] = labels
+        logits = upcast(_logits(model(**inputs)))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    return loss_fn

@@ -1,0 +1,241 @@
+"""Loss helpers for supervised batches ``(inputs, targets)``.
+
+- ``supervised_loss(criterion)``: ``(model, batch) -> criterion(model(x), y)``
+  for the Hessian.
+- ``supervised_forward`` and ``supervised_loss_of_output(criterion)``: the
+  same loss split at the model output, for the GGN. Cross-entropy and MSE
+  with ``reduction="mean"`` or ``"sum"`` come back as closed-form
+  :class:`~hessian_eigenthings.loss_fns.protocols.OutputHessianLoss` objects:
+
+  - cross-entropy: ``∇²_z = (diag p − p pᵀ)/n`` per row (the label does not
+    enter; label smoothing does not change it), rows with
+    ``target == ignore_index`` left out, ``n`` = rows that count (mean) or 1
+    (sum); applied by :func:`hessian_eigenthings.kernels.cross_entropy_hvp`.
+  - MSE: ``∇² = 2 I / numel`` (mean over all elements) or ``2 I`` (sum).
+
+  Any other criterion is differentiated twice by the operator.
+- ``supervised_per_sample_loss(criterion)``: ``(model, batch) -> (N,)``, the
+  criterion's own reduction applied to each sample alone, for the empirical
+  Fisher.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.loss_fns._cross_entropy import (
+    IGNORE_INDEX,
+    Impl,
+    check_impl,
+    cross_entropy_hvp_block,
+)
+from hessian_eigenthings.loss_fns.protocols import LossFn, LossOfOutputFn, PerSampleLossFn
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Reduction = Literal["mean", "sum"]
+
+
+def _inputs_targets(batch: Batch) -> tuple[object, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise TypeError(
+            "supervised loss helpers expect batches (inputs, targets); got "
+            f"{type(batch).__name__}. Write your own loss_fn(model, batch) for other layouts"
+        )
+    return batch[0], batch[1]
+
+
+def _check_criterion(criterion: object) -> None:
+    if not callable(criterion):
+        raise TypeError(f"criterion must be callable as criterion(output, target), got {type(criterion).__name__}")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum' (a curvature needs a scalar loss), got {reduction!r}")
+
+
+def supervised_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``model(inputs)`` for a batch ``(inputs, targets)``."""
+    x, _ = _inputs_targets(batch)
+    return model(x)
+
+
+def supervised_loss(criterion: Criterion) -> LossFn:
+    """``loss_fn(model, (x, y)) = criterion(model(x), y)``."""
+    _check_criterion(criterion)
+
+    def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = _inputs_targets(batch)
+        return criterion(model(x), y)
+
+    return loss_fn
+
+
+class CrossEntropyOutputLoss:
+    """``F.cross_entropy(output, targets)`` with its output Hessian in closed form.
+
+    ``output``: logits ``(N, C)``, ``(N, C, d1, ...)`` or ``(C,)`` like
+    :func:`torch.nn.functional.cross_entropy`; targets: class indices or class
+    probabilities, taken from ``batch[1]``. ``impl`` picks the kernel of
+    :func:`hessian_eigenthings.kernels.cross_entropy_hvp`.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        label_smoothing: float = 0.0,
+        impl: Impl = "auto",
+    ) -> None:
+        _check_reduction(reduction)
+        check_impl(impl)
+        self.ignore_index = ignore_index
+        self.reduction: Reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.impl: Impl = impl
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        return F.cross_entropy(
+            output, y, ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        # classes last, as the kernel wants; (C,) and (N, C) already are
+        moved = output.dim() > 2
+        logits = output.movedim(1, -1).contiguous() if moved else output
+        block = u.movedim(2, -1).contiguous() if moved else u
+        valid: torch.Tensor | None = None
+        n: float | torch.Tensor
+        if y.is_floating_point():  # class probabilities: every row counts
+            n = float(logits.numel() // max(logits.shape[-1], 1))
+        else:
+            valid = y != self.ignore_index
+            n = valid.sum().clamp_min(1)  # all rows ignored: zero Hessian (the loss is NaN)
+        if self.reduction == "sum":
+            n = 1.0
+        out = cross_entropy_hvp_block(logits, block, valid, n, impl=self.impl)
+        return out.movedim(-1, 2) if moved else out
+
+    def __repr__(self) -> str:
+        return (
+            f"CrossEntropyOutputLoss(ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, impl={self.impl!r})"
+        )
+
+
+class MSEOutputLoss:
+    """``F.mse_loss(output, batch[1])`` with ``∇² = 2 I / numel`` (mean) or ``2 I`` (sum)."""
+
+    def __init__(self, *, reduction: Reduction = "mean") -> None:
+        _check_reduction(reduction)
+        self.reduction: Reduction = reduction
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        return F.mse_loss(output, y, reduction=self.reduction)
+
+    def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        scale = 2.0 / output.numel() if self.reduction == "mean" else 2.0
+        return u * scale
+
+    def __repr__(self) -> str:
+        return f"MSEOutputLoss(reduction={self.reduction!r})"
+
+
+def cross_entropy_loss_of_output(
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    impl: Impl = "auto",
+) -> CrossEntropyOutputLoss:
+    """Cross-entropy of the logits against ``batch[1]``, closed-form output Hessian."""
+    return CrossEntropyOutputLoss(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, impl=impl
+    )
+
+
+def mse_loss_of_output(*, reduction: Reduction = "mean") -> MSEOutputLoss:
+    """Mean squared error against ``batch[1]``, closed-form output Hessian."""
+    return MSEOutputLoss(reduction=reduction)
+
+
+class _CriterionOfOutput:
+    """``criterion(output, batch[1])`` without a closed-form Hessian (the GGN differentiates it)."""
+
+    def __init__(self, criterion: Criterion) -> None:
+        self.criterion = criterion
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        return self.criterion(output, y)
+
+    def __repr__(self) -> str:
+        return f"supervised_loss_of_output({self.criterion!r})"
+
+
+def supervised_loss_of_output(
+    criterion: Criterion,
+) -> CrossEntropyOutputLoss | MSEOutputLoss | LossOfOutputFn:
+    """``loss_of_output(output, (x, y)) = criterion(output, y)``.
+
+    ``nn.CrossEntropyLoss`` (no class weights) and ``nn.MSELoss`` with
+    reduction ``"mean"`` or ``"sum"`` become closed-form losses (use the GGN's
+    default ``loss_hvp="analytical"``); anything else is a plain callable for
+    ``loss_hvp="autograd"``.
+    """
+    _check_criterion(criterion)
+    reduction = getattr(criterion, "reduction", None)
+    if isinstance(criterion, nn.CrossEntropyLoss) and criterion.weight is None and reduction in ("mean", "sum"):
+        return CrossEntropyOutputLoss(
+            ignore_index=criterion.ignore_index, reduction=criterion.reduction,  # type: ignore[arg-type]
+            label_smoothing=criterion.label_smoothing,
+        )
+    if isinstance(criterion, nn.MSELoss) and reduction in ("mean", "sum"):
+        return MSEOutputLoss(reduction=criterion.reduction)  # type: ignore[arg-type]
+    return _CriterionOfOutput(criterion)
+
+
+def supervised_per_sample_loss(criterion: Criterion) -> PerSampleLossFn:
+    """``(model, (x, y)) -> (N,)``: sample ``i``'s loss is the criterion on sample ``i`` alone.
+
+    Built as ``reduction="none"`` followed by a mean over each sample's
+    elements (a sum for ``reduction="sum"``), so with equal-sized samples and
+    no ignored targets the mean of the per-sample losses is the batch loss. Callables without a
+    ``reduction`` attribute are mapped over samples with ``torch.func.vmap``.
+    Samples whose every target is ``ignore_index`` get loss 0 (no gradient).
+    """
+    _check_criterion(criterion)
+    reduction = getattr(criterion, "reduction", None)
+    if isinstance(criterion, nn.Module) and reduction in ("mean", "sum", "none"):
+        unreduced = copy.copy(criterion)
+        setattr(unreduced, "reduction", "none")  # noqa: B010  (nn.Module types attributes as Tensor | Module)
+        reduce_sum = reduction == "sum"
+
+        def per_sample(model: nn.Module, batch: Batch) -> torch.Tensor:
+            x, y = _inputs_targets(batch)
+            losses = unreduced(model(x), y)
+            if losses.dim() <= 1:
+                return losses
+            flat = losses.reshape(losses.shape[0], -1)
+            return flat.sum(1) if reduce_sum else flat.mean(1)
+
+        return per_sample
+
+    def per_sample_mapped(model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = _inputs_targets(batch)
+        out = model(x)
+        return torch.func.vmap(lambda o, t: criterion(o.unsqueeze(0), t.unsqueeze(0)))(out, y)
+
+    return per_sample_mapped
