@@ -1,0 +1,159 @@
+"""Argument and result translation shared by the 0.x entry points.
+
+Nothing here computes: it validates 0.x arguments (raising the error kind a
+0.x user would expect, in words that also name the 1.0 way), picks devices
+and dtypes, wraps objects so the core accepts them, and converts results to
+the types 0.x returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hessian_eigenthings.compat._deprecations import warn_cpu_fallback
+from hessian_eigenthings.operators.base import CurvatureOperator
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_int(name: str, value: Any, *, minimum: int, hint: str) -> int:
+    """An integer argument; ``hint`` names the 1.0 argument it becomes."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({hint})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value} ({hint})")
+    return int(value)
+
+
+def check_float(name: str, value: Any, *, minimum: float, hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({hint})")
+    if not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value} ({hint})")
+    return float(value)
+
+
+def requested_device(use_gpu: Any, what: str) -> torch.device:
+    """Where 0.x would have put its vectors: CUDA when ``use_gpu`` and available.
+
+    ``use_gpu=True`` without CUDA warns (once per call site) and gives the CPU.
+    """
+    if check_bool("use_gpu", use_gpu):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        warn_cpu_fallback(what)
+    return torch.device("cpu")
+
+
+class _ApplyAdapter(CurvatureOperator):
+    """A 0.x duck-typed operator (``.size`` and ``.apply(vec)``, no base class) seen as a 1.0 one.
+
+    Device and dtype as for a bare 0.x ``Operator``: the hint until the
+    first product, then those of the first output.
+    """
+
+    def __init__(self, obj: Any, device: torch.device) -> None:
+        self.obj = obj
+        self._size = int(obj.size)
+        self._device = device
+        self._dtype = torch.float32
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+
+    def _matvec(self, v: torch.Tensor) -> torch.Tensor:
+        out = self.obj.apply(v)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{type(self.obj).__name__}.apply must return a torch.Tensor, got {type(out).__name__}")
+        self._device, self._dtype = out.device, out.dtype
+        return out.reshape(v.shape).to(device=v.device, dtype=v.dtype)
+
+
+class _CastOperator(CurvatureOperator):
+    """``inner`` seen in another dtype: inputs cast to ``inner.dtype``, outputs cast back.
+
+    This is how ``fp16=True`` keeps the algorithms' vectors in half precision
+    (as 0.x did) while the model computes in its own dtype.
+    """
+
+    def __init__(self, inner: CurvatureOperator, dtype: torch.dtype) -> None:
+        self.inner = inner
+        self._dtype = dtype
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        out = self.inner.matmat(V.T.to(self.inner.dtype)).T
+        return out.to(self._dtype)
+
+    def _matvec(self, v: torch.Tensor) -> torch.Tensor:
+        return self.inner.matvec(v.to(self.inner.dtype)).to(self._dtype)
+
+
+def as_core_operator(operator: Any, *, use_gpu: Any, fp16: Any, what: str) -> CurvatureOperator:
+    """The 1.0 operator an 0.x algorithm runs on.
+
+    1.0 operators (``HVPOperator`` and 0.x ``Operator`` subclasses are 1.0
+    operators too) pass through; any other object with ``size`` and
+    ``apply(vec)`` is adapted. ``fp16=True`` views the operator in float16.
+    """
+    device = requested_device(use_gpu, what)
+    half = check_bool("fp16", fp16)
+    op: CurvatureOperator
+    if isinstance(operator, CurvatureOperator):
+        op = operator
+        hint = getattr(op, "_device_hint", None)
+        if hint is not None:
+            hint(device)
+    elif hasattr(operator, "apply") and hasattr(operator, "size"):
+        op = _ApplyAdapter(operator, device)
+    else:
+        raise TypeError(
+            f"{what}: operator must have .size and .apply(vec) (0.x) or be a "
+            f"hessian_eigenthings.CurvatureOperator (1.0); got {type(operator).__name__}"
+        )
+    if half and op.dtype != torch.float16:
+        op = _CastOperator(op, torch.float16)
+    return op
+
+
+def init_vector(vec: Any, op: CurvatureOperator, name: str) -> torch.Tensor | None:
+    """A 0.x initial vector (tensor or array, any device) as a flat vector for ``op``."""
+    if vec is None:
+        return None
+    if isinstance(vec, np.ndarray):
+        vec = torch.from_numpy(vec)
+    if not isinstance(vec, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(vec).__name__}")
+    if vec.numel() != op.size:
+        raise ValueError(f"{name} must have {op.size} entries (the operator size), got shape {tuple(vec.shape)}")
+    return vec.reshape(-1).to(device=op.device, dtype=op.dtype)
+
+
+def seed_from_global_rng() -> int:
+    """A seed for the core drawn from torch's global generator.
+
+    0.x drew its random start vectors from the global generator, so 0.x code
+    makes runs repeatable with ``torch.manual_seed``; the 1.0 algorithms never
+    touch it and take ``seed=`` instead. Drawing the seed here keeps the 0.x
+    behaviour.
+    """
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    return t.detach().cpu().numpy()

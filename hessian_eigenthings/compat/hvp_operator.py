@@ -1,0 +1,127 @@
+"""0.x ``HVPOperator``: the 1.0 :class:`HessianOperator` with 0.x arguments.
+
+``HVPOperator(model, dataloader, criterion, use_gpu=True, fp16=False,
+full_dataset=True, max_possible_gpu_samples=256)`` maps onto
+``HessianOperator(model, dataloader, loss_fn, full_dataset=...,
+microbatch_size=max_possible_gpu_samples)`` with ``loss_fn(model, (x, y)) =
+criterion(model(x), y)``. What differs from a plain ``HessianOperator``, and
+why, is listed in migration_guide.md ('HVPOperator'):
+
+- batches are averaged with equal weights, as 0.x did (1.0 weights them by
+  size); see NOTE [0.x batch weighting];
+- ``fp16=True``: the operator takes and returns float16 vectors (the model
+  computes in its own dtype);
+- chunks of a split batch are weighted by size, so a batch's product is its
+  exact mean (0.x averaged the chunks with equal weights, a bias when the
+  last chunk is short); splitting is allowed for BatchNorm in training mode,
+  as in 0.x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hessian_eigenthings.compat._deprecations import warn_deprecated
+from hessian_eigenthings.compat._translate import check_bool, check_int, requested_device
+from hessian_eigenthings.compat.operator import Operator
+from hessian_eigenthings.loss_fns.standard import supervised_loss
+from hessian_eigenthings.operators.hessian import HessianOperator
+
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+# NOTE [0.x batch weighting]
+# 0.x averaged the per-batch Hessians with equal weights, (1/B) Σ H_i; the 1.0
+# core weights by batch size, Σ b_i H_i / Σ b_i. The two agree when every batch
+# has the same size and differ when the last one is short. The facade keeps the
+# 0.x average through the core's batch_weighting="uniform" (the weighting is
+# the core's job: the facade only selects it).
+
+
+class _HVPOperator(HessianOperator):
+    """The 0.x Hessian operator without the deprecation warning (for ``compute_hessian_eigenthings``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Any],
+        criterion: Criterion,
+        use_gpu: bool = True,
+        fp16: bool = False,
+        full_dataset: bool = True,
+        max_possible_gpu_samples: int = 256,
+    ) -> None:
+        if not callable(criterion):
+            raise TypeError(
+                "criterion must be callable as criterion(output, target) (1.0: "
+                "HessianOperator(model, dataloader, supervised_loss(criterion)))"
+            )
+        requested_device(use_gpu, "HVPOperator")
+        chunk = check_int(
+            "max_possible_gpu_samples", max_possible_gpu_samples, minimum=1,
+            hint="1.0: HessianOperator(..., microbatch_size=...)",
+        )
+        super().__init__(
+            model,
+            dataloader,
+            supervised_loss(criterion),
+            full_dataset=check_bool("full_dataset", full_dataset),
+            microbatch_size=chunk,
+            # 0.x split BatchNorm batches too; 1.0 asks for consent, which 0.x code cannot give
+            microbatch_unsafe=True,
+        )
+        self.batch_weighting = "uniform"  # See NOTE [0.x batch weighting]
+        # the 0.x attributes, for code that reads them
+        self.dataloader = dataloader
+        self.criterion = criterion
+        self.use_gpu = bool(use_gpu)
+        self.fp16 = check_bool("fp16", fp16)
+        self.full_dataset = bool(full_dataset)
+        self.max_possible_gpu_samples = chunk
+        if self.fp16:
+            self._dtype = torch.float16
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        if V.dtype == self.layout.dtype:
+            return super()._matmat_rows(V)
+        # fp16=True: half vectors in and out, products in the model's dtype
+        return super()._matmat_rows(V.to(self.layout.dtype)).to(V.dtype)
+
+    def apply(self, vec: torch.Tensor) -> torch.Tensor:
+        """0.x ``apply``: ``H vec`` for a flat vector on any device and of any floating dtype."""
+        if not isinstance(vec, torch.Tensor):
+            raise TypeError(f"vec must be a torch.Tensor, got {type(vec).__name__} (1.0: op.matvec(v))")
+        return self.matvec(vec.reshape(-1).to(device=self.device, dtype=self.dtype))
+
+    def zero_grad(self) -> None:
+        """0.x ``zero_grad``: zero the ``.grad`` of the model's parameters (1.0 operators never touch them)."""
+        self.model.zero_grad(set_to_none=False)
+
+
+class HVPOperator(_HVPOperator):
+    """0.x Hessian-vector-product operator. Deprecated: use :class:`HessianOperator`.
+
+    Warns at construction. It is a 1.0 operator: every 1.0 algorithm accepts it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Any],
+        criterion: Criterion,
+        use_gpu: bool = True,
+        fp16: bool = False,
+        full_dataset: bool = True,
+        max_possible_gpu_samples: int = 256,
+    ) -> None:
+        warn_deprecated("HVPOperator")
+        super().__init__(
+            model, dataloader, criterion, use_gpu, fp16, full_dataset, max_possible_gpu_samples
+        )
+
+
+# 0.x HVPOperator was an Operator: keep isinstance checks of 0.x code true
+Operator.register(HVPOperator)

@@ -1,0 +1,307 @@
+"""Behaviour of each 0.x entry point: signatures, defaults, return types, errors."""
+
+from __future__ import annotations
+
+import inspect
+
+import deprecation
+import numpy as np
+import pytest
+import scipy.sparse.linalg
+import torch
+
+import hessian_eigenthings as he
+from hessian_eigenthings import compat
+from hessian_eigenthings.loss_fns import supervised_loss
+from hessian_eigenthings.operators import HessianOperator, LambdaOperator
+from tests.compat.cases import mlp_problem, symmetric_matrix
+
+legacy = pytest.mark.filterwarnings("ignore::deprecation.DeprecatedWarning")
+
+
+# -- signatures ----------------------------------------------------------------
+
+SIGNATURES = {
+    compat.compute_hessian_eigenthings: "(model, dataloader, loss, num_eigenthings=10, full_dataset=True, "
+    "mode='power_iter', use_gpu=True, fp16=False, max_possible_gpu_samples=65536, **kwargs)",
+    compat.HVPOperator: "(model, dataloader, criterion, use_gpu=True, fp16=False, full_dataset=True, "
+    "max_possible_gpu_samples=256)",
+    compat.power_iteration: "(operator, steps=20, error_threshold=0.0001, momentum=0.0, use_gpu=True, "
+    "fp16=False, init_vec=None)",
+    compat.deflated_power_iteration: "(operator, num_eigenthings=10, power_iter_steps=20, "
+    "power_iter_err_threshold=0.0001, momentum=0.0, use_gpu=True, fp16=False, to_numpy=True)",
+    compat.lanczos: "(operator, num_eigenthings=10, which='LM', max_steps=20, tol=1e-06, "
+    "num_lanczos_vectors=None, init_vec=None, use_gpu=False, fp16=False)",
+    compat.LambdaOperator: "(apply_fn, size)",
+}
+
+
+@pytest.mark.parametrize("fn", list(SIGNATURES), ids=lambda f: f.__name__)
+def test_0x_signatures(fn: object) -> None:
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    plain = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                        return_annotation=inspect.Signature.empty)
+    assert str(plain) == SIGNATURES[fn]  # type: ignore[index]
+
+
+# -- compute_hessian_eigenthings ------------------------------------------------
+
+@legacy
+@pytest.mark.parametrize(("mode", "order"), [("power_iter", "descending"), ("lanczos", "ascending")])
+def test_compute_hessian_eigenthings_returns_numpy_in_0x_order(mode: str, order: str) -> None:
+    model, criterion, data = mlp_problem()
+    n = sum(p.numel() for p in model.parameters())
+    vals, vecs = compat.compute_hessian_eigenthings(
+        model, data, criterion, 3, mode=mode, use_gpu=False, **({"power_iter_steps": 200} if mode == "power_iter" else {})
+    )
+    assert isinstance(vals, np.ndarray) and isinstance(vecs, np.ndarray)
+    assert vals.shape == (3,) and vecs.shape == (3, n)
+    steps = np.diff(vals)
+    assert np.all(steps <= 0) if order == "descending" else np.all(steps >= 0)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-4)
+
+
+@legacy
+def test_compute_hessian_eigenthings_rejects_bad_mode_and_kwargs() -> None:
+    model, criterion, data = mlp_problem()
+    with pytest.raises(ValueError, match=r"mode must be 'power_iter' or 'lanczos'.*1\.0"):
+        compat.compute_hessian_eigenthings(model, data, criterion, mode="arnoldi", use_gpu=False)
+    with pytest.raises(TypeError, match="max_steps"):
+        compat.compute_hessian_eigenthings(model, data, criterion, mode="power_iter", use_gpu=False, max_steps=3)
+
+
+@legacy
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"num_eigenthings": 0}, ValueError, "k=..."),
+        ({"num_eigenthings": 2.5}, TypeError, "k=..."),
+        ({"max_possible_gpu_samples": 0}, ValueError, "microbatch_size"),
+        ({"fp16": "yes"}, TypeError, "fp16"),
+    ],
+)
+def test_bad_0x_arguments_raise_the_0x_error_kind_and_name_the_1x_way(kwargs: dict, error: type, words: str) -> None:
+    model, criterion, data = mlp_problem()
+    args = {"use_gpu": False, **kwargs}
+    with pytest.raises(error, match=words):
+        compat.compute_hessian_eigenthings(model, data, criterion, **args)
+
+
+# -- HVPOperator ----------------------------------------------------------------
+
+def _hvp(*args: object, **kwargs: object) -> compat.HVPOperator:
+    with pytest.warns(deprecation.DeprecatedWarning):
+        return compat.HVPOperator(*args, use_gpu=False, **kwargs)  # type: ignore[arg-type, misc]
+
+
+def test_hvp_operator_matches_hessian_operator_on_equal_batches() -> None:
+    model, criterion, data = mlp_problem()
+    hvp = _hvp(model, data, criterion)
+    core = HessianOperator(model, data, supervised_loss(criterion))
+    v = torch.randn(hvp.size)
+    assert hvp.size == core.size
+    torch.testing.assert_close(hvp.apply(v), core.matvec(v))
+
+
+def test_hvp_operator_keeps_0x_per_batch_average_on_a_short_last_batch() -> None:
+    model, criterion, data = mlp_problem(batches=2, batch=16, last=3)
+    v = torch.randn(sum(p.numel() for p in model.parameters()))
+    per_batch = [HessianOperator(model, [b], supervised_loss(criterion)).matvec(v) for b in data]
+    uniform = torch.stack(per_batch).mean(0)  # what 0.x computed
+    weighted = HessianOperator(model, data, supervised_loss(criterion)).matvec(v)  # what 1.0 computes
+    assert not torch.allclose(uniform, weighted, atol=1e-4)  # the difference is real here
+    torch.testing.assert_close(_hvp(model, data, criterion).apply(v), uniform)
+
+
+def test_hvp_operator_chunks_are_the_exact_batch_mean() -> None:
+    model, criterion, data = mlp_problem(batches=2, batch=10)
+    v = torch.randn(sum(p.numel() for p in model.parameters()))
+    whole = _hvp(model, data, criterion).apply(v)
+    chunked = _hvp(model, data, criterion, max_possible_gpu_samples=4)  # chunks of 4, 4, 2
+    torch.testing.assert_close(chunked.apply(v), whole)
+    assert chunked.microbatch_size == 4
+
+
+def test_hvp_operator_full_dataset_false_cycles_batches() -> None:
+    model, criterion, data = mlp_problem(batches=3)
+    op = _hvp(model, data, criterion, full_dataset=False)
+    v = torch.randn(op.size)
+    per_batch = [HessianOperator(model, [b], supervised_loss(criterion)).matvec(v) for b in data]
+    for i in range(5):
+        torch.testing.assert_close(op.apply(v), per_batch[i % 3])
+
+
+def test_hvp_operator_fp16_vectors_and_zero_grad() -> None:
+    model, criterion, data = mlp_problem()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    op = _hvp(model, data, criterion, fp16=True)
+    assert op.dtype == torch.float16
+    out = op.apply(torch.ones(op.size))  # float32 in, as 0.x allowed
+    assert out.dtype == torch.float16
+    full = HessianOperator(model, data, supervised_loss(criterion)).matvec(torch.ones(op.size))
+    torch.testing.assert_close(out.float(), full, rtol=2e-3, atol=2e-3)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())  # products leave .grad alone
+    op.zero_grad()
+    assert all(not p.grad.any() for p in model.parameters())
+
+
+def test_hvp_operator_works_with_every_1x_algorithm() -> None:
+    from hessian_eigenthings import algorithms
+
+    model, criterion, data = mlp_problem()
+    op = _hvp(model, data, criterion)
+    assert isinstance(algorithms.lanczos(op, k=2), algorithms.EigenResult)
+    assert isinstance(algorithms.deflated_power_iteration(op, k=1, max_iter=200), algorithms.EigenResult)
+
+
+# -- Operator / LambdaOperator ------------------------------------------------------
+
+class Doubling(compat.Operator):
+    def __init__(self, n: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(n)
+        self.out_dtype = dtype
+
+    def apply(self, vec: torch.Tensor) -> torch.Tensor:
+        return (2.0 * vec).to(self.out_dtype)
+
+
+@legacy
+def test_bare_operator_dtype_and_device_come_from_the_first_output() -> None:
+    op = Doubling(6, torch.float64)
+    assert (op.dtype, op.device, op.size) == (torch.float32, torch.device("cpu"), 6)
+    out = op.matvec(torch.ones(6))
+    assert out.dtype == torch.float32  # the product comes back in the caller's dtype
+    assert op.dtype == torch.float64  # and the operator now reports what apply returns
+
+
+@legacy
+def test_operator_without_apply_says_how_to_fix() -> None:
+    with pytest.raises(NotImplementedError, match="apply"):
+        compat.Operator(3).matvec(torch.ones(3))
+    with pytest.raises(ValueError, match="size"):
+        compat.Operator(0)
+    with pytest.raises(TypeError, match="LambdaOperator"):
+        compat.LambdaOperator("not callable", 3)  # type: ignore[arg-type]
+
+
+@legacy
+def test_custom_operator_works_with_1x_algorithms() -> None:
+    A = symmetric_matrix(20)
+    op = compat.LambdaOperator(lambda v: A @ v, 20)
+    res = he.algorithms.lanczos(op, k=2, tol=1e-6)
+    torch.testing.assert_close(res.eigenvalues, torch.tensor([7.0, 5.0]), rtol=1e-4, atol=1e-4)
+
+
+# -- power iteration ----------------------------------------------------------------
+
+@legacy
+def test_power_iteration_returns_float_and_tensor() -> None:
+    A = symmetric_matrix(20)
+    val, vec = compat.power_iteration(compat.LambdaOperator(lambda v: A @ v, 20), steps=300, error_threshold=1e-8, use_gpu=False)
+    assert isinstance(val, float) and isinstance(vec, torch.Tensor) and vec.shape == (20,)
+    assert val == pytest.approx(7.0, rel=1e-3)
+
+
+@legacy
+def test_power_iteration_init_vec_is_used() -> None:
+    A = symmetric_matrix(20)
+    op = compat.LambdaOperator(lambda v: A @ v, 20)
+    top = torch.linalg.eigh(A.double()).eigenvectors[:, -1].float()
+    val, _vec = compat.power_iteration(op, steps=1, init_vec=top, use_gpu=False)  # already an eigenvector
+    assert val == pytest.approx(7.0, rel=1e-4)
+
+
+@legacy
+@pytest.mark.parametrize("to_numpy", [True, False])
+def test_deflated_power_iteration_is_sorted_descending(to_numpy: bool) -> None:
+    A = symmetric_matrix(20)  # largest magnitudes 7, 5, -4
+    vals, vecs = compat.deflated_power_iteration(
+        compat.LambdaOperator(lambda v: A @ v, 20), 3, 400, 1e-8, use_gpu=False, to_numpy=to_numpy
+    )
+    assert isinstance(vals, np.ndarray if to_numpy else torch.Tensor)
+    np.testing.assert_allclose(np.asarray(vals), [7.0, 5.0, -4.0], rtol=1e-3)
+    assert tuple(vecs.shape) == (3, 20)
+
+
+# -- lanczos ------------------------------------------------------------------------
+
+def _lanczos_0x(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    with pytest.warns(deprecation.DeprecatedWarning):
+        return compat.lanczos(*args, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["LM", "LA", "SA"])
+def test_lanczos_matches_eigsh_float64(which: str) -> None:
+    A = symmetric_matrix(60, dtype=torch.float64)
+    op = LambdaOperator(lambda v: A @ v, 60, dtype=torch.float64)
+    vals, vecs = _lanczos_0x(op, 4, which, 100, 1e-10)
+    ref_vals, ref_vecs = scipy.sparse.linalg.eigsh(A.numpy(), k=4, which=which, tol=1e-10)
+    assert np.all(np.diff(vals) >= 0)  # ascending, like eigsh
+    scale = np.abs(ref_vals).max()
+    np.testing.assert_allclose(vals, ref_vals, atol=1e-8 * scale, rtol=0)
+    cos = np.abs(np.sum(vecs * ref_vecs.T, axis=1))  # rows vs eigsh's columns
+    assert np.all(cos >= 1 - 1e-6)
+
+
+def test_lanczos_matches_eigsh_float32_defaults() -> None:
+    A = symmetric_matrix(60)
+    vals, _ = _lanczos_0x(LambdaOperator(lambda v: A @ v, 60), num_eigenthings=4)
+    ref = scipy.sparse.linalg.eigsh(A.double().numpy(), k=4, which="LM", return_eigenvectors=False)
+    np.testing.assert_allclose(vals, np.sort(ref), atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+@pytest.mark.parametrize("which", ["SM", "BE"])
+def test_lanczos_arpack_only_modes_go_to_eigsh(which: str) -> None:
+    A = symmetric_matrix(30, dtype=torch.float64)
+    op = LambdaOperator(lambda v: A @ v, 30, dtype=torch.float64)
+    vals, vecs = _lanczos_0x(op, 2, which, 200, 1e-10, 30)
+    ref = scipy.sparse.linalg.eigsh(A.numpy(), k=2, which=which, tol=1e-10, ncv=30, return_eigenvectors=False)
+    np.testing.assert_allclose(np.sort(vals), np.sort(ref), atol=1e-8)
+    assert vecs.shape == (2, 30)
+
+
+def test_lanczos_init_vec_and_fp16() -> None:
+    A = symmetric_matrix(30)
+    op = LambdaOperator(lambda v: A @ v, 30)
+    vals, vecs = _lanczos_0x(op, 2, "LA", 50, 1e-3, None, np.ones(30, dtype=np.float32), False, True)
+    assert vecs.dtype == np.float16
+    np.testing.assert_allclose(vals, [5.0, 7.0], rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"which": "XX"}, ValueError, "which must be one of"),
+        ({"num_lanczos_vectors": 2, "num_eigenthings": 3}, ValueError, "ncv="),
+        ({"max_steps": 0}, ValueError, "max_iter"),
+        ({"tol": -1.0}, ValueError, "tol"),
+        ({"init_vec": torch.ones(7)}, ValueError, "init_vec"),
+        ({"num_eigenthings": 31}, ValueError, "k=..."),
+    ],
+)
+def test_lanczos_bad_arguments(kwargs: dict, error: type, words: str) -> None:
+    A = symmetric_matrix(30)
+    with pytest.raises(error, match=words):
+        _lanczos_0x(LambdaOperator(lambda v: A @ v, 30), **kwargs)
+
+
+def test_lanczos_rejects_non_operators() -> None:
+    with pytest.raises(TypeError, match="CurvatureOperator"):
+        _lanczos_0x(np.eye(3))
+
+
+# -- utils --------------------------------------------------------------------------
+
+@legacy
+def test_utils(capsys: pytest.CaptureFixture[str]) -> None:
+    compat.log("hello")
+    for i in range(4):
+        compat.progress_bar(i, 4, "msg")
+    out = capsys.readouterr().out
+    assert "hello" in out and "4/4 | msg" in out and out.endswith("\n")
+    assert compat.maybe_fp16(torch.ones(2, dtype=torch.float64), True).dtype == torch.float16
+    assert compat.maybe_fp16(torch.ones(2, dtype=torch.float64), False).dtype == torch.float32
+    assert compat.format_time(3725.0) == "1h2m"
+    assert compat.format_time(0.0123) == "12ms"
+    assert compat.format_time(90061) == "1D1h"

@@ -1,0 +1,147 @@
+"""The routing table of the two colliding top-level names (DESIGN.md §3).
+
+Each row: the call, the path it must take, the type it must return. The 0.x
+path warns (caught here); the 1.0 path must raise nothing (pytest runs with
+``filterwarnings = ["error"]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deprecation
+import pytest
+import torch
+
+import hessian_eigenthings as he
+from hessian_eigenthings.algorithms.result import EigenResult
+from hessian_eigenthings.compat import HVPOperator
+from hessian_eigenthings.compat import LambdaOperator as LambdaOperator0x
+from hessian_eigenthings.operators import LambdaOperator
+from tests.compat.cases import mlp_problem, symmetric_matrix
+
+A = symmetric_matrix(30)
+
+
+class DuckOperator:
+    """A 0.x operator that never subclassed anything: ``size`` and ``apply``."""
+
+    size = 30
+
+    def apply(self, vec: torch.Tensor) -> torch.Tensor:
+        return A @ vec
+
+
+def new_op() -> LambdaOperator:
+    return LambdaOperator(lambda v: A @ v, 30)
+
+
+def old_op() -> LambdaOperator0x:
+    with pytest.warns(deprecation.DeprecatedWarning):
+        return LambdaOperator0x(lambda v: A @ v, 30)
+
+
+def hvp_op() -> HVPOperator:
+    model, criterion, data = mlp_problem()
+    with pytest.warns(deprecation.DeprecatedWarning):
+        return HVPOperator(model, data, criterion, use_gpu=False)
+
+
+OPS = {"new": new_op, "old": old_op, "duck": DuckOperator, "hvp": hvp_op}
+
+# (operator, args after the operator, keywords, expected path)
+LANCZOS_ROWS = [
+    ("old", (), {}, "0.x"),  # binds both, 0.x operator
+    ("hvp", (), {}, "0.x"),
+    ("duck", (), {}, "0.x"),
+    ("new", (), {}, "1.0"),  # binds both, 1.0 operator
+    ("new", (3,), {}, "0.x"),  # positional after the operator: 0.x only
+    ("new", (3, "LA"), {}, "0.x"),
+    ("new", (), {"num_eigenthings": 3}, "0.x"),  # 0.x-only keywords
+    ("new", (), {"max_steps": 30, "num_lanczos_vectors": 12}, "0.x"),
+    ("new", (), {"use_gpu": False}, "0.x"),
+    ("new", (), {"k": 3}, "1.0"),  # 1.0-only keywords
+    ("old", (), {"k": 3}, "1.0"),
+    ("hvp", (), {"k": 3, "ncv": 12}, "1.0"),
+    ("new", (), {"which": "SA", "tol": 1e-3}, "1.0"),  # shared keywords: operator decides
+    ("old", (), {"which": "SA", "tol": 1e-3}, "0.x"),
+]
+
+DEFLATED_ROWS = [
+    ("old", (), {}, "0.x"),
+    ("hvp", (), {}, "0.x"),
+    ("duck", (), {}, "0.x"),
+    ("new", (), {}, "1.0"),
+    ("new", (3,), {}, "0.x"),
+    ("new", (3, 30, 1e-4), {}, "0.x"),
+    ("new", (), {"num_eigenthings": 3}, "0.x"),
+    ("new", (), {"power_iter_steps": 30}, "0.x"),
+    ("new", (), {"to_numpy": False}, "0.x"),
+    ("new", (), {"k": 3}, "1.0"),
+    ("old", (), {"k": 3, "max_iter": 30}, "1.0"),
+    ("new", (), {"momentum": 0.0}, "1.0"),
+    ("old", (), {"momentum": 0.0}, "0.x"),
+]
+
+
+def _call(fn: Any, op_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> Any:
+    op = OPS[op_name]()
+    if path == "0.x":
+        with pytest.warns(deprecation.DeprecatedWarning) as rec:
+            out = fn(op, *args, **kwargs)
+        assert rec[0].filename == __file__
+        return out
+    return fn(op, *args, **kwargs)  # must not warn
+
+
+def _check_type(out: Any, path: str) -> None:
+    if path == "0.x":
+        assert isinstance(out, tuple) and len(out) == 2
+    else:
+        assert isinstance(out, EigenResult)
+
+
+@pytest.mark.parametrize(("op_name", "args", "kwargs", "path"), LANCZOS_ROWS)
+def test_lanczos_routing(op_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> None:
+    _check_type(_call(he.lanczos, op_name, args, kwargs, path), path)
+
+
+# the default 10 pairs of a clustered spectrum do not converge in the default steps: not what is tested here
+@pytest.mark.filterwarnings("ignore::hessian_eigenthings.algorithms.result.ConvergenceWarning")
+@pytest.mark.parametrize(("op_name", "args", "kwargs", "path"), DEFLATED_ROWS)
+def test_deflated_power_iteration_routing(
+    op_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], path: str
+) -> None:
+    _check_type(_call(he.deflated_power_iteration, op_name, args, kwargs, path), path)
+
+
+def test_keyword_operator_names_route() -> None:
+    with pytest.warns(deprecation.DeprecatedWarning):
+        assert isinstance(he.lanczos(operator=new_op(), num_eigenthings=2), tuple)
+    assert isinstance(he.lanczos(op=old_op(), k=2), EigenResult)
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "kwargs", "words"),
+    [
+        (he.lanczos, (), {"k": 3, "max_steps": 5}, ["0.x-only", "max_steps", "1.0-only", "'k'"]),
+        (he.lanczos, (3,), {"k": 3}, ["positional", "'k'"]),
+        (he.lanczos, (), {"bogus": 1}, ["unknown", "bogus"]),
+        (he.deflated_power_iteration, (), {"k": 2, "power_iter_steps": 5}, ["power_iter_steps", "'k'"]),
+    ],
+)
+def test_mixed_signatures_raise_type_error(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(TypeError) as info:
+        fn(new_op(), *args, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+    assert "migration_guide.md" in str(info.value)
+
+
+def test_lanczos_module_path_is_always_0x_and_algorithms_always_1x() -> None:
+    from hessian_eigenthings.algorithms import lanczos as core_lanczos
+    from hessian_eigenthings.lanczos import lanczos as old_lanczos
+
+    with pytest.warns(deprecation.DeprecatedWarning):
+        assert isinstance(old_lanczos(new_op()), tuple)
+    assert isinstance(core_lanczos(new_op()), EigenResult)
