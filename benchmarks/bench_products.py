@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.workloads.split(","):
         w = WORKLOADS[name](args.device, args.scale)
         results.append(run_workload(w, device, args.repeats, args.warmup))
+        print(to_markdown(results[-1:], env_info(device)), flush=True)
         del w
         if device.type == "cuda":
             torch.cuda.empty_cache()

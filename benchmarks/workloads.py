@@ -81,7 +81,11 @@ def gpt2(device: str, scale: float = 1.0) -> Workload:
     seq = 256 if scale >= 1 else 64
     cfg = GPT2Config(n_layer=layers, n_embd=512, n_head=8, vocab_size=50257, n_positions=max(seq, 256),
                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg, attn_implementation="eager") if _accepts_attn(GPT2LMHeadModel) else GPT2LMHeadModel(cfg)
+    try:
+        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    except (TypeError, ValueError):
+        cfg._attn_implementation = "eager"
+        model = GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 50257, (max(1, int(8 * min(scale, 1))), seq))
 
     def lm_loss(m: nn.Module, batch: Any) -> torch.Tensor:
@@ -91,15 +95,6 @@ def gpt2(device: str, scale: float = 1.0) -> Workload:
         )
 
     return Workload("GPT-2 style 6L d512", model.to(device).eval(), {"input_ids": ids.to(device)}, lm_loss)
-
-
-def _accepts_attn(cls: type) -> bool:
-    import inspect
-
-    try:
-        return "attn_implementation" in inspect.signature(cls.__init__).parameters or True
-    except (TypeError, ValueError):
-        return False
 
 
 WORKLOADS: dict[str, Callable[[str, float], Workload]] = {"mlp": mlp, "resnet18": resnet18, "gpt2": gpt2}
