@@ -123,6 +123,26 @@ def run_workload(w: Workload, device: torch.device, repeats: int, warmup: int) -
             "noreuse_vs_0x": med["1.0 HVP (no reuse)"] / med["0.x-style HVP"]}
 
 
+def profile(w: Workload, device: torch.device) -> None:
+    """Top kernels and CPU time of one 0.x-style product and one of ours (no reuse)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    v = torch.randn(sum(p.numel() for p in params), device=device)
+    fresh = HessianOperator(w.model, [w.batch], w.loss_fn, graph_reuse=False)
+    reuse = HessianOperator(w.model, [w.batch], w.loss_fn, graph_reuse=True)
+    for label, fn in (("0.x-style", baseline_0x_fn(w, params, v)), ("1.0 no reuse", lambda: fresh @ v), ("1.0 reuse", lambda: reuse @ v)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"== {w.name}: {label}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def env_info(device: torch.device) -> dict[str, str]:
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     try:
@@ -158,8 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="bench_out/products")
+    ap.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune (same for every variant)")
+    ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of the 0.x baseline and ours")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
+    if args.profile:
+        for name in args.workloads.split(","):
+            profile(WORKLOADS[name](args.device, args.scale), device)
+        return
     torch.manual_seed(0)
     results = []
     for name in args.workloads.split(","):
