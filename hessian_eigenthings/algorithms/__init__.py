@@ -1,0 +1,44 @@
+"""Algorithms on curvature operators: eigensolvers, trace, diagonal, spectral density.
+
+They see operators only through :class:`~hessian_eigenthings.operators.base.CurvatureOperator`
+(``size``, ``device``, ``dtype``, ``matvec``, ``matmat``) and do every
+reduction through a :class:`~hessian_eigenthings.linalg.LinAlgBackend`.
+"""
+
+from hessian_eigenthings.algorithms.diagonal import diagonal
+from hessian_eigenthings.algorithms.lanczos import check_symmetry, lanczos, lanczos_tridiagonal
+from hessian_eigenthings.algorithms.power_iteration import (
+    PowerIterationResult,
+    deflated_power_iteration,
+    power_iteration_one,
+)
+from hessian_eigenthings.algorithms.result import (
+    ConvergenceWarning,
+    DiagonalResult,
+    EigenResult,
+    LanczosTridiag,
+    SpectralDensityResult,
+    TraceResult,
+)
+from hessian_eigenthings.algorithms.spectral_density import spectral_density
+from hessian_eigenthings.algorithms.trace import hutch_plus_plus, hutchinson, trace
+
+__all__ = [
+    "ConvergenceWarning",
+    "DiagonalResult",
+    "EigenResult",
+    "LanczosTridiag",
+    "PowerIterationResult",
+    "SpectralDensityResult",
+    "TraceResult",
+    "check_symmetry",
+    "deflated_power_iteration",
+    "diagonal",
+    "hutch_plus_plus",
+    "hutchinson",
+    "lanczos",
+    "lanczos_tridiagonal",
+    "power_iteration_one",
+    "spectral_density",
+    "trace",
+]

@@ -1,0 +1,155 @@
+"""Plumbing shared by the algorithms: validation, random probes, precision,
+progress bars and block orthonormalization through the linear-algebra backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend
+from hessian_eigenthings.operators.base import CurvatureOperator
+
+_NON_FINITE_HINT = (
+    "usual causes: a NaN/inf loss or gradient for some batch, fp16 overflow "
+    "(try bfloat16 or float32), or a finite-difference step that is too small"
+)
+
+
+def check_operator(op: Any) -> CurvatureOperator:
+    if not isinstance(op, CurvatureOperator):
+        raise TypeError(
+            f"expected a CurvatureOperator (e.g. LambdaOperator(matvec_fn, size)); got {type(op).__name__}"
+        )
+    return op
+
+
+def check_k(k: int, n: int) -> None:
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k < 1 or k > n:
+        raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}")
+
+
+def non_finite_error(what: str, iteration: int) -> ValueError:
+    return ValueError(f"operator product returned non-finite values ({what}, iteration {iteration}); {_NON_FINITE_HINT}")
+
+
+def work_dtype(op: CurvatureOperator, precision: torch.dtype | None) -> torch.dtype:
+    """dtype of bases and reductions. See NOTE [mixed precision]."""
+    if precision is not None:
+        if not isinstance(precision, torch.dtype) or not precision.is_floating_point:
+            raise TypeError(f"precision must be a floating torch.dtype (e.g. torch.float64), got {precision!r}")
+        return precision
+    if op.dtype in (torch.float32, torch.float64):
+        return op.dtype
+    return torch.float32
+
+
+# NOTE [mixed precision]
+# Products run in the operator's dtype (it is the model's: bf16/fp16 models
+# give bf16/fp16 products). Everything that accumulates rounding -- the
+# Krylov basis, Gram-Schmidt, norms, probe sums -- runs in the working dtype
+# `precision` (default: the operator's dtype when it is fp32/fp64, else
+# fp32), and small projected problems (tridiagonal / Rayleigh-Ritz matrices)
+# are solved in float64 on the host. Vectors are cast to the operator's
+# dtype right before a product and the result cast back right after.
+
+
+def apply_rows(op: CurvatureOperator, X: torch.Tensor) -> torch.Tensor:
+    """``A`` applied to each row of ``X (b, n)``, returned in ``X``'s dtype."""
+    Xo = X.to(op.dtype)
+    out = op.matvec(Xo[0]).unsqueeze(0) if X.shape[0] == 1 else op.matmat(Xo.T).T
+    return out.to(X.dtype)
+
+
+def make_generator(seed: int | None, backend: LinAlgBackend) -> torch.Generator:
+    """A local CPU generator (the global RNG is never touched).
+
+    A sharded backend that exposes ``rank`` gets a different stream per rank
+    so that the shards of one probe are independent.
+    """
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) + 1_000_003 * int(getattr(backend, "rank", 0)))
+    return g
+
+
+def random_rows(
+    b: int,
+    n: int,
+    gen: torch.Generator,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    distribution: str = "gaussian",
+) -> torch.Tensor:
+    """``(b, n)`` random rows drawn on the CPU (device independent), moved once."""
+    if distribution == "gaussian":
+        out = torch.randn(b, n, generator=gen, dtype=torch.float64)
+    elif distribution == "rademacher":
+        out = torch.randint(0, 2, (b, n), generator=gen, dtype=torch.int8).to(torch.float64).mul_(2).sub_(1)
+    else:
+        raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
+    return out.to(device=device, dtype=dtype)
+
+
+def check_distribution(distribution: str) -> None:
+    if distribution not in ("rademacher", "gaussian"):
+        raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
+
+
+def row_dots(backend: LinAlgBackend, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``(<A_i, B_i>)_i`` for row blocks ``(b, n)``: local sums then one all-reduce."""
+    return backend.all_reduce_sum((A * B).sum(dim=1))
+
+
+def orthonormalize_rows(W: torch.Tensor, backend: LinAlgBackend, rtol: float | None = None) -> torch.Tensor:
+    """Orthonormal rows spanning the rows of ``W (b, n)``; rank-deficient directions dropped.
+
+    Single device: Householder QR with column pivoting-free rank cut on
+    ``|diag R|``. Other backends: Gram-matrix orthonormalization (eigh of the
+    ``(b, b)`` Gram matrix, which is a reduction the backend can do), applied
+    twice so the result is orthonormal to working precision.
+    """
+    eps = torch.finfo(W.dtype).eps
+    rtol = rtol if rtol is not None else 1e3 * eps
+    if isinstance(backend, SingleDeviceBackend):
+        Q, R = torch.linalg.qr(W.T)
+        d = R.diagonal().abs()
+        keep = d > rtol * d.max().clamp_min(torch.finfo(W.dtype).tiny)
+        return Q.T[keep].contiguous()
+    out = W
+    for it in range(2):
+        G = backend.inner_rows(out, out).to(torch.float64)
+        evals, U = torch.linalg.eigh(G)
+        cut = (rtol if it == 0 else eps) * evals.max().clamp_min(1e-300)
+        keep = evals > cut
+        M = U[:, keep] / evals[keep].sqrt()
+        out = (M.T.to(W.dtype) @ out).contiguous()
+    return out
+
+
+@contextmanager
+def progress_bar(total: int | None, desc: str, progress: bool | None) -> Iterator[Any]:
+    """A tqdm bar on stderr; ``progress=None`` shows it only when stderr is a terminal."""
+    from tqdm.auto import tqdm
+
+    if progress is None:
+        progress = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def eig_floor(dtype: torch.dtype) -> float:
+    """Relative size below which a residual is rounding noise: ``eps^(2/3)`` as in ARPACK."""
+    return float(torch.finfo(dtype).eps) ** (2.0 / 3.0)

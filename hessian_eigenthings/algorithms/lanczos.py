@@ -1,0 +1,521 @@
+"""Restarted Lanczos for a few extreme eigenpairs of a symmetric operator.
+
+Math. Lanczos builds an orthonormal basis ``V`` of the Krylov space
+``span{v, Av, A²v, ...}`` in which ``T = Vᵀ A V`` is (block) tridiagonal;
+the eigenpairs ``(θ, V s)`` of ``T`` (Ritz pairs) approximate the extreme
+eigenpairs of ``A``. Because ``A V = V T + R_last`` with the residual block
+known, the residual of every Ritz pair is known without a product:
+``||A V s - θ V s|| = ||R S_last s||`` (``|β s_m|`` for one vector).
+
+When the basis reaches ``ncv`` vectors, it is restarted *thick* (Wu & Simon's
+TRLan, mathematically the same as ARPACK's implicit restart with exact
+shifts): the ``l`` most wanted Ritz vectors are kept, with ``T`` restarted as
+``diag(θ)`` bordered by their couplings to the residual block, and the
+iteration continues from the residual block.
+
+Implementation. The basis lives in one preallocated ``(ncv + b, n)`` tensor
+in the working dtype; each step applies the operator once (``b`` products for
+a block of ``b``), reorthogonalizes against the whole basis by classical
+Gram-Schmidt twice, both as matrix products, and synchronizes with the host
+once to read the new coefficients (the ``T`` matrix is small and lives on the
+host in float64). Ritz convergence is checked after every step, so the solver
+stops as soon as the wanted pairs meet ``tol`` instead of at the end of a
+restart cycle.
+
+Cost: ``max_iter`` products at most, plus ``k`` for the true residuals at the
+end (``residuals="exact"``); ``O(ncv · n)`` flops per product for
+reorthogonalization; memory ``(ncv + b) · n`` working-dtype numbers plus a
+restart buffer of ``l · n``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal
+
+import numpy as np
+import torch
+
+from hessian_eigenthings.algorithms._common import (
+    apply_rows,
+    check_k,
+    check_operator,
+    make_generator,
+    non_finite_error,
+    orthonormalize_rows,
+    progress_bar,
+    random_rows,
+    row_dots,
+    work_dtype,
+)
+from hessian_eigenthings.algorithms.result import ConvergenceWarning, EigenResult, LanczosTridiag
+from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
+from hessian_eigenthings.operators.base import CurvatureOperator
+
+Which = Literal["LM", "LA", "SA"]
+
+__all__ = ["check_symmetry", "lanczos", "lanczos_tridiagonal"]
+
+
+def _order(theta: np.ndarray, which: str) -> np.ndarray:
+    """Indices of ``theta`` from most to least wanted."""
+    if which == "LM":
+        return np.argsort(-np.abs(theta), kind="stable")
+    if which == "LA":
+        return np.argsort(-theta, kind="stable")
+    return np.argsort(theta, kind="stable")
+
+
+def check_symmetry(
+    op: CurvatureOperator,
+    *,
+    seed: int | None = None,
+    backend: LinAlgBackend | None = None,
+    rtol: float | None = None,
+) -> float:
+    """Compare ``<u, Av>`` with ``<Au, v>`` for two random vectors (2 products).
+
+    Returns the relative asymmetry; raises ``ValueError`` when it exceeds
+    ``rtol`` (default: ``100 · eps`` of the operator's dtype, at most 0.1).
+    """
+    op = check_operator(op)
+    backend = default_backend(backend)
+    gen = make_generator(seed, backend)
+    wd = work_dtype(op, None)
+    X = random_rows(2, op.size, gen, device=op.device, dtype=wd)
+    AX = apply_rows(op, X)
+    a = backend.dot(X[0], AX[1])
+    b = backend.dot(AX[0], X[1])
+    scale = backend.norm(X[0]) * backend.norm(AX[1]) + backend.norm(AX[0]) * backend.norm(X[1])
+    rel = float((a - b).abs() / scale.clamp_min(torch.finfo(wd).tiny))
+    limit = rtol if rtol is not None else min(0.1, 100 * torch.finfo(op.dtype).eps)
+    if not math.isfinite(rel) or rel > limit:
+        raise ValueError(
+            f"the operator is not symmetric: <u, Av> and <Au, v> differ by {rel:.2e} relative "
+            f"(allowed {limit:.1e}). Curvature algorithms need a symmetric operator; check the "
+            "matvec function (e.g. a missing transpose, or data that changes between products "
+            "such as full_dataset=False or dropout in train mode)"
+        )
+    return rel
+
+
+def _block_qr(W: torch.Tensor, backend: LinAlgBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W (b, n) = Rᵀ Q`` with orthonormal rows ``Q``; no host sync.
+
+    Single device: Householder QR. Other backends: Cholesky QR twice through
+    the backend's Gram matrix. A rank-deficient block shows up as a tiny or
+    non-finite diagonal of ``R``, which the caller checks on the host.
+    """
+    b = W.shape[0]
+    if b == 1:
+        beta = row_dots(backend, W, W).sqrt()
+        return W / beta.clamp_min(torch.finfo(W.dtype).tiny), beta.view(1, 1)
+    if isinstance(backend, SingleDeviceBackend):
+        Qc, R = torch.linalg.qr(W.T)
+        return Qc.T, R
+    Q = W
+    R = torch.eye(b, dtype=W.dtype, device=W.device)
+    for _ in range(2):
+        L, _info = torch.linalg.cholesky_ex(backend.inner_rows(Q, Q))
+        Q = torch.linalg.solve_triangular(L, Q, upper=False)
+        R = L.T @ R
+    return Q, R
+
+
+def lanczos(
+    op: CurvatureOperator,
+    *,
+    k: int = 10,
+    max_iter: int | None = None,
+    tol: float = 1e-4,
+    reorthogonalize: bool | None = None,
+    which: Which = "LM",
+    seed: int | None = None,
+    backend: LinAlgBackend | None = None,
+    ncv: int | None = None,
+    block_size: int = 1,
+    v0: torch.Tensor | None = None,
+    precision: torch.dtype | None = None,
+    residuals: Literal["exact", "estimate"] = "exact",
+    check_symmetric: bool = False,
+    progress: bool | None = None,
+) -> EigenResult:
+    """Top-``k`` eigenpairs of a symmetric operator by thick-restart Lanczos.
+
+    Args:
+        k: number of eigenpairs.
+        max_iter: budget of operator products for the iteration (a block of
+            ``b`` counts ``b``); default ``max(1000, 30 · ncv)``. The exact
+            residuals at the end cost ``k`` more.
+        tol: a pair is converged when ``||A v - θ v|| <= tol · |θ|`` (or the
+            residual is at rounding level, ``100 · eps · ||A||``).
+        reorthogonalize: ``None``/``True``: full reorthogonalization (classical
+            Gram-Schmidt twice). ``False``: only against the previous block
+            (and the kept vectors after a restart): less arithmetic, but
+            spurious copies of converged eigenvalues can appear.
+        which: ``"LM"`` largest magnitude, ``"LA"`` largest algebraic,
+            ``"SA"`` smallest algebraic. Results come most wanted first:
+            ``|θ|`` descending, ``θ`` descending, ``θ`` ascending respectively.
+        seed: seed of the start vector (local generator; reproducible).
+        ncv: Krylov basis size before a restart (ARPACK's ``ncv``); default
+            ``min(n, max(2k + 1, 20, k + 2b))``.
+        block_size: ``b > 1`` runs block Lanczos: each step applies the
+            operator to ``b`` vectors in one ``op @ V`` pass. It needs more
+            products than ``b = 1`` but fewer passes, so it wins in wall time
+            when a block product costs much less than ``b`` single products
+            (Hessians over a dataset, GPUs) or eigenvalues are (nearly)
+            repeated. When ``ncv + b > n`` it falls back to ``b = 1``.
+        v0: start vector ``(n,)`` or start block ``(b, n)``; random otherwise.
+        precision: working dtype of the basis and reductions, see NOTE
+            [mixed precision] in ``_common``; products run in ``op.dtype``.
+        residuals: ``"exact"`` recomputes ``||A v - θ v||`` with one block
+            product of the ``k`` vectors; ``"estimate"`` reports the Lanczos
+            estimate ``||R s_last||`` (equal in exact arithmetic, no products).
+        check_symmetric: spend 2 products checking that ``op`` is symmetric.
+        progress: tqdm bar; ``None`` shows it only when stderr is a terminal.
+
+    Returns an :class:`EigenResult` (most wanted first). Warns
+    :class:`ConvergenceWarning` when the budget ends before all ``k`` pairs
+    converge. When the Krylov space is exhausted (small ``n`` or an invariant
+    subspace) the answer is exact.
+    """
+    op = check_operator(op)
+    backend = default_backend(backend)
+    n = op.size
+    check_k(k, n)
+    if which not in ("LM", "LA", "SA"):
+        raise ValueError(f"which must be 'LM', 'LA' or 'SA', got {which!r}")
+    if residuals not in ("exact", "estimate"):
+        raise ValueError(f"residuals must be 'exact' or 'estimate', got {residuals!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not (tol >= 0):
+        raise ValueError(f"tol must be >= 0, got {tol}")
+    b = block_size
+    if ncv is None:
+        ncv = max(2 * k + 1, 20, k + 2 * b)
+    ncv = min(int(ncv), n)
+    if b > 1 and ncv + b > n:
+        b = 1  # the whole space fits in the basis: plain Lanczos is exact and cheaper
+    if ncv < n and ncv < k + b:
+        raise ValueError(f"ncv={ncv} must be at least k + block_size = {k + b} (or the operator size {n})")
+    if max_iter is None:
+        max_iter = max(1000, 30 * ncv)
+    if max_iter < min(n, k + b):
+        raise ValueError(
+            f"max_iter={max_iter} products cannot give k={k} eigenpairs; use at least {min(n, k + b)} "
+            f"(max_iter counts operator products, not restarts)"
+        )
+    full = reorthogonalize is None or bool(reorthogonalize)
+    if check_symmetric:
+        check_symmetry(op, seed=seed, backend=backend)
+
+    wd = work_dtype(op, precision)
+    eps = max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
+    device = op.device
+    gen = make_generator(seed, backend)
+
+    m = ncv
+    V = torch.empty(m + b, n, dtype=wd, device=device)
+    T = np.zeros((m + b, m + b))
+
+    if v0 is not None:
+        if not isinstance(v0, torch.Tensor):
+            raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
+        X0 = v0.reshape(-1, n).to(device=device, dtype=wd)
+        if X0.shape[0] != b:
+            raise ValueError(f"v0 must have shape ({n},) or ({b}, {n}) for block_size={b}, got {tuple(v0.shape)}")
+        if not bool(torch.isfinite(X0).all()):
+            raise ValueError("v0 has non-finite entries")
+    else:
+        X0 = random_rows(b, n, gen, device=device, dtype=wd)
+    Q0 = orthonormalize_rows(X0, backend)
+    if Q0.shape[0] < b:
+        raise ValueError("the start vector is zero (or the start block is rank deficient); pass a nonzero v0 or leave v0=None")
+    V[:b] = Q0
+
+    j = 0  # first row of the block being expanded
+    restart_l = 0  # rows [0, restart_l) are kept Ritz vectors of the last restart
+    products = 0
+    anorm = 0.0
+    exhausted = False
+    theta = np.zeros(0)
+    S = np.zeros((0, 0))
+    est = np.zeros(0)
+    order = np.zeros(0, dtype=np.int64)
+    top = b
+    it = 0
+    noise = 100.0 * eps
+
+    with progress_bar(max_iter, f"lanczos (k={k})", progress) as bar:
+        while True:
+            it += 1
+            top = j + b
+            W = apply_rows(op, V[j:top])
+            products += b
+            lo = 0 if (full or j == restart_l) else max(0, j - b)
+            B = V[lo:top]
+            H = backend.inner_rows(B, W)  # (top - lo, b)
+            W = W - H.T @ B
+            if full:
+                H2 = backend.inner_rows(B, W)
+                W = W - H2.T @ B
+                H = H + H2
+            Q, R = _block_qr(W, backend)
+            # the one host sync of this step: diagonal block of H and the coupling R
+            host = torch.cat([H[-b:].reshape(-1), R.reshape(-1)]).to("cpu", torch.float64).numpy()
+            if not np.isfinite(host).all():
+                raise non_finite_error(f"after {products} products", it)
+            Hd = host[: b * b].reshape(b, b)
+            Rh = host[b * b :].reshape(b, b)
+            T[j:top, j:top] = 0.5 * (Hd + Hd.T)
+            anorm = max(anorm, float(np.abs(T[j:top, j:top]).max()), float(np.abs(Rh).max()))
+            diag = np.abs(np.diag(Rh))
+            if b == 1 and diag.min() < math.sqrt(eps) * anorm and diag.min() > noise * anorm:
+                # small residual: one more Gram-Schmidt pass keeps Q orthogonal to the basis
+                Q = Q - backend.inner_rows(Q, V[:top]) @ V[:top]
+                Q = Q / backend.norm(Q)
+            if diag.min() <= noise * max(anorm, torch.finfo(torch.float64).tiny):
+                # invariant subspace (or the whole space) reached: continue with a fresh
+                # direction orthogonal to the basis; its coupling to the basis is W's
+                Q, Rh, exhausted = _fresh_block(W, V[:top], b, n, gen, backend)
+            if not exhausted:
+                V[top : top + b] = Q
+                T[top : top + b, j:top] = Rh
+                T[j:top, top : top + b] = Rh.T
+            bar.update(b)
+
+            # Ritz pairs of the current basis and their residual estimates
+            if top >= k or exhausted:
+                theta, S = np.linalg.eigh(T[:top, :top])
+                anorm = max(anorm, float(np.abs(theta).max()))
+                est = np.zeros(top) if exhausted else np.linalg.norm(Rh @ S[top - b : top, :], axis=0)
+                order = _order(theta, which)
+                want = order[:k]
+                thresh = np.maximum(tol * np.abs(theta[want]), noise * anorm)
+                n_conv = int((est[want] <= thresh).sum()) if top >= k else 0
+                bar.set_postfix(converged=n_conv)
+                if exhausted or (top >= k and n_conv == k):
+                    break
+            if products + b > max_iter:
+                break
+            if top + b > m:
+                # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
+                n_conv = int((est[order[:k]] <= np.maximum(tol * np.abs(theta[order[:k]]), noise * anorm)).sum())
+                n_keep = _num_kept(k, m, b, n_conv)
+                keep = order[:n_keep]
+                Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(device=device, dtype=wd)
+                V[:n_keep] = Sk @ V[:top]
+                V[n_keep : n_keep + b] = V[top : top + b]
+                coupling = Rh @ S[top - b : top, keep]
+                T[:] = 0.0
+                T[:n_keep, :n_keep] = np.diag(theta[keep])
+                T[n_keep : n_keep + b, :n_keep] = coupling
+                T[:n_keep, n_keep : n_keep + b] = coupling.T
+                j = n_keep
+                restart_l = n_keep
+            else:
+                j = top
+
+    want = order[:k]
+    Y = torch.from_numpy(np.ascontiguousarray(S[:, want].T)).to(device=device, dtype=wd) @ V[:top]
+    lam = torch.from_numpy(theta[want].copy())
+    if residuals == "exact":
+        AY = apply_rows(op, Y)
+        products += k
+        Rm = AY - lam.to(device=device, dtype=wd).unsqueeze(1) * Y
+        res = row_dots(backend, Rm, Rm).sqrt().to("cpu", torch.float64)
+        if not bool(torch.isfinite(res).all()):
+            raise non_finite_error("residual check", it)
+    else:
+        res = torch.from_numpy(est[want].copy())
+    thresh_t = torch.clamp(tol * lam.abs(), min=noise * anorm)
+    converged = res <= thresh_t
+    if not bool(converged.all()):
+        warnings.warn(
+            f"lanczos: {int(converged.sum())} of {k} eigenpairs converged to tol={tol:g} within "
+            f"{products} products; raise max_iter or ncv, or loosen tol",
+            ConvergenceWarning,
+            stacklevel=2,
+        )
+    return EigenResult(
+        eigenvalues=lam,
+        eigenvectors=Y.to(op.dtype),
+        residuals=res,
+        iterations=products,
+        converged=converged,
+    )
+
+
+def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:
+    """Ritz vectors kept at a restart.
+
+    Keeping more than ``k`` makes the next cycle converge faster (the kept
+    extras damp the unwanted part) but leaves fewer new directions per cycle.
+    ``k`` plus a fifth of the free room, plus half of it scaled by the
+    converged count as ARPACK grows its kept set: measured against ARPACK
+    on power-law, separated, clustered and exponential spectra
+    (``benchmarks/bench_algorithms.py``), this is never worse and usually
+    10-20% fewer products.
+    """
+    free = m - b - k
+    extra = min(free, max(1, round(0.2 * free) + min(n_conv, free) // 2))
+    return max(1, k + extra)
+
+
+def _fresh_block(
+    W: torch.Tensor,
+    basis: torch.Tensor,
+    b: int,
+    n: int,
+    gen: torch.Generator,
+    backend: LinAlgBackend,
+) -> tuple[torch.Tensor, np.ndarray, bool]:
+    """Orthonormal rows ``Q (b, n)`` spanning ``W``'s numerically nonzero part,
+    completed by random directions orthogonal to ``basis``; ``W = Rᵀ Q``.
+
+    Returns ``exhausted=True`` when the basis already spans the whole space.
+    """
+    J = basis.shape[0]
+    if J + b > n:
+        return W, np.zeros((b, b)), True
+    Z = random_rows(b, n, gen, device=W.device, dtype=W.dtype)
+    for _ in range(2):
+        Z = Z - backend.inner_rows(Z, basis) @ basis
+    Qw = orthonormalize_rows(W, backend, rtol=math.sqrt(float(torch.finfo(W.dtype).eps)))
+    Qw = Qw[: b]
+    for _ in range(2):
+        Z = Z - backend.inner_rows(Z, Qw) @ Qw
+    Qz = orthonormalize_rows(Z, backend)
+    Q = torch.cat([Qw, Qz])[:b]
+    if Q.shape[0] < b:
+        return W, np.zeros((b, b)), True
+    R = backend.inner_rows(Q, W).to("cpu", torch.float64).numpy()  # W ≈ Rᵀ Q
+    return Q.contiguous(), R, False
+
+
+def lanczos_tridiagonal(
+    op: CurvatureOperator,
+    v0: torch.Tensor,
+    max_iter: int,
+    *,
+    reorthogonalize: bool = True,
+    backend: LinAlgBackend | None = None,
+    precision: torch.dtype | None = None,
+    keep_basis: bool = True,
+) -> LanczosTridiag:
+    """One unrestarted Lanczos run of ``max_iter`` steps from ``v0`` (shared with SLQ).
+
+    Stops early when the Krylov space becomes invariant (``last_beta ≈ 0``),
+    so ``iterations`` may be smaller than ``max_iter``. ``v0`` is normalized.
+    """
+    op = check_operator(op)
+    if not isinstance(v0, torch.Tensor):
+        raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
+    if v0.shape != (op.size,):
+        raise ValueError(f"v0 must have shape ({op.size},), got {tuple(v0.shape)}")
+    runs = tridiagonal_runs(
+        op,
+        v0.unsqueeze(0),
+        max_iter,
+        reorthogonalize=reorthogonalize,
+        backend=default_backend(backend),
+        precision=precision,
+        keep_basis=keep_basis,
+    )
+    return runs[0]
+
+
+def tridiagonal_runs(
+    op: CurvatureOperator,
+    V0: torch.Tensor,
+    steps: int,
+    *,
+    reorthogonalize: bool,
+    backend: LinAlgBackend,
+    precision: torch.dtype | None,
+    keep_basis: bool,
+    bar: object | None = None,
+) -> list[LanczosTridiag]:
+    """``r`` independent Lanczos runs in lockstep: one ``op @ V`` block per step.
+
+    Each run's basis is a slice of one ``(r, steps, n)`` buffer and is
+    reorthogonalized by batched matrix products (CGS2). A run that hits an
+    invariant subspace stops (its vector is zeroed, costing nothing but
+    arithmetic) while the others go on. One host sync per step.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"max_iter must be a positive int, got {steps!r}")
+    n = op.size
+    r = V0.shape[0]
+    steps = min(steps, n)
+    wd = work_dtype(op, precision)
+    eps = max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
+    device = op.device
+    X = V0.to(device=device, dtype=wd)
+    norms = row_dots(backend, X, X).sqrt()
+    host_norms = norms.to("cpu", torch.float64).numpy()
+    if not np.isfinite(host_norms).all() or (host_norms == 0).any():
+        raise ValueError("the start vector is zero or non-finite; pass a nonzero finite v0")
+    X = X / norms.unsqueeze(1)
+    store = reorthogonalize or keep_basis
+    Vb = torch.empty(r, steps if store else 2, n, dtype=wd, device=device)
+    Vb[:, 0] = X
+    alphas = np.zeros((r, steps))
+    betas = np.zeros((r, steps))
+    length = np.full(r, steps)
+    active = np.ones(r, dtype=bool)
+    anorm = np.zeros(r)
+    prev_beta = torch.zeros(r, dtype=wd, device=device)
+    for j in range(steps):
+        cur = Vb[:, j] if store else Vb[:, j % 2]
+        W = apply_rows(op, cur)
+        if reorthogonalize:
+            basis = Vb[:, : j + 1]
+            H = backend.all_reduce_sum(torch.bmm(basis, W.unsqueeze(2)).squeeze(2))  # (r, j+1)
+            W = W - torch.bmm(H.unsqueeze(1), basis).squeeze(1)
+            H2 = backend.all_reduce_sum(torch.bmm(basis, W.unsqueeze(2)).squeeze(2))
+            W = W - torch.bmm(H2.unsqueeze(1), basis).squeeze(1)
+            alpha = (H + H2)[:, j]
+        else:
+            alpha = row_dots(backend, cur, W)
+            W = W - alpha.unsqueeze(1) * cur
+            if j > 0:
+                prev = Vb[:, j - 1] if store else Vb[:, (j - 1) % 2]
+                W = W - prev_beta.unsqueeze(1) * prev
+        beta = row_dots(backend, W, W).sqrt()
+        host = torch.cat([alpha, beta]).to("cpu", torch.float64).numpy()
+        if not np.isfinite(host[:r][active]).all() or not np.isfinite(host[r:][active]).all():
+            raise non_finite_error("Lanczos step", j + 1)
+        a_h, b_h = host[:r], host[r:]
+        alphas[active, j] = a_h[active]
+        betas[active, j] = b_h[active]
+        anorm = np.maximum(anorm, np.abs(a_h) + np.abs(b_h))
+        done = active & (b_h <= 100 * eps * np.maximum(anorm, 1e-300))
+        length[done] = j + 1
+        active &= ~done
+        if bar is not None:
+            bar.update(1)  # type: ignore[attr-defined]
+        if not active.any() or j + 1 == steps:
+            break
+        scale = torch.from_numpy(np.where(active, 1.0 / np.maximum(b_h, 1e-300), 0.0)).to(device=device, dtype=wd)
+        nxt = W * scale.unsqueeze(1)
+        if store:
+            Vb[:, j + 1] = nxt
+        else:
+            Vb[:, (j + 1) % 2] = nxt
+        prev_beta = beta
+    out = []
+    for i in range(r):
+        m = int(length[i])
+        out.append(
+            LanczosTridiag(
+                alphas=torch.from_numpy(alphas[i, :m].copy()),
+                betas=torch.from_numpy(betas[i, : m - 1].copy()),
+                basis=Vb[i, :m].to(op.dtype) if (keep_basis and store) else None,
+                last_beta=float(betas[i, m - 1]),
+                iterations=m,
+            )
+        )
+    return out

@@ -1,0 +1,114 @@
+"""Result types of the algorithms (frozen dataclasses) and the domain warning.
+
+Shapes are in the field comments; ``n`` is the operator size, ``k`` the
+number of eigenpairs, ``m`` the number of Lanczos steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ConvergenceWarning(UserWarning):
+    """An algorithm stopped before meeting its tolerance, or hit numerical trouble."""
+
+
+@dataclass(frozen=True)
+class EigenResult:
+    """Eigenpairs of a symmetric operator.
+
+    ``residuals[i]`` is the true ``||A v_i - λ_i v_i||`` (for unit ``v_i``),
+    ``converged[i]`` says whether it met the solver's tolerance. The order is
+    the solver's (see its docstring): most wanted first.
+    """
+
+    eigenvalues: torch.Tensor  # (k,) float64 on the CPU
+    eigenvectors: torch.Tensor  # (k, n) unit rows, operator's dtype and device
+    residuals: torch.Tensor  # (k,) float64 on the CPU
+    iterations: int  # operator products spent (a block of b counts b)
+    converged: torch.Tensor  # (k,) bool
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        """A short human-readable table of the pairs."""
+        k = int(self.eigenvalues.shape[0])
+        n_conv = int(self.converged.sum())
+        lines = [
+            f"EigenResult: {k} pairs, {n_conv}/{k} converged, "
+            f"{self.iterations} products, n={self.eigenvectors.shape[-1]}",
+            "    i   eigenvalue        residual   converged",
+        ]
+        for i in range(k):
+            lines.append(
+                f"{i:5d}  {float(self.eigenvalues[i]): .6e}  {float(self.residuals[i]):.2e}"
+                f"   {bool(self.converged[i])}"
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """A stochastic trace estimate ``tr(A)``."""
+
+    estimate: float
+    stderr: float  # standard error of the estimate (from the sample variance)
+    samples: torch.Tensor  # (s,) float64 per-probe values whose mean is ``estimate``
+
+
+@dataclass(frozen=True)
+class DiagonalResult:
+    """A stochastic estimate of ``diag(A)``."""
+
+    estimate: torch.Tensor  # (n,) working dtype (fp32/fp64), operator's device
+    stderr: torch.Tensor  # (n,) elementwise standard error of the probe part
+    num_matvecs: int  # operator products spent
+
+
+@dataclass(frozen=True)
+class LanczosTridiag:
+    """One Lanczos run: ``A Vᵀ = Vᵀ T + last_beta · r e_mᵀ`` with ``T = tridiag(betas, alphas, betas)``."""
+
+    alphas: torch.Tensor  # (m,) float64, diagonal of T
+    betas: torch.Tensor  # (m - 1,) float64, off-diagonal of T
+    basis: torch.Tensor | None  # (m, n) orthonormal rows, None when not kept
+    last_beta: float  # norm of the residual after the last step (0: invariant subspace)
+    iterations: int  # m, the number of products
+
+
+@dataclass(frozen=True)
+class SpectralDensityResult:
+    """A smoothed spectral density from stochastic Lanczos quadrature.
+
+    ``density`` integrates to about 1 over ``grid``; ``raw_eigenvalues`` and
+    ``raw_weights`` are the quadrature nodes and weights of all runs (the
+    weights sum to 1), so the density can be re-smoothed with another sigma.
+    """
+
+    grid: torch.Tensor  # (g,) float64
+    density: torch.Tensor  # (g,) float64
+    raw_eigenvalues: torch.Tensor  # (q,) float64, q <= num_runs * lanczos_steps
+    raw_weights: torch.Tensor  # (q,) float64, sums to 1
+    sigma: float  # width of the Gaussian kernel
+
+    def plot(self, ax: Any = None, *, log: bool = True, **kwargs: Any) -> Any:
+        """Plot the density (log scale by default); returns the matplotlib axes."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "SpectralDensityResult.plot needs matplotlib; install it with "
+                "`pip install hessian-eigenthings[plotting]`"
+            ) from exc
+        if ax is None:
+            _, ax = plt.subplots()
+        ax.plot(self.grid.numpy(), self.density.numpy(), **kwargs)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("eigenvalue")
+        ax.set_ylabel("density")
+        return ax
