@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test command of README.md. Triton kernels run in interpreter mode on CPU machines.
+# README's test command: sets up .venv if needed, then runs the test suite.
+# Triton kernels run in interpreter mode on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
