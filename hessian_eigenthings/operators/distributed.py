@@ -1,0 +1,609 @@
+"""Curvature products with the data (DDP) or the parameters (FSDP) split across ranks.
+
+**Data parallel** (:class:`DDPHessianOperator`, and :class:`DataParallelMixin`
+on any :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`):
+every rank holds the whole model and its own shard of the data, of any size.
+Rank ``r`` runs the ordinary data loop over its chunks ``i`` and gets
+``S_r = Σ_i b_ri·P_ri`` and ``B_r = Σ_i b_ri``; the product is
+
+    C v = (Σ_r S_r) / (Σ_r B_r),
+
+the single-process product over the union of the ranks' batches weighted by
+batch size, whatever the shard sizes. One all-reduce per product carries
+``[S_r (k·n) | B_r | f_0 … f_{W-1}]`` in the operator's flat output buffer,
+where ``f_r`` = 1 when rank ``r`` failed; every rank reads the ``1 + W``
+trailing numbers (one host sync per product, the price of raising instead of
+hanging) and raises together, naming the failed ranks. 16-bit dtypes cannot
+hold sample counts exactly, so there the counts and flags go in a tiny float64
+all-reduce first and the data follows in a second one.
+Cost per product: the local product on ``1/W`` of the data, plus one
+all-reduce of ``k·n + 1 + W`` elements (a ring sends about ``2·k·n`` elements
+per rank) and, when a rank runs a single chunk, one extra scaling of the
+output by ``b``. Vectors are replicated: every rank passes the same ``v`` and
+gets the same ``C v``, bit for bit.
+
+**Sharded** (:class:`FSDPHessianOperator`): parameters sharded with FSDP2
+(``fully_shard``), vectors sharded the same way. See NOTE [sharded vector
+layout]. Central differences ``H v ≈ (g(θ + h v̂) − g(θ − h v̂))·‖v‖ / 2h``
+with ``g`` from ordinary FSDP forward–backward passes: FSDP's reduce-scatter
+hands each rank its shard of the data-averaged gradient, so the product
+arrives sharded and already reduced. Cost per vector and chunk: two FSDP
+forward–backward passes (their all-gathers and reduce-scatters) and two status
+all-reduces of ``2·W`` numbers; per product one all-reduce of the ``k``
+vector norms and one status all-reduce per chunk. Autograd (double backward)
+is refused: FSDP2 all-gathers parameters outside autograd, so no graph links
+the sharded parameters to the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hessian_eigenthings.batching import Batch, batch_size
+from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.linalg_distributed import (
+    DistributedBackend,
+    is_main_process,
+    resolve_process_group,
+)
+from hessian_eigenthings.operators.base import DataCurvatureOperator, private_buffers
+from hessian_eigenthings.operators.hessian import HessianOperator, LossFn, _scalar_loss
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
+
+__all__ = [
+    "DDPHessianOperator",
+    "DataParallelMixin",
+    "DistributedBackend",
+    "DistributedProductError",
+    "FSDPHessianOperator",
+    "is_main_process",
+]
+
+
+class DistributedProductError(RuntimeError):
+    """Raised on every rank that did not fail itself when some rank failed
+    during a collective step (construction or a product); ``ranks`` lists them.
+    The failed ranks raise their own exception."""
+
+    def __init__(self, ranks: Sequence[int], world_size: int, what: str) -> None:
+        self.ranks = tuple(ranks)
+        names = ", ".join(str(r) for r in self.ranks)
+        super().__init__(
+            f"rank {names} of {world_size} raised during {what}; see that rank's traceback. "
+            "This rank stops too, so that no rank waits forever in a collective."
+        )
+
+
+# --------------------------------------------------------------------------
+# Agreement between ranks
+# --------------------------------------------------------------------------
+
+
+class _RankGroup:
+    """A process group plus the small collective checks the operators share."""
+
+    def __init__(self, process_group: Any, device: torch.device) -> None:
+        self.group = resolve_process_group(process_group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = device
+
+    def exchange(self, row: Sequence[float]) -> torch.Tensor:
+        """Every rank's ``row``, as a ``(W, len(row))`` float64 table on the host.
+
+        An all-reduce of a table that is zero outside this rank's row: an
+        all-gather that works on every backend, exact for flags and counts.
+        """
+        table = torch.zeros(self.world_size, len(row), dtype=torch.float64, device=self.device)
+        table[self.rank] = torch.tensor(row, dtype=torch.float64)
+        dist.all_reduce(table, group=self.group)
+        return table.cpu()
+
+    def raise_for(self, failed: Sequence[int], own: BaseException | None, what: str) -> None:
+        """Raise on every rank when any rank failed: the failed rank its own
+        exception (annotated with its rank), the others :class:`DistributedProductError`."""
+        if own is not None:
+            note = f"[hessian_eigenthings] raised on rank {self.rank} of {self.world_size} during {what}"
+            if hasattr(own, "add_note"):  # Python >= 3.11
+                own.add_note(note)
+            raise own
+        if failed:
+            raise DistributedProductError(failed, self.world_size, what)
+
+    def check_layout(
+        self, failure: BaseException | None, signature: tuple[int, int, int], what: str
+    ) -> None:
+        """Every rank built an operator over the same parameters (count, tensors, names and shapes)."""
+        table = self.exchange([float(failure is not None), *map(float, signature)])
+        failed = [r for r in range(self.world_size) if table[r, 0] > 0]
+        self.raise_for(failed, failure, what)
+        rows = [tuple(int(x) for x in table[r, 1:]) for r in range(self.world_size)]
+        if len(set(rows)) > 1:
+            detail = "; ".join(
+                f"rank {r}: {row[0]} parameters in {row[1]} tensors" for r, row in enumerate(rows)
+            )
+            raise ValueError(
+                f"the ranks selected different parameters ({detail}; names/shapes checksum "
+                f"{[row[2] for row in rows]}). Every rank must build the operator over the same model "
+                "with the same param_filter."
+            )
+
+
+def _layout_signature(
+    names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype
+) -> tuple[int, int, int]:
+    numel = sum(math.prod(s) for s in shapes)
+    # crc32, not hash(): Python randomizes str hashes per process
+    crc = zlib.crc32(repr((list(names), [tuple(s) for s in shapes], str(dtype))).encode())
+    return numel, len(names), crc
+
+
+def _first_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter: a view sharing its storage."""
+    return p.to_local() if _is_dtensor(p) else p  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=1)
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+    return DTensor
+
+
+@functools.lru_cache(maxsize=1)
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: FSDP2 lived under _composable
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+# --------------------------------------------------------------------------
+# Data parallel: replicated model, data split across ranks
+# --------------------------------------------------------------------------
+
+# NOTE [DDP wrapper]
+# A model wrapped in DistributedDataParallel is unwrapped to `model.module`,
+# and `loss_fn` receives the inner module. Products through the wrapper would
+# work too (checked on torch 2.13 and 2.15: `autograd.grad` runs no AccumulateGrad
+# node, so DDP's gradient hooks never fire, and no "reduction not finished"
+# error follows), but every wrapper forward broadcasts buffers from rank 0
+# and prepares the reducer: a collective per forward that deadlocks as soon
+# as ranks run different numbers of batches, and per-forward overhead
+# (plus a C++ warning with find_unused_parameters=True). Our one all-reduce
+# per product is all the communication a product needs.
+
+
+class DataParallelMixin(DataCurvatureOperator):
+    """Turns a data-driven curvature operator into its data-parallel version.
+
+    ``class DDPMyOperator(DataParallelMixin, MyOperator): pass`` takes
+    ``MyOperator``'s arguments plus ``process_group`` (default: the DDP
+    wrapper's group, else the default group). Each rank passes its own
+    dataloader shard; products equal the single-process product over the
+    union of the shards, weighted by batch size, and are identical on every
+    rank. Vectors are replicated, so the backend stays the single-device one.
+    """
+
+    process_group: Any
+    rank: int
+    world_size: int
+
+    def __init__(
+        self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
+    ) -> None:
+        if isinstance(model, DistributedDataParallel):
+            if process_group is None:
+                process_group = getattr(model, "process_group", None)
+            model = model.module  # see NOTE [DDP wrapper]
+        ranks = _RankGroup(process_group, _first_device(model))
+        self._ranks = ranks
+        self.process_group = ranks.group
+        self.rank = ranks.rank
+        self.world_size = ranks.world_size
+        self._flat: torch.Tensor | None = None
+        self._reduced = False
+        failure: BaseException | None = None
+        signature = (0, 0, 0)
+        try:
+            if isinstance(model, nn.Module) and any(_is_dtensor(p) for p in model.parameters()):
+                raise TypeError(
+                    f"the model's parameters are sharded (FSDP2 / DTensor); {type(self).__name__} needs a "
+                    "replicated model: use FSDPHessianOperator for sharded models"
+                )
+            super().__init__(model, *args, **kwargs)
+            signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
+        except Exception as exc:
+            failure = exc
+        # a rank that failed still joins, so that the others raise instead of waiting
+        ranks.check_layout(failure, signature, f"construction of {type(self).__name__}")
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        k = V.shape[0]
+        if self._block_limit(k) < k:
+            return super()._matmat_rows(V)  # several passes: each reduces through a packed copy
+        # One pass: allocate the output with room for the count and the flags
+        # behind it, so that the all-reduce runs in place on the output buffer.
+        n = self.size
+        flat = torch.empty(k * n + 1 + self.world_size, dtype=self.dtype, device=self.device)
+        out = flat[: k * n].view(k, n)
+        self._flat = flat
+        try:
+            self._pass(V, out)
+        finally:
+            self._flat = None
+        return out
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        self._reduced = False
+        try:
+            super()._pass(V, out)
+        except Exception as exc:
+            if self._reduced:
+                raise
+            # join the all-reduce the other ranks wait in, flagged; raises on every rank
+            self._reduce(out, 0, 0, exc)
+            raise
+
+    def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
+        self._reduce(out, count, total, None)
+
+    def _reduce(
+        self, out: torch.Tensor, count: int, total: float, failure: BaseException | None
+    ) -> None:
+        """``out ← Σ_r S_r / Σ_r B_r`` in one all-reduce; raise everywhere if a rank failed."""
+        self._reduced = True
+        ranks = self._ranks
+        m = out.numel()
+        if failure is None and count == 1:
+            out.mul_(float(total))  # P₁ → b₁·P₁, so that ranks add up as Σ b·P
+        if self.dtype not in (torch.float32, torch.float64):
+            table = ranks.exchange([float(failure is not None), float(total)])
+            ranks.raise_for(
+                [r for r in range(ranks.world_size) if table[r, 0] > 0], failure, "a product"
+            )
+            dist.all_reduce(out, group=ranks.group)
+            out.mul_(1.0 / float(table[:, 1].sum()))
+            return
+        flat = self._flat
+        in_place = (
+            flat is not None
+            and flat.data_ptr() == out.data_ptr()
+            and flat.numel() == m + 1 + ranks.world_size
+        )
+        if in_place:
+            assert flat is not None
+            buf = flat
+        else:
+            buf = torch.empty(m + 1 + ranks.world_size, dtype=self.dtype, device=self.device)
+            buf[:m].copy_(out.reshape(-1))
+        tail = torch.zeros(1 + ranks.world_size, dtype=torch.float64)
+        tail[0] = float(total)
+        if failure is not None:
+            tail[1 + ranks.rank] = 1.0
+        buf[m:].copy_(tail)
+        dist.all_reduce(buf, group=ranks.group)
+        status = buf[m:].cpu()  # the one host sync of a product
+        failed = [r for r in range(ranks.world_size) if status[1 + r] > 0]
+        ranks.raise_for(failed, failure, "a product")
+        inv = 1.0 / float(status[0])
+        if in_place:
+            out.mul_(inv)
+        else:
+            torch.mul(buf[:m].view_as(out), inv, out=out)
+
+
+class DDPHessianOperator(DataParallelMixin, HessianOperator):
+    """:class:`HessianOperator` with the data split across ranks.
+
+    ``DDPHessianOperator(model, dataloader, loss_fn, *, ..., process_group=None)``:
+    the arguments of :class:`HessianOperator` plus ``process_group``.
+    ``model`` may be wrapped in ``DistributedDataParallel`` (see NOTE [DDP wrapper]);
+    ``dataloader`` is this rank's shard (e.g. a ``DistributedSampler``, shards
+    of any size). Both methods work; graph reuse and blocks work per rank.
+    """
+
+
+# --------------------------------------------------------------------------
+# Sharded: FSDP2 parameters, sharded vectors
+# --------------------------------------------------------------------------
+
+# NOTE [sharded vector layout]
+# With FSDP2 each parameter p is a DTensor sharded on dim 0; rank r holds
+# p.to_local() (rows of p, possibly none; FSDP's padding is not part of it).
+# The operator's vectors on rank r are the concatenation, in the order of
+# model.named_parameters() (after param_filter), of the flattened local
+# shards: op.size is the local length and differs across ranks. The global
+# vector is the rank-major interleaving of those pieces; nobody ever
+# assembles it. Elementwise arithmetic is local, reductions go through
+# op.backend (a DistributedBackend), so an algorithm given backend=op.backend
+# runs unchanged, and its eigenvectors come back sharded the same way.
+#
+# Weighting: rank r scales its mean chunk loss by b_r·W/B (B = Σ_r b_r of
+# this chunk, exchanged before the backward); FSDP's reduce-scatter averages
+# over W ranks, so each rank receives its shard of Σ_r b_r g_r / B: the
+# batch-size-weighted gradient of the union of the chunks. The base class
+# then weights chunks by B. This assumes FSDP's default gradient averaging
+# (no set_gradient_divide_factor, gradient sync enabled).
+
+
+class FSDPHessianOperator(HessianOperator):
+    """Hessian of a model sharded with FSDP2 ``fully_shard``, by finite differences.
+
+    ``FSDPHessianOperator(model, dataloader, loss_fn, *, param_filter=None,
+    full_dataset=True, num_batches=None, microbatch_size=None,
+    microbatch_unsafe=False, method="finite_difference", fd_eps=None,
+    backend=None, process_group=None)``. Vectors are sharded (NOTE [sharded
+    vector layout]); ``op.backend`` is a :class:`DistributedBackend`: pass it
+    to the algorithms. Every rank must yield the same number of batches per
+    product (their sizes may differ). Two FSDP forward–backward passes per
+    vector and chunk; no double backward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        loss_fn: LossFn,
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        method: Literal["autograd", "finite_difference"] = "finite_difference",
+        fd_eps: float | None = None,
+        backend: LinAlgBackend | None = None,
+        max_block_size: int | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if method == "autograd":
+            raise NotImplementedError(
+                "method='autograd' is not available for FSDP-sharded models: FSDP2 all-gathers the "
+                "parameters outside autograd, so no graph links the sharded parameters to the loss and "
+                "a double backward cannot reach them. Use method='finite_difference' (two ordinary "
+                "forward-backward passes per product), or DDPHessianOperator on a replicated model."
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if _is_fsdp1(model):
+            raise TypeError(
+                "FullyShardedDataParallel (FSDP1) flattens parameters and is not supported; shard the "
+                "model with torch.distributed.fsdp.fully_shard (FSDP2) instead"
+            )
+        fsdp_cls = _fsdp_module_type()
+        if fsdp_cls is None or not any(isinstance(m, fsdp_cls) for m in model.modules()):
+            raise TypeError(
+                "the model is not sharded with fully_shard (FSDP2); call fully_shard on its blocks and "
+                "on the root module, or use DDPHessianOperator for a replicated model"
+            )
+        self._fsdp_cls = fsdp_cls
+        mesh_group = self._mesh_group(model)
+        if process_group is None:
+            process_group = mesh_group
+        elif dist.get_process_group_ranks(process_group) != dist.get_process_group_ranks(
+            mesh_group
+        ):
+            raise ValueError(
+                "process_group must span the ranks the parameters are sharded over "
+                f"({dist.get_process_group_ranks(mesh_group)}); leave it None to use the FSDP mesh's group"
+            )
+        ranks = _RankGroup(process_group, _first_device(model))
+        self._ranks = ranks
+        self.process_group = ranks.group
+        self.rank = ranks.rank
+        self.world_size = ranks.world_size
+        self._scales: torch.Tensor | None = None
+        failure: BaseException | None = None
+        signature = (0, 0, 0)
+        try:
+            super().__init__(
+                model,
+                dataloader,
+                loss_fn,
+                param_filter=param_filter,
+                full_dataset=full_dataset,
+                num_batches=num_batches,
+                microbatch_size=microbatch_size,
+                microbatch_unsafe=microbatch_unsafe,
+                method="finite_difference",
+                fd_eps=fd_eps,
+                backend=backend,
+                max_block_size=max_block_size,
+                graph_reuse=False,
+            )
+            plain = [n for n, p in self.named_params if not _is_dtensor(p)]
+            if plain:
+                raise TypeError(
+                    f"parameters {plain[:4]} are not sharded; apply fully_shard to the root module too so "
+                    "that FSDP manages (and reduces the gradients of) every selected parameter"
+                )
+            # the global layout is checked across ranks; the operator acts on local shards
+            signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
+            #: length of the whole (unsharded) vector; ``size`` is this rank's shard
+            self.global_size = self.layout.size
+            self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
+            self._size = self.layout.size
+            self._device = self.layout.device
+            if backend is None:
+                self.backend = DistributedBackend(ranks.group)
+        except Exception as exc:
+            failure = exc
+        ranks.check_layout(failure, signature, "construction of FSDPHessianOperator")
+
+    @staticmethod
+    def _mesh_group(model: nn.Module) -> Any:
+        for p in model.parameters():
+            if _is_dtensor(p):
+                mesh = p.device_mesh  # type: ignore[attr-defined]
+                if mesh.ndim != 1:
+                    raise NotImplementedError(
+                        "only a 1-D device mesh (plain FSDP) is supported; HSDP / 2-D meshes are not"
+                    )
+                return mesh.get_group()
+        raise TypeError("fully_shard left no sharded parameter in the model")
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        # the step h·v/‖v‖ needs the norm of the whole vector: one all-reduce of k numbers
+        sq = torch.linalg.vector_norm(V, dim=1).square()
+        dist.all_reduce(sq, group=self._ranks.group)
+        self._scales = self.fd_eps / sq.sqrt().clamp_min(torch.finfo(V.dtype).tiny ** 0.5)
+        user_grads = [p.grad for p in self.params]
+        try:
+            super()._pass(V, out)
+        finally:
+            self._scales = None
+            for p, g in zip(self.params, user_grads, strict=True):
+                p.grad = g
+
+    def _contributions(
+        self, vecs: list[torch.Tensor]
+    ) -> Iterator[tuple[Sequence[torch.Tensor | None], float]]:
+        # FSDP forward/backward passes are collectives: all ranks must run the
+        # same number of chunks, so they agree on "one more chunk?" before each.
+        ranks = self._ranks
+        batches = self.source.batches()
+        pending: list[Batch] = []
+        raw: Batch | None = None
+        while True:
+            failure: BaseException | None = None
+            chunk: Batch | None = None
+            weight = 0.0
+            try:
+                if not pending:
+                    raw = next(batches, None)
+                    if raw is not None:
+                        pending = self._chunks(raw)
+                if pending:
+                    chunk = pending.pop(0)
+                    weight = self._weight(batch_size(chunk), raw)
+            except Exception as exc:
+                failure = exc
+            table = ranks.exchange([float(failure is not None), float(chunk is not None)])
+            ranks.raise_for(
+                [r for r in range(ranks.world_size) if table[r, 0] > 0], failure, "reading the data"
+            )
+            have = [r for r in range(ranks.world_size) if table[r, 1] > 0]
+            if not have:
+                return
+            if len(have) < ranks.world_size:
+                done = sorted(set(range(ranks.world_size)) - set(have))
+                raise ValueError(
+                    f"ranks {done} ran out of batches while ranks {have} have more: with a sharded model "
+                    "every rank must yield the same number of batches (and microbatches) per product; "
+                    "their sizes may differ"
+                )
+            assert chunk is not None
+            self.num_passes += 1
+            with private_buffers(self.model):
+                yield self._sharded_product(chunk, weight, vecs)
+
+    def _sharded_product(
+        self, chunk: Batch, weight: float, vecs: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], float]:
+        """Central differences on one chunk; returns the product over the union of the
+        ranks' chunks and their total weight (``weight``: this chunk's, see ``_weight``)."""
+        assert self._scales is not None
+        shards = [_local(p) for p in self.params]
+        saved = [s.detach().clone() for s in shards]
+        out = [torch.empty_like(v) for v in vecs]
+        total = 0.0
+        try:
+            for j in range(vecs[0].shape[0]):
+                scale = self._scales[j]
+                self._set_shards(shards, saved, [v[j] for v in vecs], scale)
+                g_plus, total = self._global_grad(chunk, weight)
+                self._set_shards(shards, saved, [v[j] for v in vecs], -scale)
+                g_minus, _ = self._global_grad(chunk, weight)
+                inv = 0.5 / scale
+                with torch.no_grad():
+                    for o, gp, gm in zip(out, g_plus, g_minus, strict=True):
+                        if gp is None or gm is None:
+                            o[j].zero_()
+                        else:
+                            torch.mul(gp - gm, inv, out=o[j])
+        finally:
+            with torch.no_grad():
+                for s, x in zip(shards, saved, strict=True):
+                    s.copy_(x)
+        return out, total
+
+    def _set_shards(
+        self,
+        shards: list[torch.Tensor],
+        saved: list[torch.Tensor],
+        v: list[torch.Tensor],
+        scale: torch.Tensor,
+    ) -> None:
+        # An unsharded copy left from an earlier forward (FSDP keeps the root's
+        # after forward) would hide the perturbation: reshard first, so the
+        # next forward all-gathers the perturbed shards.
+        for m in self.model.modules():
+            if isinstance(m, self._fsdp_cls):
+                m.reshard()  # type: ignore[operator]
+        with torch.no_grad():
+            for s, x, vi in zip(shards, saved, v, strict=True):
+                s.copy_(vi).mul_(scale).add_(x)
+
+    def _global_grad(self, chunk: Batch, b: float) -> tuple[list[torch.Tensor | None], float]:
+        """This rank's shard of the ``b``-weighted gradient over the ranks' chunks, and
+        the chunks' total weight. See NOTE [sharded vector layout] on the weighting."""
+        ranks = self._ranks
+        self.num_forwards += 1
+        failure: BaseException | None = None
+        loss: torch.Tensor | None = None
+        try:
+            loss = _scalar_loss(self.loss_fn(self.model, chunk))
+        except Exception as exc:
+            failure = exc
+        # agree before the backward: its reduce-scatters would wait forever for a failed rank
+        table = ranks.exchange([float(failure is not None), float(b)])
+        ranks.raise_for(
+            [r for r in range(ranks.world_size) if table[r, 0] > 0], failure, "a product"
+        )
+        assert loss is not None
+        total = float(table[:, 1].sum())
+        for p in self.params:
+            p.grad = None
+        (loss * (b * ranks.world_size / total)).backward()
+        grads = [None if p.grad is None else _local(p.grad) for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads, total

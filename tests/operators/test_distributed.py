@@ -1,0 +1,264 @@
+"""Distributed operators against single-process results, in real process groups.
+
+Each group (2 and 3 ranks, gloo on CPU) is one launch of ``_dist_worker.py``
+per rank that runs every check and writes its numbers; the tests below read
+them. Launches have a deadline and the workers a 60 s collective timeout, so
+a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+LAUNCH_DEADLINE_S = 170
+
+# float64 products on the union of the shards agree with one process to rounding;
+# central differences agree with autograd to O(h²) + rounding/h.
+ROUNDING = 1e-13
+FD = 1e-8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``world`` ranks of ``argv`` (a script and its arguments); kill them all at the deadline."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        )
+        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 -- closed below
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+                log,
+            )
+        )
+    results = []
+    try:
+        for rank, (p, _log) in enumerate(procs):
+            try:
+                p.wait(timeout=LAUNCH_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(
+                    f"rank {rank} of {world} still running after {LAUNCH_DEADLINE_S} s (a hang?)"
+                )
+            results.append(
+                subprocess.CompletedProcess(
+                    argv, p.returncode, (out / f"log{rank}.txt").read_text(), ""
+                )
+            )
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited with {r.returncode}:\n{r.stdout[-4000:]}"
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"dist{world}")
+    launch(world, out, [str(HERE / "_dist_worker.py"), str(out)])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def get(ranks: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
+    per_rank = [r[check] for r in ranks]
+    for rank, res in enumerate(per_rank):
+        if "error" in res:
+            pytest.fail(f"check {check} raised on rank {rank}: {res['error']}\n{res['traceback']}")
+    return per_rank
+
+
+def test_ddp_equals_single_process_on_union(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_autograd"):
+        assert res["matvec"] < ROUNDING and res["matmat"] < ROUNDING
+        assert res["reuse"] == 0.0
+        assert res["same_on_ranks"]
+        assert res["model_unchanged"]
+        assert res["backend"] == "SingleDeviceBackend"  # replicated vectors
+
+
+def test_ddp_finite_difference(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_finite_difference"):
+        assert res["vs_fd"] < ROUNDING
+        assert res["vs_autograd"] < FD
+        assert res["same_on_ranks"]
+
+
+def test_ddp_wrapped_model_is_unwrapped_and_still_trains(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_wrapped_model"):
+        assert res["matvec"] < ROUNDING
+        assert res["uses_inner"] and res["model_unchanged"] and res["train_step_after"]
+
+
+def test_ddp_cycling_chunked_blocks_microbatches(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_cycling_blocks_microbatches"):
+        assert res["cycling"] < ROUNDING
+        assert res["chunked_blocks"] < ROUNDING
+
+
+def test_ddp_low_precision(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_low_precision"):
+        assert res["float32"] < 1e-5
+        assert res["bfloat16"] < 5e-2  # the 16-bit path: counts in a separate float64 exchange
+        assert res["float32_same"] and res["bfloat16_same"]
+
+
+def test_rank_failure_raises_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    world = len(ranks)
+    per_rank = get(ranks, "ddp_rank_failure")
+    for rank, res in enumerate(per_rank):
+        assert res["seconds"] < 10, "ranks must not wait for the collective timeout"
+        if rank == world - 1:
+            assert res["type"] == "ArithmeticError"
+            assert f"rank {rank} of {world}" in res["notes"][0]
+        else:
+            assert res["type"] == "DistributedProductError"
+            assert f"rank {world - 1} of {world}" in res["msg"]
+        assert res["after"] < ROUNDING  # the group stays usable
+        assert res["model_unchanged"]
+
+
+def test_mismatched_parameters_detected_at_construction(ranks: list[dict[str, Any]]) -> None:
+    world = len(ranks)
+    for rank, res in enumerate(get(ranks, "ddp_mismatched_parameters")):
+        assert (
+            res["count"]["type"] == "ValueError" and "different parameters" in res["count"]["msg"]
+        )
+        assert "66 parameters" in res["count"]["msg"] and "24 parameters" in res["count"]["msg"]
+        assert res["layout"]["type"] == "ValueError" and "checksum" in res["layout"]["msg"]
+        ctor = res["ctor_failure"]
+        if rank == 0:
+            assert ctor["type"] == "ValueError" and "selected no parameter" in ctor["msg"]
+        else:
+            assert ctor["type"] == "DistributedProductError" and f"rank 0 of {world}" in ctor["msg"]
+        for case in ("count", "layout", "ctor_failure"):
+            assert res[case]["seconds"] < 10
+
+
+def test_distributed_backend_reduces_shards(ranks: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(get(ranks, "distributed_backend")):
+        for key in ("dot", "norm", "inner_rows", "all_reduce_sum"):
+            assert res[key] < 1e-13, key
+        assert res["rank"] == rank
+        assert res["is_main"] == (rank == 0)
+
+
+def _fsdp(ranks: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
+    per_rank = get(ranks, check)
+    if "skip" in per_rank[0]:
+        pytest.skip(per_rank[0]["skip"])
+    return per_rank
+
+
+def test_fsdp_finite_difference_equals_single_process(ranks: list[dict[str, Any]]) -> None:
+    per_rank = _fsdp(ranks, "fsdp_finite_difference")
+    assert sum(r["size_local"] for r in per_rank) == per_rank[0]["size_global"]
+    assert all(r["global_size"] == r["size_global"] for r in per_rank)
+    for res in per_rank:
+        assert res["vs_fd"] < FD and res["block_vs_fd"] < FD
+        assert res["vs_autograd"] < FD
+        assert res["repeat"] == 0.0
+        assert res["params_restored"] and res["grads_none"]
+        assert res["backend"] == "DistributedBackend"
+        if isinstance(res.get("lanczos"), str):
+            continue  # algorithms not importable in this tree
+        assert res["lanczos"] < 1e-6
+        assert res["lanczos_same_on_ranks"]
+
+
+def test_fsdp_failures(ranks: list[dict[str, Any]]) -> None:
+    per_rank = _fsdp(ranks, "fsdp_failures")
+    world = len(per_rank)
+    for rank, res in enumerate(per_rank):
+        loss = res["loss"]
+        assert loss["seconds"] < 10
+        if rank == world - 1:
+            assert loss["type"] == "ArithmeticError"
+        else:
+            assert (
+                loss["type"] == "DistributedProductError"
+                and f"rank {world - 1} of {world}" in loss["msg"]
+            )
+        assert res["after"] < FD
+        assert res["uneven_batches"]["type"] == "ValueError"
+        assert "same number of batches" in res["uneven_batches"]["msg"]
+        assert res["autograd"]["type"] == "NotImplementedError"
+        assert (
+            res["ddp_on_sharded"]["type"] == "TypeError"
+            and "FSDPHessianOperator" in res["ddp_on_sharded"]["msg"]
+        )
+        assert res["not_sharded"]["type"] == "TypeError"
+
+
+def test_not_initialized_error_is_clear() -> None:
+    import torch
+    from torch import nn
+
+    from hessian_eigenthings.operators.distributed import DDPHessianOperator
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    model = nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        DDPHessianOperator(model, [(torch.ones(1, 2),)], lambda m, b: m(b[0]).sum())
+
+
+def test_benchmark_runs_tiny_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    out.mkdir()
+    launch(
+        2,
+        tmp_path,
+        [str(REPO / "benchmarks" / "bench_distributed.py"), "--tiny", "--out", str(out)],
+    )
+    data = json.loads((out / "bench_distributed.json").read_text())
+    assert data["world_size"] == 2
+    assert data["ddp"]["rel_err_vs_single"] < 1e-4
+    if "skip" not in data["fsdp"]:
+        assert data["fsdp"]["rel_err_vs_single_fd"] < 1e-3
+    assert (out / "bench_distributed.md").read_text().startswith("#")
