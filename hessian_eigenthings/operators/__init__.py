@@ -1,6 +1,21 @@
 """Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher."""
 
 from hessian_eigenthings.operators.base import CurvatureOperator, DataCurvatureOperator, LambdaOperator
+from hessian_eigenthings.operators.distributed import (
+    DataParallelMixin,
+    DDPHessianOperator,
+    DistributedProductError,
+    FSDPHessianOperator,
+)
 from hessian_eigenthings.operators.hessian import HessianOperator
 
-__all__ = ["CurvatureOperator", "DataCurvatureOperator", "HessianOperator", "LambdaOperator"]
+__all__ = [
+    "CurvatureOperator",
+    "DDPHessianOperator",
+    "DataCurvatureOperator",
+    "DataParallelMixin",
+    "DistributedProductError",
+    "FSDPHessianOperator",
+    "HessianOperator",
+    "LambdaOperator",
+]
