@@ -51,7 +51,7 @@ import triton.language as tl
 
 # Finite stand-in for −inf as the running maximum: exp(-inf - (-inf)) is NaN,
 # exp(-inf - _MIN) is 0, so masked lanes and ignored rows contribute nothing.
-_MIN = -3.0e38
+_MIN = tl.constexpr(-3.0e38)
 
 
 @triton.jit
