@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -78,9 +79,13 @@ def _run_compile(
         if isinstance(n, torch.Tensor) or n is None
         else torch.full((), float(n), device=logits.device)
     )
-    if out is None:
-        return _compiled(False)(logits, u, valid, n_t)
-    return _compiled(True)(logits, u, valid, n_t, out)
+    with warnings.catch_warnings():
+        # torch.compile's own machinery uses torch.jit.script internally on
+        # some versions and warns about it; nothing a caller can act on.
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
+        if out is None:
+            return _compiled(False)(logits, u, valid, n_t)
+        return _compiled(True)(logits, u, valid, n_t, out)
 
 
 def run(

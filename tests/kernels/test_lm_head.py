@@ -23,26 +23,23 @@ def _case(dtype=torch.float64, B=2, T=5, d=4, V=13, seed=0):
 
 
 def _dense_ggn(h, W, b, dh, dW, db, labels):
-    """Jᵀ H J δ with J by forward mode, H by double backward through F.cross_entropy."""
-    zeros = torch.zeros_like
-
-    def head(h_, W_, b_):
-        return h_ @ W_.T + (b_ if b_ is not None else 0)
-
-    b0 = b if b is not None else torch.zeros(W.shape[0], dtype=W.dtype)
-    primals = (h, W, b0)
-    tangents = (
-        dh if dh is not None else zeros(h),
-        dW if dW is not None else zeros(W),
-        db if db is not None else zeros(b0),
-    )
-    logits, jv = torch.func.jvp(lambda *p: head(*p), primals, tangents)
+    """Jᵀ H J δ on full (N, V) tensors: J δ written out for the linear head, H by
+    double backward through F.cross_entropy, Jᵀ by autograd."""
+    h, W = h.clone().requires_grad_(), W.clone().requires_grad_()
+    b0 = (b if b is not None else torch.zeros(W.shape[0], dtype=W.dtype)).clone().requires_grad_()
+    logits = h @ W.T + b0
+    jv = torch.zeros_like(logits)
+    if dh is not None:
+        jv += dh @ W.detach().T
+    if dW is not None:
+        jv += h.detach() @ dW.T
+    if db is not None:
+        jv += db
     z = logits.detach().requires_grad_()
     loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1))
     (g,) = torch.autograd.grad(loss, z, create_graph=True)
     (u,) = torch.autograd.grad(g, z, grad_outputs=jv)
-    _, vjp = torch.func.vjp(lambda *p: head(*p), *primals)
-    g_h, g_W, g_b = vjp(u)
+    g_h, g_W, g_b = torch.autograd.grad(logits, (h, W, b0), grad_outputs=u)
     return g_h, g_W, g_b if b is not None else None
 
 
