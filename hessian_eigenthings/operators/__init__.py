@@ -7,6 +7,8 @@ from hessian_eigenthings.operators.distributed import (
     DistributedProductError,
     FSDPHessianOperator,
 )
+from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
+from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator
 
 __all__ = [
@@ -15,7 +17,9 @@ __all__ = [
     "DataCurvatureOperator",
     "DataParallelMixin",
     "DistributedProductError",
+    "EmpiricalFisherOperator",
     "FSDPHessianOperator",
+    "GGNOperator",
     "HessianOperator",
     "LambdaOperator",
 ]

@@ -1,0 +1,127 @@
+"""Empirical Fisher, ``F = (1/N) Σᵢ gᵢ gᵢᵀ``, without forming the N × P gradient matrix.
+
+``gᵢ = ∇_θ ℓᵢ`` is the gradient of sample ``i``'s own loss ``ℓᵢ`` (not
+divided by ``N``): ``per_sample_loss_fn(model, batch)`` returns the vector
+``ℓ`` of shape ``(N,)``. With ``J = ∂ℓ/∂θ`` (N × P, never formed)::
+
+    F v = Jᵀ (J v) / N
+
+``J v`` by forward-mode AD (one pass for a block of vectors; finite
+differences where the model's ops have no forward-mode formulas), ``Jᵀ w``
+by one backward of ``⟨ℓ, w⟩``. This is the GGN of the per-sample losses
+under the loss ``‖ℓ‖²/2N`` and shares its machinery (NOTE [GGN
+Jacobian-vector products] in ``ggn``). Each batch's product is its own mean
+``(1/b) Σ gᵢgᵢᵀ``, and batches are weighted by size, so the result is the
+mean over all samples. Cost per product and batch: one forward (kept across
+products with graph reuse), one forward-mode pass, one backward.
+
+``F`` is not the Hessian of the mean loss, nor the Fisher information of
+the model's predictive distribution (that one samples labels from the
+model); it equals neither in general, even at a minimum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from hessian_eigenthings.batching import Batch, batch_size
+from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.loss_fns.protocols import PerSampleLossFn
+from hessian_eigenthings.operators.base import Reuse
+from hessian_eigenthings.operators.ggn import JvpMethod, _OutputSandwichOperator, _OutputState
+from hessian_eigenthings.param_utils import ParamFilter
+
+
+class EmpiricalFisherOperator(_OutputSandwichOperator):
+    """``(1/N) Σᵢ ∇ℓᵢ ∇ℓᵢᵀ`` over all samples of the data.
+
+    ``EmpiricalFisherOperator(model, dataloader, per_sample_loss_fn, *,
+    param_filter=None, full_dataset=True, num_batches=None, sample_dim=0,
+    backend=None)`` plus the microbatch, block and graph-reuse options of
+    :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`.
+
+    - ``per_sample_loss_fn(model, batch)`` returns one loss per sample, laid
+      out along ``sample_dim`` (e.g. ``reduction="none"``; see
+      :func:`hessian_eigenthings.loss_fns.supervised_per_sample_loss`). Any
+      further dimensions (e.g. per-token losses ``(N, T)``) are averaged into
+      their sample's loss. The number of samples must equal the batch's size
+      (its leading dimension), which the data loop weights batches by.
+    - ``jvp`` / ``fd_eps``: how ``J v`` is computed, as for
+      :class:`~hessian_eigenthings.operators.GGNOperator`.
+    """
+
+    _what_output = "per_sample_loss_fn"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        per_sample_loss_fn: PerSampleLossFn,
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        sample_dim: int = 0,
+        backend: LinAlgBackend | None = None,
+        jvp: JvpMethod = "auto",
+        fd_eps: float | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        max_block_size: int | None = None,
+        block_memory_budget: int | None = None,
+        graph_reuse: Reuse = "auto",
+        graph_reuse_max_batches: int = 4,
+        graph_memory_budget: int | None = None,
+    ) -> None:
+        if not callable(per_sample_loss_fn):
+            raise TypeError("per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses")
+        if not isinstance(sample_dim, int):
+            raise TypeError(f"sample_dim must be an int, got {type(sample_dim).__name__}")
+        self.per_sample_loss_fn = per_sample_loss_fn
+        self.sample_dim = sample_dim
+        super().__init__(
+            model,
+            dataloader,
+            self._per_sample_losses,
+            jvp=jvp,
+            fd_eps=fd_eps,
+            param_filter=param_filter,
+            full_dataset=full_dataset,
+            num_batches=num_batches,
+            microbatch_size=microbatch_size,
+            microbatch_unsafe=microbatch_unsafe,
+            max_block_size=max_block_size,
+            block_memory_budget=block_memory_budget,
+            graph_reuse=graph_reuse,
+            graph_reuse_max_batches=graph_reuse_max_batches,
+            graph_memory_budget=graph_memory_budget,
+            backend=backend,
+        )
+
+    def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        losses = self.per_sample_loss_fn(model, batch)
+        if not isinstance(losses, torch.Tensor):
+            raise TypeError(f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}")
+        if losses.dim() == 0:
+            raise ValueError(
+                "per_sample_loss_fn returned a scalar; the empirical Fisher needs one loss per sample, "
+                "shape (N,): use reduction='none' (e.g. loss_fns.supervised_per_sample_loss(criterion))"
+            )
+        if not -losses.dim() <= self.sample_dim < losses.dim():
+            raise ValueError(f"sample_dim={self.sample_dim} is out of range for losses of shape {tuple(losses.shape)}")
+        losses = losses.movedim(self.sample_dim, 0)
+        n = batch_size(batch)
+        if losses.shape[0] != n:
+            raise ValueError(
+                f"per_sample_loss_fn returned {losses.shape[0]} losses along sample_dim={self.sample_dim} for a "
+                f"batch of {n} samples (its leading dimension); batches are weighted by that size, so the two "
+                "must agree: return one loss per sample, or set sample_dim"
+            )
+        return losses.reshape(n, -1).mean(1) if losses.dim() > 1 else losses
+
+    def _loss_hvp(self, state: _OutputState, u: torch.Tensor) -> torch.Tensor:
+        # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
+        return u / state.output.shape[0]
