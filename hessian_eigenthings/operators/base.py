@@ -217,6 +217,7 @@ def preserve_model(
     params: Sequence[nn.Parameter],
     *,
     double_backward: bool = False,
+    modules: Sequence[nn.Module] | None = None,
 ) -> Iterator[None]:
     """Run a product and leave ``model`` exactly as it was.
 
@@ -226,7 +227,8 @@ def preserve_model(
     by :func:`private_buffers`.
     """
     frozen = [p for p in params if not p.requires_grad]
-    modes = [m.training for m in model.modules()]
+    mods = list(modules) if modules is not None else list(model.modules())
+    modes = [m.training for m in mods]
     try:
         for p in frozen:
             p.requires_grad_(True)
@@ -236,12 +238,13 @@ def preserve_model(
     finally:
         for p in frozen:
             p.requires_grad_(False)
-        for m, mode in zip(model.modules(), modes, strict=False):
-            m.training = mode
+        for m, mode in zip(mods, modes, strict=True):
+            if m.training != mode:
+                m.training = mode
 
 
 @contextlib.contextmanager
-def private_buffers(model: nn.Module) -> Iterator[None]:
+def private_buffers(model: nn.Module, modules: Sequence[nn.Module] | None = None) -> Iterator[None]:
     """Give one forward its own copies of the buffers of training modules.
 
     A module in training mode may update its buffers in place (BatchNorm
@@ -251,7 +254,7 @@ def private_buffers(model: nn.Module) -> Iterator[None]:
     """
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        for m in model.modules():
+        for m in modules if modules is not None else model.modules():
             if not m.training:
                 continue
             for name, b in list(m._buffers.items()):
@@ -394,6 +397,8 @@ class DataCurvatureOperator(CurvatureOperator):
             raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
         check_microbatching(model, microbatch_size, microbatch_unsafe)
         self.model = model
+        # the module list is walked on every product (modes, buffers): list it once
+        self._modules: list[nn.Module] = list(model.modules())
         self.named_params = select_parameters(model, param_filter)
         self.params = [p for _, p in self.named_params]
         self.layout = ParamLayout.from_named(self.named_params)
@@ -448,7 +453,7 @@ class DataCurvatureOperator(CurvatureOperator):
         # them (and preserve_model puts them back), and the output of a training
         # BatchNorm does not read them.
         params = tuple(p._version for p in self.params)
-        if any(m.training for m in self.model.modules()):
+        if any(m.training for m in self._modules):
             return params
         return params + tuple(b._version for b in self.model.buffers())
 
@@ -470,16 +475,16 @@ class DataCurvatureOperator(CurvatureOperator):
             except TypeError:
                 cycle_len = -1
             if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
-                with private_buffers(self.model):
+                with private_buffers(self.model, self._modules):
                     return self._prepare(chunk), False
         if len(self._cache) >= self.graph_reuse_max_batches:
-            with private_buffers(self.model):
+            with private_buffers(self.model, self._modules):
                 return self._prepare(chunk), False
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         versions = self._versions()
         raw_key = _batch_key(raw)
-        with private_buffers(self.model):
+        with private_buffers(self.model, self._modules):
             state = self._prepare(chunk)
         nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
         budget = self.graph_memory_budget
@@ -534,7 +539,7 @@ class DataCurvatureOperator(CurvatureOperator):
         out_views = self.layout.split_rows(out)
         count = 0
         total = 0.0
-        with preserve_model(self.model, self.params, double_backward=self.needs_double_backward):
+        with preserve_model(self.model, self.params, double_backward=self.needs_double_backward, modules=self._modules):
             for prods, size in self._contributions(vecs):
                 pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
                 if count == 0:
@@ -568,7 +573,7 @@ class DataCurvatureOperator(CurvatureOperator):
             if not reuse:
                 for chunk in self._chunks(raw):
                     self.num_passes += 1
-                    with private_buffers(self.model):
+                    with private_buffers(self.model, self._modules):
                         prods = self._product(chunk, vecs)
                     yield prods, self._weight(batch_size(chunk), raw)
                 continue
