@@ -20,6 +20,8 @@ from hessian_eigenthings.loss_fns import (
 )
 from hessian_eigenthings.operators import (
     CurvatureOperator,
+    DDPEmpiricalFisherOperator,
+    DDPGGNOperator,
     DDPHessianOperator,
     EmpiricalFisherOperator,
     FSDPHessianOperator,
@@ -30,6 +32,8 @@ from hessian_eigenthings.operators import (
 
 __all__ = [
     "CurvatureOperator",
+    "DDPEmpiricalFisherOperator",
+    "DDPGGNOperator",
     "DDPHessianOperator",
     "DistributedBackend",
     "EmpiricalFisherOperator",

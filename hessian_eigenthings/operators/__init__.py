@@ -3,6 +3,8 @@
 from hessian_eigenthings.operators.base import CurvatureOperator, DataCurvatureOperator, LambdaOperator
 from hessian_eigenthings.operators.distributed import (
     DataParallelMixin,
+    DDPEmpiricalFisherOperator,
+    DDPGGNOperator,
     DDPHessianOperator,
     DistributedProductError,
     FSDPHessianOperator,
@@ -13,6 +15,8 @@ from hessian_eigenthings.operators.hessian import HessianOperator
 
 __all__ = [
     "CurvatureOperator",
+    "DDPEmpiricalFisherOperator",
+    "DDPGGNOperator",
     "DDPHessianOperator",
     "DataCurvatureOperator",
     "DataParallelMixin",

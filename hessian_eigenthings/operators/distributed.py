@@ -1,7 +1,8 @@
 """Curvature products with the data (DDP) or the parameters (FSDP) split across ranks.
 
-**Data parallel** (:class:`DDPHessianOperator`, and :class:`DataParallelMixin`
-on any :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`):
+**Data parallel** (:class:`DDPHessianOperator`, :class:`DDPGGNOperator`,
+:class:`DDPEmpiricalFisherOperator`, and :class:`DataParallelMixin` on any
+:class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`):
 every rank holds the whole model and its own shard of the data, of any size.
 Rank ``r`` runs the ordinary data loop over its chunks ``i`` and gets
 ``S_r = Σ_i b_ri·P_ri`` and ``B_r = Σ_i b_ri``; the product is
@@ -56,10 +57,14 @@ from hessian_eigenthings.linalg_distributed import (
     resolve_process_group,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator, private_buffers
+from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
+from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn, _scalar_loss
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
 
 __all__ = [
+    "DDPEmpiricalFisherOperator",
+    "DDPGGNOperator",
     "DDPHessianOperator",
     "DataParallelMixin",
     "DistributedBackend",
@@ -339,6 +344,17 @@ class DDPHessianOperator(DataParallelMixin, HessianOperator):
     ``dataloader`` is this rank's shard (e.g. a ``DistributedSampler``, shards
     of any size). Both methods work; graph reuse and blocks work per rank.
     """
+
+
+class DDPGGNOperator(DataParallelMixin, GGNOperator):
+    """:class:`GGNOperator` with the data split across ranks: its arguments plus
+    ``process_group``. See :class:`DDPHessianOperator`."""
+
+
+class DDPEmpiricalFisherOperator(DataParallelMixin, EmpiricalFisherOperator):
+    """:class:`EmpiricalFisherOperator` with the data split across ranks: its
+    arguments plus ``process_group``; ``(1/N) Σ gᵢgᵢᵀ`` over the samples of
+    every rank. See :class:`DDPHessianOperator`."""
 
 
 # --------------------------------------------------------------------------

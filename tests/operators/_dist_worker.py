@@ -244,6 +244,30 @@ def ddp_mismatched_parameters() -> dict[str, Any]:
     return {"count": mismatch, "layout": layout, "ctor_failure": failed}
 
 
+@check
+def ddp_ggn_fisher() -> dict[str, Any]:
+    from hessian_eigenthings.loss_fns import (
+        supervised_forward,
+        supervised_loss_of_output,
+        supervised_per_sample_loss,
+    )
+    from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator
+
+    criterion = nn.CrossEntropyLoss()
+    ggn_args = (supervised_forward, supervised_loss_of_output(criterion))
+    ggn = hd.DDPGGNOperator(mlp(), MINE, *ggn_args)
+    fisher = hd.DDPEmpiricalFisherOperator(mlp(), MINE, supervised_per_sample_loss(criterion))
+    V = rand(ggn.size, 3).T.contiguous()
+    G, Fi = ggn @ V, fisher @ V
+    return {
+        "ggn": err(G, GGNOperator(mlp(), ALL, *ggn_args) @ V),
+        "fisher": err(
+            Fi, EmpiricalFisherOperator(mlp(), ALL, supervised_per_sample_loss(criterion)) @ V
+        ),
+        "same_on_ranks": gather_equal(G) and gather_equal(Fi),
+    }
+
+
 # --------------------------------------------------------------------------
 # backend
 # --------------------------------------------------------------------------

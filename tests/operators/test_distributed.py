@@ -141,6 +141,12 @@ def test_ddp_cycling_chunked_blocks_microbatches(ranks: list[dict[str, Any]]) ->
         assert res["chunked_blocks"] < ROUNDING
 
 
+def test_ddp_ggn_and_empirical_fisher(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_ggn_fisher"):
+        assert res["ggn"] < ROUNDING and res["fisher"] < ROUNDING
+        assert res["same_on_ranks"]
+
+
 def test_ddp_low_precision(ranks: list[dict[str, Any]]) -> None:
     for res in get(ranks, "ddp_low_precision"):
         assert res["float32"] < 1e-5
