@@ -136,12 +136,20 @@ def sweep_configs(quick: bool) -> list[TritonConfig | None]:
         return [None, TritonConfig(keep=64, block=128, num_warps=4, programs_per_sm=2)]
     out: list[TritonConfig | None] = [None]
     for keep in (4096, 8192, 16384):
-        for block in (2048, 4096):
-            for warps in (8, 16):
+        for block in (2048, 4096, 8192):
+            for warps in (16, 32):
                 for pps in (1, 2):
                     out.append(TritonConfig(keep, block, warps, pps, True))
-    out.append(TritonConfig(8192, 2048, 16, 1, False))  # forward second pass
-    out.append(TritonConfig(16, 4096, 16, 1, True))  # nothing kept: two plain passes
+    # Small register footprint, several programs per multiprocessor.
+    out += [
+        TritonConfig(2048, 2048, 8, 4, True),
+        TritonConfig(4096, 2048, 8, 3, True),
+        TritonConfig(4096, 4096, 8, 4, True),
+        TritonConfig(8192, 4096, 16, 1, False),  # forward second pass
+        TritonConfig(16, 4096, 16, 1, True),  # nothing kept: two plain passes
+        TritonConfig(16384, 4096, 16, 1, True, vec=1),  # one lane per column
+        TritonConfig(16384, 4096, 16, 1, True, vec=16),
+    ]
     return out
 
 
@@ -205,7 +213,7 @@ def product_section(
             c = cfg or default_config(V, dtype)
             name = (
                 f"triton{'*' if cfg is None else ''} k{c.keep} b{c.block} w{c.num_warps} "
-                f"p{c.programs_per_sm}{'' if c.reverse else ' fwd'}"
+                f"p{c.programs_per_sm}{'' if c.reverse else ' fwd'}{f' v{c.vec}' if c.vec else ''}"
             )
             record(
                 name,
@@ -240,23 +248,14 @@ def threshold_section(quick: bool, deadline: float) -> dict[str, Any]:
                     entry[impl] = f"{type(e).__name__}"
             out.append(entry)
             print(f"  threshold {entry}", flush=True)
-    # Smallest V from which the fused kernel wins at every measured row count.
+    # Smallest V from which the fused kernel wins at the largest row count
+    # (at few rows every implementation is launch-bound and the order is noise).
     fused = "triton" if TRITON_OK else "compile"
-    wins = sorted(
-        {
-            e["V"]
-            for e in out
-            if all(
-                isinstance(f.get(fused), float) and f[fused] <= f["eager"]
-                for f in out
-                if f["V"] == e["V"]
-            )
-        }
-    )
+    big = [e for e in out if e["rows"] == max(row_counts)]
     suggested = None
-    for V in sorted({e["V"] for e in out}):
-        if all(w in wins for w in sorted({e["V"] for e in out}) if w >= V):
-            suggested = V
+    for i, e in enumerate(big):
+        if all(isinstance(f.get(fused), float) and f[fused] <= f["eager"] for f in big[i:]):
+            suggested = e["V"]
             break
     return {"points": out, "fused": fused, "suggested_threshold": suggested}
 
@@ -309,7 +308,11 @@ def kernel_stats() -> list[dict[str, Any]]:
         from hessian_eigenthings.kernels.cross_entropy_triton import _ce_hvp_kernel
 
         stats = []
-        for per_device in _ce_hvp_kernel.cache.values():
+        if hasattr(_ce_hvp_kernel, "device_caches"):  # triton >= 3.2
+            caches = [entry[0] for entry in _ce_hvp_kernel.device_caches.values()]
+        else:
+            caches = list(_ce_hvp_kernel.cache.values())
+        for per_device in caches:
             for key, kern in per_device.items():
                 stats.append(
                     {

@@ -159,8 +159,10 @@ def test_triton_matches_reference(shape, dtype, masked):
         dict(keep=16, block=16, programs_per_sm=1),  # many streamed blocks, one program
         dict(keep=64, block=256, reverse=False, programs_per_sm=3),
         dict(keep=2048, block=16, num_warps=4),  # whole row kept (single pass)
+        dict(keep=16, block=64, vec=1),  # one statistics lane per column
+        dict(keep=32, block=128, vec=32),
     ],
-    ids=["stream16", "forward-order", "single-pass"],
+    ids=["stream16", "forward-order", "single-pass", "vec1", "vec32"],
 )
 def test_triton_configs(config):
     from hessian_eigenthings.kernels.cross_entropy_triton import (
