@@ -196,9 +196,11 @@ def max_over_ranks(x: float, device: torch.device) -> float:
     return float(t)
 
 
-def same_on_ranks(t: torch.Tensor) -> bool:
+def same_on_ranks(t: torch.Tensor, device: torch.device) -> bool:
+    """Bitwise equal on every rank (moved to ``device``: NCCL gathers CUDA tensors only)."""
+    t = t.detach().to(device).contiguous()
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    dist.all_gather(parts, t)
     return all(torch.equal(p, parts[0]) for p in parts)
 
 
@@ -298,7 +300,7 @@ def main() -> None:
             res[f"ddp_{mode}_peak_mib"] = peak_mib(device, base)
             res[f"efficiency_{mode}"] = t_single / (world * res[f"ddp_{mode}_ms"])
             res[f"rel_err_{mode}"] = max_over_ranks(rel_err(hv_ddp, hv_single), device)
-            res[f"same_on_ranks_{mode}"] = same_on_ranks(hv_ddp)
+            res[f"same_on_ranks_{mode}"] = same_on_ranks(hv_ddp, device)
             ref_hv = hv_single
             log(
                 f"{mode}: single {t_single:.1f} ms, ddp {res[f'ddp_{mode}_ms']:.1f} ms, "
@@ -391,7 +393,7 @@ def main() -> None:
                     if not isinstance(result.iterations, torch.Tensor)
                     else result.iterations.tolist()
                 )
-                lz[f"{name}_same_on_ranks"] = same_on_ranks(result.eigenvalues)
+                lz[f"{name}_same_on_ranks"] = same_on_ranks(result.eigenvalues, device)
                 log(f"lanczos {name}: {lz[f'{name}_s']:.1f} s, top {lz[f'{name}_eigenvalues'][:3]}")
             ev = torch.tensor(lz["single_eigenvalues"], dtype=torch.float64)
             for name in ("ddp", "fsdp"):

@@ -152,9 +152,12 @@ def _layout_signature(
     return numel, len(names), crc
 
 
-def _first_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
+def _first_device(model: Any) -> torch.device:
+    """Where the collectives' small tensors live (the model's device: NCCL needs CUDA).
+    Never raises: a bad model must fail inside the constructor, after the ranks agreed."""
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            return p.device
     return torch.device("cpu")
 
 
