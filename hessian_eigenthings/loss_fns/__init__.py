@@ -1,6 +1,7 @@
 """Loss helpers: supervised, HuggingFace, TransformerLens; the closed-form output-Hessian protocol."""
 
 from hessian_eigenthings.loss_fns.huggingface import (
+    HFCausalLMForward,
     HFCausalLMLoss,
     hf_lm_forward,
     hf_lm_loss,
@@ -34,6 +35,7 @@ from hessian_eigenthings.loss_fns.transformer_lens import (
 __all__ = [
     "CrossEntropyOutputLoss",
     "ForwardFn",
+    "HFCausalLMForward",
     "HFCausalLMLoss",
     "LossFn",
     "LossOfOutputFn",

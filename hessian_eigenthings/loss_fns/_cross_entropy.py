@@ -63,7 +63,7 @@ class ShiftedCrossEntropy:
         check_impl(fused)
         self.fused: Impl = fused
 
-    def targets(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Targets ``(B, T-1)`` (long) and the boolean mask ``(B, T-1)`` of positions that count."""
         raise NotImplementedError
 
@@ -71,7 +71,7 @@ class ShiftedCrossEntropy:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"causal-LM losses expect logits of shape (batch, seq, vocab), got {shape}")
-        tgt, valid = self.targets(logits, batch)
+        tgt, valid = self.targets(batch)
         if tuple(tgt.shape) != (logits.shape[0], logits.shape[1] - 1):
             raise ValueError(
                 f"targets of shape {tuple(tgt.shape)} do not fit logits {tuple(logits.shape)}; "

@@ -38,7 +38,7 @@ from hessian_eigenthings.loss_fns._cross_entropy import (
     ShiftedCrossEntropy,
     upcast,
 )
-from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossFn
+from hessian_eigenthings.loss_fns.protocols import LossFn
 
 
 def _is_mapping(batch: object) -> bool:
@@ -70,13 +70,37 @@ def _logits(out: Any) -> torch.Tensor:
     return logits
 
 
-def hf_lm_forward() -> ForwardFn:
-    """``forward_fn(model, batch) -> logits (B, T, V)`` of a causal LM (``labels`` are not passed)."""
+class HFCausalLMForward:
+    """``forward_fn(model, batch) -> logits (B, T, V)`` of a causal LM (``labels`` are not passed).
 
-    def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    ``hidden_states(model, batch)`` runs only the body (``model.base_model``)
+    and returns the last hidden states ``(B, T, d)``: the GGN uses it to
+    apply the LM head and the loss chunk by chunk
+    (:func:`hessian_eigenthings.kernels.lm_head_ce_ggn`).
+    """
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return _logits(model(**_model_inputs(model, batch)))
 
-    return forward
+    def hidden_states(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        body = getattr(model, "base_model", None)
+        if not isinstance(body, nn.Module) or body is model:
+            raise TypeError(f"{type(model).__name__} has no base_model (body without the LM head)")
+        out = body(**_model_inputs(body, batch))
+        h = getattr(out, "last_hidden_state", None)
+        if h is None and isinstance(out, (tuple, list)) and out:
+            h = out[0]
+        if not isinstance(h, torch.Tensor):
+            raise TypeError(f"{type(body).__name__} returned {type(out).__name__} without last_hidden_state")
+        return h
+
+    def __repr__(self) -> str:
+        return "hf_lm_forward()"
+
+
+def hf_lm_forward() -> HFCausalLMForward:
+    """``forward_fn(model, batch) -> logits (B, T, V)`` of a causal LM (``labels`` are not passed)."""
+    return HFCausalLMForward()
 
 
 class HFCausalLMLoss(ShiftedCrossEntropy):
@@ -86,7 +110,7 @@ class HFCausalLMLoss(ShiftedCrossEntropy):
     as ``impl``.
     """
 
-    def targets(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, torch.Tensor):
             tgt = batch[:, 1:]
             return tgt, torch.ones_like(tgt, dtype=torch.bool)

@@ -57,7 +57,7 @@ def tlens_forward() -> ForwardFn:
 class TLensLMLoss(ShiftedCrossEntropy):
     """Next-token cross-entropy as ``transformer_lens.utils.lm_cross_entropy_loss`` computes it."""
 
-    def targets(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, mask = _tokens_and_mask(batch)
         tgt = tokens[:, 1:]
         if mask is None:

@@ -17,6 +17,9 @@ One product ``G v`` per batch:
    never through the model;
 3. ``Jᵀ u``: one backward through the output's graph.
 
+For HuggingFace causal LMs the head and the loss are applied chunk by chunk
+without forming the logits (NOTE [chunked LM head]).
+
 Cost per product and batch: one forward pass (kept across products with graph
 reuse, see NOTE [graph reuse] in ``base``), one forward-mode pass, one
 backward pass; a block of k vectors goes through steps 1 and 3 batched. No
@@ -39,7 +42,9 @@ from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.kernels import lm_head_ce_ggn
 from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.loss_fns.huggingface import HFCausalLMForward, HFCausalLMLoss
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, OutputHessianLoss
 from hessian_eigenthings.operators.base import DataCurvatureOperator, Reuse
 from hessian_eigenthings.operators.hessian import default_fd_eps
@@ -76,6 +81,20 @@ JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
 # graph: call `model.eval()` (BatchNorm in training mode is consistent: both
 # passes use batch statistics, on private copies of the running statistics).
 
+# NOTE [chunked LM head]
+# For a HuggingFace causal LM (forward_fn=hf_lm_forward(), loss
+# hf_lm_loss_of_output(), loss_hvp="analytical") whose head is a plain
+# nn.Linear, the (B, T, V) logits are never formed: the sandwiched function is
+# the body (last hidden states h, (B, T, d)), and the head and the loss are
+# applied by `kernels.lm_head_ce_ggn` chunk by chunk over rows, which takes
+# the body's tangent dh = J_body v and the head's part of v and returns the
+# pull-backs g_h (through the body by one backward), g_W and g_b (added to
+# the head's parameters; a tied embedding gets both its body and head part).
+# Memory O(chunk × V) instead of O(B·T·V) for logits, tangents and loss
+# Hessian products. On the first batch the model's logits are compared once
+# with lm_head(h): models that post-process the head's output (soft-capping,
+# scaling) keep the generic path. `chunked_lm_head` = "auto" / True / False.
+
 
 class _CallForward(nn.Module):
     """``forward_fn(model, batch)`` as a module, so ``functional_call`` can swap the model's parameters."""
@@ -95,6 +114,8 @@ class _OutputState:
     output: torch.Tensor  # f(θ) with its graph to the parameters
     loss_grad: torch.Tensor | None = None  # ∇_f ℓ built with create_graph (autograd loss Hessian)
     output_leaf: torch.Tensor | None = None  # the detached output ∇_f ℓ is taken at
+    valid: torch.Tensor | None = None  # chunked LM head: target positions that count (B, T-1)
+    n: torch.Tensor | None = None  # chunked LM head: their number (the mean's denominator)
 
 
 class _OutputSandwichOperator(DataCurvatureOperator):
@@ -126,16 +147,20 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         if fd_eps is not None and not fd_eps > 0:
             raise ValueError(f"fd_eps must be positive, got {fd_eps}")
         super().__init__(model, dataloader, **base)
-        self.forward_fn = forward_fn
         self.jvp = jvp
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
-        self._call = _CallForward(model, forward_fn)
+        self._set_forward(forward_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
         #: how the last Jv was computed: "forward_mode" or "finite_difference" (None before the first product)
         self.jvp_method: str | None = None
         self._forward_ok: bool | None = None if jvp == "auto" else jvp == "forward_mode"
         self._vmap_ok: bool | None = None
         self._vjp_batched_ok: bool | None = None
+
+    def _set_forward(self, forward_fn: ForwardFn) -> None:
+        """The function whose Jacobian the operator sandwiches (and its functional wrapper)."""
+        self.forward_fn = forward_fn
+        self._call = _CallForward(self.model, forward_fn)
 
     # -- hooks ------------------------------------------------------------------
     def _output(self, batch: Batch) -> torch.Tensor:
@@ -323,6 +348,11 @@ class GGNOperator(_OutputSandwichOperator):
       ops lack forward-mode formulas), ``"forward_mode"`` or
       ``"finite_difference"``; ``fd_eps`` is the step of the latter (default
       by dtype). See NOTE [GGN Jacobian-vector products].
+    - ``chunked_lm_head``: ``"auto"`` applies the LM head and the loss chunk
+      by chunk (``lm_head_chunk_rows`` rows at a time, default sized to
+      ~256 MiB) for HuggingFace causal LMs with a plain linear head, see
+      NOTE [chunked LM head]; ``True`` insists, ``False`` never does.
+      ``lm_head`` is the head module when the chunked path is in use.
     """
 
     def __init__(
@@ -339,6 +369,8 @@ class GGNOperator(_OutputSandwichOperator):
         fd_eps: float | None = None,
         backend: LinAlgBackend | None = None,
         jvp: JvpMethod = "auto",
+        chunked_lm_head: bool | Literal["auto"] = "auto",
+        lm_head_chunk_rows: int | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
         max_block_size: int | None = None,
@@ -347,6 +379,8 @@ class GGNOperator(_OutputSandwichOperator):
         graph_reuse_max_batches: int = 4,
         graph_memory_budget: int | None = None,
     ) -> None:
+        if chunked_lm_head not in (True, False, "auto"):
+            raise ValueError(f"chunked_lm_head must be True, False or 'auto', got {chunked_lm_head!r}")
         if not callable(loss_of_output_fn):
             raise TypeError("loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar")
         if loss_hvp not in ("analytical", "autograd"):
@@ -378,6 +412,110 @@ class GGNOperator(_OutputSandwichOperator):
         )
         self.loss_of_output_fn = loss_of_output_fn
         self.loss_hvp = loss_hvp
+        self.chunked_lm_head = chunked_lm_head
+        self.lm_head_chunk_rows = lm_head_chunk_rows
+        self._logits_fn = forward_fn
+        #: the LM head applied chunk by chunk (see NOTE [chunked LM head]); None: the generic path
+        self.lm_head: nn.Linear | None = None
+        self._lm_head_checked = False
+        if chunked_lm_head is not False:
+            head = self._plain_lm_head()
+            if head is None and chunked_lm_head is True:
+                raise ValueError(
+                    "chunked_lm_head=True needs forward_fn=hf_lm_forward(), loss_of_output_fn="
+                    "hf_lm_loss_of_output() with loss_hvp='analytical', and a model whose "
+                    "get_output_embeddings() is a plain nn.Linear without hooks"
+                )
+            if head is not None:
+                self.lm_head = head
+                forward = forward_fn
+                assert isinstance(forward, HFCausalLMForward)
+                self._set_forward(forward.hidden_states)
+
+    # -- chunked LM head ----------------------------------------------------------
+    def _plain_lm_head(self) -> nn.Linear | None:
+        if not (
+            isinstance(self._logits_fn, HFCausalLMForward)
+            and isinstance(self.loss_of_output_fn, HFCausalLMLoss)
+            and self.loss_hvp == "analytical"
+        ):
+            return None
+        get = getattr(self.model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+            return None
+        return head
+
+    def _check_lm_head(self, batch: Batch, h: torch.Tensor) -> bool:
+        """Once, on the first batch: do the model's logits equal ``lm_head(hidden states)``?
+
+        Models that post-process the head's output (logit soft-capping, scaling)
+        differ; they keep the generic path. One host sync, once per operator.
+        """
+        assert self.lm_head is not None
+        with torch.no_grad():
+            logits = self._logits_fn(self.model, batch)
+            ok = logits.shape[:-1] == h.shape[:-1] and torch.allclose(
+                self.lm_head(h.detach()), logits, rtol=1e-4, atol=1e-5 * float(logits.abs().max())
+            )
+        if not ok and self.chunked_lm_head is True:
+            raise ValueError(
+                "chunked_lm_head=True, but the model's logits differ from lm_head(last hidden state) "
+                "(soft-capping or scaling after the head?); pass chunked_lm_head='auto' or False"
+            )
+        return bool(ok)
+
+    def _prepare(self, batch: Batch) -> _OutputState:
+        if self.lm_head is None:
+            return super()._prepare(batch)
+        state = super()._prepare(batch)  # output: the last hidden states (B, T, d)
+        if not self._lm_head_checked:
+            self._lm_head_checked = True
+            if not self._check_lm_head(batch, state.output):
+                self.lm_head = None
+                self._set_forward(self._logits_fn)
+                return super()._prepare(batch)
+        loss = self.loss_of_output_fn
+        assert isinstance(loss, HFCausalLMLoss)
+        _, state.valid = loss.targets(batch)
+        state.n = state.valid.sum().clamp_min(1)
+        return state
+
+    def _apply(self, state: _OutputState, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        if state.valid is None:
+            return super()._apply(state, vecs, retain)
+        head = self.lm_head
+        loss = self.loss_of_output_fn
+        assert head is not None and isinstance(loss, HFCausalLMLoss) and state.n is not None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        iw, ib = index.get(id(head.weight)), None if head.bias is None else index.get(id(head.bias))
+        dh = self._jvp(state.batch, vecs)  # body Jacobian times the direction: (k, B, T, d)
+        h = state.output.detach()[:, :-1]  # position t predicts token t + 1
+        W = head.weight.detach()
+        b = None if head.bias is None else head.bias.detach()
+        k = dh.shape[0]
+        g_h = torch.zeros_like(dh)  # the last position gets no loss: zero pull-back
+        g_w = None if iw is None else torch.empty_like(vecs[iw])
+        g_b = None if ib is None else torch.empty_like(vecs[ib])
+        for j in range(k):
+            gh, gw, gb = lm_head_ce_ggn(
+                h, W, b, dh[j, :, :-1],
+                None if iw is None else vecs[iw][j],
+                None if ib is None else vecs[ib][j],
+                state.valid, state.n, chunk_rows=self.lm_head_chunk_rows, impl=loss.fused,
+            )
+            g_h[j, :, :-1] = gh
+            if g_w is not None:
+                g_w[j] = gw
+            if g_b is not None and gb is not None:
+                g_b[j] = gb
+        out = list(self._vjp(state.output, g_h, retain))  # the body's part
+        # the head's own parameters add their part (a tied embedding gets both)
+        for i, extra in ((iw, g_w), (ib, g_b)):
+            if i is not None and extra is not None:
+                body = out[i]
+                out[i] = extra if body is None else body.add_(extra)
+        return out
 
     def _loss_state(self, state: _OutputState) -> None:
         if self.loss_hvp == "analytical":

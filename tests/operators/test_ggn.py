@@ -267,3 +267,57 @@ def test_tiny_gpt2_dict_batches(attn: str) -> None:
     dense = dense_ggn(model, data, forward, loss, select_parameters(model))
     check_contract(op, dense, model, rtol=1e-9, atol=1e-11)
     assert op.jvp_method == "forward_mode"
+
+
+# -- the chunked LM head (kernels.lm_head_ce_ggn) ---------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_lm_head_equals_unchunked(tied: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=tied, attn_implementation="eager",
+    )
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    data = _lm_batches()
+    forward, loss = hf_lm_forward(), hf_lm_loss_of_output(fused="eager")
+    chunked = GGNOperator(model, data, forward, loss, lm_head_chunk_rows=4)  # 3·5 and 2·5 rows: several chunks
+    full = GGNOperator(model, data, forward, loss, chunked_lm_head=False)
+    assert chunked.lm_head is model.lm_head and full.lm_head is None
+    V = torch.randn(full.size, 3, dtype=torch.float64)
+    before = snapshot(model)
+    torch.testing.assert_close(chunked @ V, full @ V, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(chunked @ V[:, 0].contiguous(), (full @ V)[:, 0], rtol=1e-10, atol=1e-12)
+    assert_unchanged(model, before)
+    # a subset without the head, and one with the head only
+    for flt in (match_names("transformer.h.*"), match_names("lm_head.*", "transformer.wte.*")):
+        c = GGNOperator(model, data, forward, loss, param_filter=flt, lm_head_chunk_rows=4)
+        f = GGNOperator(model, data, forward, loss, param_filter=flt, chunked_lm_head=False)
+        W = torch.randn(c.size, 2, dtype=torch.float64)
+        torch.testing.assert_close(c @ W, f @ W, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_lm_head_falls_back_when_logits_are_post_processed() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class Scaled(transformers.GPT2LMHeadModel):  # type: ignore[misc, name-defined]
+        def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            out = super().forward(*args, **kwargs)
+            out.logits = 2.0 * out.logits  # like logit soft-capping: not lm_head(h)
+            return out
+
+    config = transformers.GPT2Config(vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    model = Scaled(config).double().eval()
+    data = _lm_batches()[:1]
+    forward, loss = hf_lm_forward(), hf_lm_loss_of_output()
+    auto = GGNOperator(model, data, forward, loss)
+    full = GGNOperator(model, data, forward, loss, chunked_lm_head=False)
+    V = torch.randn(full.size, 2, dtype=torch.float64)
+    torch.testing.assert_close(auto @ V, full @ V, rtol=1e-10, atol=1e-12)
+    assert auto.lm_head is None
+    strict = GGNOperator(model, data, forward, loss, chunked_lm_head=True)
+    with pytest.raises(ValueError, match="differ"):
+        strict @ V
+    with pytest.raises(ValueError, match="chunked_lm_head=True needs"):
+        GGNOperator(model, data, forward, loss, loss_hvp="autograd", chunked_lm_head=True)
