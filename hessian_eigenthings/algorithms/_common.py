@@ -150,6 +150,13 @@ def progress_bar(total: int | None, desc: str, progress: bool | None) -> Iterato
         bar.close()
 
 
-def eig_floor(dtype: torch.dtype) -> float:
-    """Relative size below which a residual is rounding noise: ``eps^(2/3)`` as in ARPACK."""
-    return float(torch.finfo(dtype).eps) ** (2.0 / 3.0)
+def rounding_level(work: torch.dtype, op_dtype: torch.dtype) -> float:
+    """Residual, relative to ``||A||``, that rounding alone can produce.
+
+    Gram-Schmidt and Ritz-vector assembly in the working dtype lose a modest
+    multiple of its epsilon; a product in the operator's dtype rounds its
+    input and output once each (a few epsilons, which for bf16 is 1.6%).
+    A pair whose residual is at this level has converged as far as the
+    arithmetic allows.
+    """
+    return 100.0 * float(torch.finfo(work).eps) + 4.0 * float(torch.finfo(op_dtype).eps)

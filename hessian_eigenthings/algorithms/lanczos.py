@@ -46,6 +46,7 @@ from hessian_eigenthings.algorithms._common import (
     orthonormalize_rows,
     progress_bar,
     random_rows,
+    rounding_level,
     row_dots,
     work_dtype,
 )
@@ -149,7 +150,7 @@ def lanczos(
             ``b`` counts ``b``); default ``max(1000, 30 · ncv)``. The exact
             residuals at the end cost ``k`` more.
         tol: a pair is converged when ``||A v - θ v|| <= tol · |θ|`` (or the
-            residual is at rounding level, ``100 · eps · ||A||``).
+            residual is at rounding level, see ``_common.rounding_level``).
         reorthogonalize: ``None``/``True``: full reorthogonalization (classical
             Gram-Schmidt twice). ``False``: only against the previous block
             (and the kept vectors after a restart): less arithmetic, but
@@ -159,7 +160,8 @@ def lanczos(
             ``|θ|`` descending, ``θ`` descending, ``θ`` ascending respectively.
         seed: seed of the start vector (local generator; reproducible).
         ncv: Krylov basis size before a restart (ARPACK's ``ncv``); default
-            ``min(n, max(2k + 1, 20, k + 2b))``.
+            ``min(n, max(2k + 1, 20, k + 2b, 10b))`` (a block
+            basis needs depth: about ten blocks).
         block_size: ``b > 1`` runs block Lanczos: each step applies the
             operator to ``b`` vectors in one ``op @ V`` pass. It needs more
             products than ``b = 1`` but fewer passes, so it wins in wall time
@@ -194,7 +196,7 @@ def lanczos(
         raise ValueError(f"tol must be >= 0, got {tol}")
     b = block_size
     if ncv is None:
-        ncv = max(2 * k + 1, 20, k + 2 * b)
+        ncv = max(2 * k + 1, 20, k + 2 * b, 10 * b)
     ncv = min(int(ncv), n)
     if b > 1 and ncv + b > n:
         b = 1  # the whole space fits in the basis: plain Lanczos is exact and cheaper
@@ -212,7 +214,6 @@ def lanczos(
         check_symmetry(op, seed=seed, backend=backend)
 
     wd = work_dtype(op, precision)
-    eps = max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
     device = op.device
     gen = make_generator(seed, backend)
 
@@ -246,7 +247,8 @@ def lanczos(
     order = np.zeros(0, dtype=np.int64)
     top = b
     it = 0
-    noise = 100.0 * eps
+    noise = rounding_level(wd, op.dtype)
+    eps = float(torch.finfo(wd).eps)
 
     with progress_bar(max_iter, f"lanczos (k={k})", progress) as bar:
         while True:
@@ -294,9 +296,10 @@ def lanczos(
                 order = _order(theta, which)
                 want = order[:k]
                 thresh = np.maximum(tol * np.abs(theta[want]), noise * anorm)
-                n_conv = int((est[want] <= thresh).sum()) if top >= k else 0
+                n_conv = int((est[want] <= thresh).sum())
                 bar.set_postfix(converged=n_conv)
-                if exhausted or (top >= k and n_conv == k):
+                # with exactly k Ritz values every one is "wanted": insist on one more to compare
+                if exhausted or (top > k and n_conv == k):
                     break
             if products + b > max_iter:
                 break
@@ -307,7 +310,7 @@ def lanczos(
                 keep = order[:n_keep]
                 Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(device=device, dtype=wd)
                 V[:n_keep] = Sk @ V[:top]
-                V[n_keep : n_keep + b] = V[top : top + b]
+                V[n_keep : n_keep + b] = V[top : top + b].clone()  # the ranges may overlap
                 coupling = Rh @ S[top - b : top, keep]
                 T[:] = 0.0
                 T[:n_keep, :n_keep] = np.diag(theta[keep])

@@ -33,6 +33,7 @@ from hessian_eigenthings.algorithms._common import (
     non_finite_error,
     progress_bar,
     random_rows,
+    rounding_level,
     row_dots,
     work_dtype,
 )
@@ -128,7 +129,7 @@ def power_iteration_one(
     _check_common(max_iter, tol, momentum)
     wd = work_dtype(op, precision)
     x = _start(op, init, seed, backend, wd)
-    noise = 100.0 * max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
+    noise = rounding_level(wd, op.dtype)
     with progress_bar(max_iter, "power iteration", progress) as bar:
         lam, v, res, it, conv = _power(
             lambda z: apply_rows(op, z), x, max_iter=max_iter, tol=tol, momentum=momentum,
@@ -180,7 +181,7 @@ def deflated_power_iteration(
     check_k(k, n)
     _check_common(max_iter, tol, momentum)
     wd = work_dtype(op, precision)
-    noise = 100.0 * max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
+    noise = rounding_level(wd, op.dtype)
     gen = make_generator(seed, backend)
     U = torch.zeros(k, n, dtype=wd, device=op.device)
     lams = torch.zeros(k, dtype=torch.float64)
