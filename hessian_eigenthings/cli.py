@@ -1,0 +1,576 @@
+"""The ``hessian-eigenthings`` command: top eigenvalues, trace and spectral density of a model.
+
+With no arguments it needs nothing from the network: a small MLP is trained
+for a fixed number of steps on scikit-learn's bundled digits (synthetic
+Gaussian clusters when scikit-learn is missing, or with ``--synthetic``),
+then Lanczos gives the top-k eigenvalues, Hutch++ the trace and stochastic
+Lanczos quadrature the spectral density of the chosen curvature (Hessian,
+GGN or empirical Fisher). Results are printed as a table and written to the
+output folder as ``results.json`` and, when matplotlib is installed,
+``spectrum.png``.
+
+A user's own model: ``--model module:function`` or
+``--model path/to/file.py:function``, where ``function()`` takes no
+arguments and returns ``(model, dataloader, criterion)``:
+
+- ``model``: a ``torch.nn.Module``;
+- ``dataloader``: an iterable of batches ``(inputs, targets)``, iterable
+  more than once (a ``DataLoader`` or a list of batches);
+- ``criterion``: ``criterion(model(inputs), targets) -> scalar mean loss``,
+  e.g. ``nn.CrossEntropyLoss()`` (the 0.x contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hessian_eigenthings._version import __version__
+from hessian_eigenthings.algorithms import lanczos, spectral_density, trace
+from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
+from hessian_eigenthings.loss_fns import (
+    OutputHessianLoss,
+    supervised_forward,
+    supervised_loss,
+    supervised_loss_of_output,
+    supervised_per_sample_loss,
+)
+from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
+from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
+from hessian_eigenthings.operators.base import DataCurvatureOperator
+
+__all__ = ["CLIError", "Problem", "build_operator", "builtin_problem", "load_user_problem", "main", "run"]
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class CLIError(Exception):
+    """A user error the command reports in one line (exit status 2)."""
+
+
+class Problem:
+    """A model, its data as a list-like iterable of ``(inputs, targets)``, and a criterion."""
+
+    def __init__(self, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, description: str) -> None:
+        self.model = model
+        self.dataloader = dataloader
+        self.criterion = criterion
+        self.description = description
+
+
+# --------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hessian-eigenthings",
+        description=(
+            "Top eigenvalues (Lanczos), trace (Hutch++) and spectral density (stochastic Lanczos "
+            "quadrature) of a model's loss curvature. Without --model: a small MLP trained on "
+            "scikit-learn's bundled digits (no download), or synthetic data."
+        ),
+        epilog=(
+            "--model contract: function() takes no arguments and returns (model, dataloader, "
+            "criterion); the dataloader yields (inputs, targets) and can be iterated repeatedly; "
+            "criterion(model(inputs), targets) is the scalar mean loss, e.g. nn.CrossEntropyLoss()."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    what = parser.add_argument_group("what to compute")
+    what.add_argument(
+        "--operator", choices=("hessian", "ggn", "fisher"), default="hessian",
+        help="curvature: Hessian, generalized Gauss-Newton, or empirical Fisher (default: hessian)",
+    )
+    what.add_argument(
+        "--method", choices=("autograd", "finite_difference"), default="autograd",
+        help="how Hessian products are computed (default: autograd; --operator hessian only)",
+    )
+    what.add_argument("-k", "--k", type=_positive_int, default=10, help="number of top eigenvalues (default: 10)")
+    what.add_argument(
+        "--which", choices=("LA", "LM", "SA"), default="LA",
+        help="which eigenvalues: largest algebraic, largest magnitude, smallest algebraic (default: LA)",
+    )
+    what.add_argument(
+        "--max-matvecs", type=_positive_int, default=None,
+        help="product budget of the Lanczos eigensolver (default: the solver's own)",
+    )
+    what.add_argument("--tol", type=float, default=1e-4, help="relative residual tolerance of the eigenpairs (default: 1e-4)")
+    what.add_argument(
+        "--trace-matvecs", type=_nonnegative_int, default=90,
+        help="products spent on the Hutch++ trace estimate, >= 3; 0 skips it (default: 90)",
+    )
+    what.add_argument(
+        "--slq-runs", type=_nonnegative_int, default=8,
+        help="random start vectors of the spectral density; 0 skips it (default: 8)",
+    )
+    what.add_argument("--slq-steps", type=_positive_int, default=60, help="Lanczos steps per spectral-density run (default: 60)")
+    what.add_argument("--grid-points", type=_positive_int, default=2000, help="points of the density grid (default: 2000)")
+
+    model = parser.add_argument_group("model and data")
+    model.add_argument(
+        "--model", metavar="MODULE:FUNCTION", default=None,
+        help="your model: 'package.module:function' or 'path/to/file.py:function' returning "
+        "(model, dataloader, criterion); see below",
+    )
+    model.add_argument(
+        "--synthetic", action="store_true",
+        help="built-in model on synthetic data even when scikit-learn is installed",
+    )
+    model.add_argument(
+        "--train-steps", type=_nonnegative_int, default=100,
+        help="full-batch Adam steps that train the built-in model (default: 100, a few seconds)",
+    )
+    model.add_argument(
+        "--num-batches", type=_positive_int, default=None,
+        help="use only the first N batches of the data for every product",
+    )
+    model.add_argument(
+        "--microbatch-size", type=_positive_int, default=None,
+        help="split batches into chunks of this many samples (same result, less memory)",
+    )
+
+    run_opts = parser.add_argument_group("run")
+    run_opts.add_argument("--seed", type=int, default=0, help="seed of the model, the data and every algorithm (default: 0)")
+    run_opts.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: auto)")
+    run_opts.add_argument("--dtype", choices=tuple(_DTYPES), default="float32", help="working precision (default: float32)")
+    run_opts.add_argument(
+        "-o", "--output", type=Path, default=Path("he_out"),
+        help="folder for results.json and spectrum.png (default: ./he_out)",
+    )
+    run_opts.add_argument("--no-plot", action="store_true", help="write no PNG")
+    progress = run_opts.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
+    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress bars (default: only on a terminal)")
+    run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.method != "autograd" and args.operator != "hessian":
+        parser.error(f"--method {args.method} applies to --operator hessian only (GGN and Fisher have no double backward)")
+    if 0 < args.trace_matvecs < 3:
+        parser.error(f"--trace-matvecs must be 0 (skip) or >= 3 (Hutch++ spends a third on a sketch), got {args.trace_matvecs}")
+    if not args.tol > 0:
+        parser.error(f"--tol must be positive, got {args.tol}")
+    if args.grid_points < 2:
+        parser.error(f"--grid-points must be >= 2, got {args.grid_points}")
+    if args.model is not None and args.synthetic:
+        parser.error("--synthetic selects data for the built-in model; it cannot be combined with --model")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CLIError(f"--device: unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+# --------------------------------------------------------------------------
+# Problems: the built-in one and the user's
+# --------------------------------------------------------------------------
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor] | None:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        return None
+    data = load_digits()  # bundled with scikit-learn: no download
+    x = torch.as_tensor(data.data, dtype=torch.float64) / 16.0
+    y = torch.as_tensor(data.target, dtype=torch.long)
+    return x, y
+
+
+def _synthetic(gen: torch.Generator, n: int = 1024, d: int = 64, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    # Gaussian clusters that overlap a little, so the trained model keeps a nonzero loss
+    centers = torch.randn(classes, d, generator=gen, dtype=torch.float64) * 0.6
+    y = torch.randint(0, classes, (n,), generator=gen)
+    x = centers[y] + torch.randn(n, d, generator=gen, dtype=torch.float64)
+    return x, y
+
+
+def builtin_problem(
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    train_steps: int = 100,
+    synthetic: bool = False,
+    batch_size: int | None = None,
+) -> Problem:
+    """The default problem: an MLP 64-32-10 (tanh) trained on digits (or synthetic clusters).
+
+    Deterministic for a given seed: a fixed number of full-batch Adam steps
+    (not a time budget). The data is one batch by default (it is small, and
+    one batch lets the operator keep its graph across products); pass
+    ``batch_size`` to split it.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    loaded = None if synthetic else _digits()
+    if loaded is None:
+        x, y = _synthetic(gen)
+        source = "synthetic Gaussian clusters"
+    else:
+        x, y = loaded
+        source = "scikit-learn digits"
+    # standardize features so the tanh units start in their linear range
+    x = (x - x.mean(0)) / x.std(0).clamp_min(1e-3)
+    x, y = x.to(device=device, dtype=dtype), y.to(device)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(x.shape[1], 32), nn.Tanh(), nn.Linear(32, 10)).to(device=device, dtype=dtype)
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(train_steps):
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+    for p in model.parameters():
+        p.grad = None
+    step = batch_size or x.shape[0]
+    batches = [(x[i : i + step], y[i : i + step]) for i in range(0, x.shape[0], step)]
+    n_params = sum(p.numel() for p in model.parameters())
+    description = (
+        f"built-in MLP {x.shape[1]}-32-10 (tanh, {n_params} parameters), {train_steps} Adam steps on "
+        f"{source} ({x.shape[0]} samples)"
+    )
+    return Problem(model, batches, criterion, description)
+
+
+def _load_module(spec: str, location: str) -> Any:
+    if location.endswith(".py") or os.sep in location or "/" in location:
+        path = Path(location)
+        if not path.is_file():
+            raise CLIError(f"--model {spec}: file {location!r} not found")
+        name = f"_hessian_eigenthings_user_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise CLIError(f"--model {spec}: cannot load {location!r} as a Python file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    # like `python -m`, let modules in the working directory be found
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(location)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and location.startswith(exc.name):
+            raise CLIError(
+                f"--model {spec}: no module named {location!r}; give an importable module or a path "
+                "to a .py file (path/to/file.py:function)"
+            ) from None
+        raise
+
+
+def load_user_problem(spec: str) -> Problem:
+    """Import ``module:function`` / ``path.py:function`` and check what it returns."""
+    location, sep, attr = spec.rpartition(":")
+    if not sep or not location or not attr:
+        raise CLIError(f"--model expects MODULE:FUNCTION or path/to/file.py:FUNCTION, got {spec!r}")
+    module = _load_module(spec, location)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise CLIError(f"--model {spec}: {location!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise CLIError(f"--model {spec}: {attr!r} is not callable")
+    returned = fn()
+    if not isinstance(returned, (tuple, list)) or len(returned) != 3:
+        raise CLIError(
+            f"--model {spec}: {attr}() must return (model, dataloader, criterion), "
+            f"got {type(returned).__name__}"
+            + (f" of length {len(returned)}" if isinstance(returned, (tuple, list)) else "")
+        )
+    model, dataloader, criterion = returned
+    if not isinstance(model, nn.Module):
+        raise CLIError(f"--model {spec}: the model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(dataloader, Iterable):
+        raise CLIError(f"--model {spec}: the dataloader must be iterable, got {type(dataloader).__name__}")
+    if not callable(criterion):
+        raise CLIError(
+            f"--model {spec}: the criterion must be callable as criterion(output, target), "
+            f"got {type(criterion).__name__}"
+        )
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Problem(model, dataloader, criterion, f"{spec} ({type(model).__name__}, {n_params} parameters)")
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+def build_operator(
+    problem: Problem,
+    operator: str,
+    *,
+    method: str = "autograd",
+    num_batches: int | None = None,
+    microbatch_size: int | None = None,
+) -> DataCurvatureOperator:
+    """The operator the CLI runs, built from ``(model, dataloader, criterion)`` with the loss helpers."""
+    model, data, criterion = problem.model, problem.dataloader, problem.criterion
+    common: dict[str, Any] = {"num_batches": num_batches, "microbatch_size": microbatch_size}
+    if operator == "hessian":
+        return HessianOperator(model, data, supervised_loss(criterion), method=method, **common)  # type: ignore[arg-type]
+    if operator == "ggn":
+        loss_of_output = supervised_loss_of_output(criterion)
+        closed_form = isinstance(loss_of_output, OutputHessianLoss)
+        return GGNOperator(
+            model, data, supervised_forward, loss_of_output,
+            loss_hvp="analytical" if closed_form else "autograd", **common,
+        )
+    if operator == "fisher":
+        return EmpiricalFisherOperator(model, data, supervised_per_sample_loss(criterion), **common)
+    raise CLIError(f"unknown operator {operator!r}")
+
+
+def _log(quiet: bool, *parts: Any) -> None:
+    if not quiet:
+        print(*parts, flush=True)
+
+
+def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+    first = next(iter(problem.dataloader), None)
+    if first is None:
+        raise CLIError("the dataloader yielded no batch; check that the dataset is not empty")
+    n = op.size
+    # the algorithms run one after another: the largest set of kept vectors counts
+    krylov = min(n, max(2 * args.k + 1, 20))
+    if args.slq_runs:
+        krylov = max(krylov, args.slq_runs * min(args.slq_steps, n))
+    if args.trace_matvecs:
+        krylov = max(krylov, args.trace_matvecs // 3)
+    block = max(1, min(args.slq_runs, 32))
+    return estimate_memory(
+        op.model, first, supervised_loss(problem.criterion), operator=args.operator, method=args.method,
+        block_size=block, microbatch_size=args.microbatch_size, krylov_size=krylov, params=op.params,
+    )
+
+
+def _eigen_table(result: EigenResult) -> str:
+    lines = ["    i      eigenvalue   residual  converged"]
+    for i in range(int(result.eigenvalues.shape[0])):
+        lines.append(
+            f"{i:5d}  {float(result.eigenvalues[i]): .6e}   {float(result.residuals[i]):.1e}  "
+            f"{'yes' if bool(result.converged[i]) else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if density is not None else 1, figsize=(11 if density is not None else 5.5, 4.2), squeeze=False)
+    values = eig.eigenvalues.numpy()
+    if density is not None:
+        ax = axes[0, 0]
+        density.plot(ax, color="C0", lw=1.5, label="SLQ density")
+        peak = float(density.density.max())
+        # below ~1e-7 of the peak the Gaussian tails are invisible noise on a log axis
+        ax.set_ylim(peak * 1e-7, peak * 3)
+        for j, v in enumerate(values):
+            ax.axvline(float(v), color="C3", lw=0.8, alpha=0.7, label="top eigenvalues" if j == 0 else None)
+        ax.set_title(f"spectral density (σ = {density.sigma:.2g})")
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[0, -1]
+    idx = list(range(1, len(values) + 1))
+    ax.plot(idx, values, "o-", color="C3")
+    ax.axhline(0.0, color="0.5", lw=0.8)
+    ax.set_xlabel("index i (most wanted first)")
+    ax.set_ylabel("eigenvalue λᵢ")
+    ax.set_title(f"top {len(values)} eigenvalues (Lanczos)")
+    ax.set_xticks(idx)
+    ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _floats(t: torch.Tensor) -> list[float]:
+    return [float(x) for x in t.detach().to("cpu", torch.float64).tolist()]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the computation for parsed options; returns what is written to ``results.json``."""
+    device = resolve_device(args.device)
+    dtype = _DTYPES[args.dtype]
+    quiet = args.quiet
+    progress = False if quiet else args.progress
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        problem = builtin_problem(
+            seed=args.seed, dtype=dtype, device=device, train_steps=args.train_steps, synthetic=args.synthetic
+        )
+    else:
+        problem = load_user_problem(args.model)
+        problem.model.to(device=device, dtype=dtype)
+    timings["setup"] = time.perf_counter() - t0
+    _log(quiet, f"model: {problem.description}  [{timings['setup']:.1f} s]")
+
+    op = build_operator(
+        problem, args.operator, method=args.method, num_batches=args.num_batches, microbatch_size=args.microbatch_size
+    )
+    what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
+    _log(quiet, f"operator: {what}, n = {op.size} parameters, {args.dtype} on {device}")
+    memory = _memory_estimate(problem, op, args)
+    if memory is not None:
+        _log(quiet, memory.summary())
+
+    results: dict[str, Any] = {
+        "version": __version__,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": args.dtype},
+        "memory_estimate": None if memory is None else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
+    }
+
+    t = time.perf_counter()
+    k = min(args.k, op.size)
+    eig = lanczos(op, k=k, which=args.which, tol=args.tol, max_iter=args.max_matvecs, seed=args.seed, progress=progress)
+    timings["eigenvalues"] = time.perf_counter() - t
+    results["eigenvalues"] = {
+        "which": args.which,
+        "values": _floats(eig.eigenvalues),
+        "residuals": _floats(eig.residuals),
+        "converged": [bool(c) for c in eig.converged.tolist()],
+        "matvecs": eig.iterations,
+    }
+    _log(quiet, f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
+    _log(quiet, _eigen_table(eig))
+
+    tr: TraceResult | None = None
+    if args.trace_matvecs:
+        t = time.perf_counter()
+        tr = trace(op, num_matvecs=args.trace_matvecs, method="hutch++", seed=args.seed, progress=progress)
+        timings["trace"] = time.perf_counter() - t
+        results["trace"] = {"method": "hutch++", "estimate": tr.estimate, "stderr": tr.stderr, "matvecs": args.trace_matvecs}
+        _log(quiet, f"\ntrace (Hutch++, {args.trace_matvecs} products): {tr.estimate:.6e} ± {tr.stderr:.2e}  [{timings['trace']:.1f} s]")
+
+    density: SpectralDensityResult | None = None
+    if args.slq_runs:
+        t = time.perf_counter()
+        density = spectral_density(
+            op, num_runs=args.slq_runs, lanczos_steps=args.slq_steps, num_grid_points=args.grid_points,
+            seed=args.seed, progress=progress,
+        )
+        timings["spectral_density"] = time.perf_counter() - t
+        grid = density.grid
+        mass = float(torch.trapezoid(density.density, grid))
+        results["spectral_density"] = {
+            "num_runs": args.slq_runs,
+            "lanczos_steps": args.slq_steps,
+            "sigma": density.sigma,
+            "grid": _floats(grid),
+            "density": _floats(density.density),
+            "nodes": _floats(density.raw_eigenvalues),
+            "weights": _floats(density.raw_weights),
+        }
+        lo, hi = float(density.raw_eigenvalues.min()), float(density.raw_eigenvalues.max())
+        _log(
+            quiet,
+            f"\nspectral density (SLQ, {args.slq_runs} runs x {min(args.slq_steps, op.size)} steps): support "
+            f"[{lo:.3e}, {hi:.3e}], sigma {density.sigma:.2e}, integrates to {mass:.3f}  "
+            f"[{timings['spectral_density']:.1f} s]",
+        )
+
+    results["timings_s"] = timings
+    results["total_matvecs"] = op.num_matvecs
+    out_dir: Path = args.output
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--output: cannot create folder {str(out_dir)!r}: {exc.strerror}") from None
+    json_path = out_dir / "results.json"
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    written = [str(json_path)]
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "note: matplotlib is not installed, so no plot was written (results.json is complete); "
+                "install it with `pip install hessian-eigenthings[plotting]`",
+                file=sys.stderr,
+            )
+        else:
+            png = out_dir / "spectrum.png"
+            title = f"{args.operator} of {problem.description}"
+            _plot(png, eig, density, title)
+            written.append(str(png))
+    timings["total"] = time.perf_counter() - t0
+    _log(quiet, f"\nwrote {', '.join(written)}  (total {timings['total']:.1f} s)")
+    return results
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hessian-eigenthings`` and ``python -m hessian_eigenthings``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    try:
+        run(args)
+    except CLIError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0
