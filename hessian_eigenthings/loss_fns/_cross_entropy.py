@@ -69,8 +69,12 @@ class ShiftedCrossEntropy:
 
     def _checked(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(f"causal-LM losses expect logits of shape (batch, seq, vocab), got {shape}")
+            shape = (
+                tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            )
+            raise ValueError(
+                f"causal-LM losses expect logits of shape (batch, seq, vocab), got {shape}"
+            )
         tgt, valid = self.targets(batch)
         if tuple(tgt.shape) != (logits.shape[0], logits.shape[1] - 1):
             raise ValueError(
@@ -83,7 +87,9 @@ class ShiftedCrossEntropy:
         tgt, valid = self._checked(logits, batch)
         rows = upcast(logits[:, :-1])
         masked = tgt.masked_fill(~valid, IGNORE_INDEX)
-        return F.cross_entropy(rows.reshape(-1, rows.shape[-1]), masked.reshape(-1), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(
+            rows.reshape(-1, rows.shape[-1]), masked.reshape(-1), ignore_index=IGNORE_INDEX
+        )
 
     def hvp(self, logits: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         _, valid = self._checked(logits, batch)

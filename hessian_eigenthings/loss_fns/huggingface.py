@@ -42,7 +42,11 @@ from hessian_eigenthings.loss_fns.protocols import LossFn
 
 
 def _is_mapping(batch: object) -> bool:
-    return hasattr(batch, "keys") and hasattr(batch, "__getitem__") and not isinstance(batch, torch.Tensor)
+    return (
+        hasattr(batch, "keys")
+        and hasattr(batch, "__getitem__")
+        and not isinstance(batch, torch.Tensor)
+    )
 
 
 def _model_inputs(model: nn.Module, batch: Batch, *, drop_labels: bool = True) -> dict[str, Any]:
@@ -56,7 +60,10 @@ def _model_inputs(model: nn.Module, batch: Batch, *, drop_labels: bool = True) -
             f"or an input_ids tensor, got {type(batch).__name__}"
         )
     # the key/value cache is for generation; here it only costs memory
-    if "use_cache" not in inputs and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+    if (
+        "use_cache" not in inputs
+        and getattr(getattr(model, "config", None), "use_cache", None) is not None
+    ):
         inputs["use_cache"] = False
     return inputs
 
@@ -66,7 +73,9 @@ def _logits(out: Any) -> torch.Tensor:
     if logits is None and isinstance(out, (tuple, list)) and out:
         logits = out[0]
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"the model returned {type(out).__name__} without logits; is it a *ForCausalLM / *ForSeq2SeqLM model?")
+        raise TypeError(
+            f"the model returned {type(out).__name__} without logits; is it a *ForCausalLM / *ForSeq2SeqLM model?"
+        )
     return logits
 
 
@@ -91,7 +100,9 @@ class HFCausalLMForward:
         if h is None and isinstance(out, (tuple, list)) and out:
             h = out[0]
         if not isinstance(h, torch.Tensor):
-            raise TypeError(f"{type(body).__name__} returned {type(out).__name__} without last_hidden_state")
+            raise TypeError(
+                f"{type(body).__name__} returned {type(out).__name__} without last_hidden_state"
+            )
         return h
 
     def __repr__(self) -> str:
@@ -115,13 +126,17 @@ class HFCausalLMLoss(ShiftedCrossEntropy):
             tgt = batch[:, 1:]
             return tgt, torch.ones_like(tgt, dtype=torch.bool)
         if not _is_mapping(batch):
-            raise TypeError(f"expected a mapping batch or an input_ids tensor, got {type(batch).__name__}")
+            raise TypeError(
+                f"expected a mapping batch or an input_ids tensor, got {type(batch).__name__}"
+            )
         keys = list(batch.keys())
         if "labels" in keys:
             tgt = batch["labels"][:, 1:]
             return tgt, tgt != IGNORE_INDEX
         if "input_ids" not in keys:
-            raise KeyError("the batch has neither 'labels' nor 'input_ids'; the causal-LM loss needs one of them")
+            raise KeyError(
+                "the batch has neither 'labels' nor 'input_ids'; the causal-LM loss needs one of them"
+            )
         tgt = batch["input_ids"][:, 1:]
         if "attention_mask" in keys and batch["attention_mask"] is not None:
             return tgt, batch["attention_mask"][:, 1:].bool()
@@ -169,6 +184,8 @@ def hf_seq2seq_loss() -> LossFn:
             else:
                 inputs["labels"] = labels
         logits = upcast(_logits(model(**inputs)))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
+        )
 
     return loss_fn

@@ -53,12 +53,16 @@ def _inputs_targets(batch: Batch) -> tuple[object, torch.Tensor]:
 
 def _check_criterion(criterion: object) -> None:
     if not callable(criterion):
-        raise TypeError(f"criterion must be callable as criterion(output, target), got {type(criterion).__name__}")
+        raise TypeError(
+            f"criterion must be callable as criterion(output, target), got {type(criterion).__name__}"
+        )
 
 
 def _check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' (a curvature needs a scalar loss), got {reduction!r}")
+        raise ValueError(
+            f"reduction must be 'mean' or 'sum' (a curvature needs a scalar loss), got {reduction!r}"
+        )
 
 
 def supervised_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -105,7 +109,10 @@ class CrossEntropyOutputLoss:
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         _, y = _inputs_targets(batch)
         return F.cross_entropy(
-            output, y, ignore_index=self.ignore_index, reduction=self.reduction,
+            output,
+            y,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
             label_smoothing=self.label_smoothing,
         )
 
@@ -197,9 +204,14 @@ def supervised_loss_of_output(
     """
     _check_criterion(criterion)
     reduction = getattr(criterion, "reduction", None)
-    if isinstance(criterion, nn.CrossEntropyLoss) and criterion.weight is None and reduction in ("mean", "sum"):
+    if (
+        isinstance(criterion, nn.CrossEntropyLoss)
+        and criterion.weight is None
+        and reduction in ("mean", "sum")
+    ):
         return CrossEntropyOutputLoss(
-            ignore_index=criterion.ignore_index, reduction=criterion.reduction,  # type: ignore[arg-type]
+            ignore_index=criterion.ignore_index,
+            reduction=criterion.reduction,  # type: ignore[arg-type]
             label_smoothing=criterion.label_smoothing,
         )
     if isinstance(criterion, nn.MSELoss) and reduction in ("mean", "sum"):

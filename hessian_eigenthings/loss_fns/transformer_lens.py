@@ -35,7 +35,9 @@ def _tokens_and_mask(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
             raise KeyError(f"TransformerLens batches need 'tokens' or 'input_ids', got keys {keys}")
         mask = batch["attention_mask"] if "attention_mask" in keys else None
         return batch[key], mask
-    raise TypeError(f"TransformerLens helpers expect a token tensor or a mapping with 'tokens', got {type(batch).__name__}")
+    raise TypeError(
+        f"TransformerLens helpers expect a token tensor or a mapping with 'tokens', got {type(batch).__name__}"
+    )
 
 
 def tlens_forward() -> ForwardFn:
@@ -48,7 +50,9 @@ def tlens_forward() -> ForwardFn:
             kwargs["attention_mask"] = mask
         logits = model(tokens, **kwargs)
         if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"model(tokens, return_type='logits') returned {type(logits).__name__}, expected a tensor")
+            raise TypeError(
+                f"model(tokens, return_type='logits') returned {type(logits).__name__}, expected a tensor"
+            )
         return logits
 
     return forward

@@ -77,7 +77,9 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
         graph_memory_budget: int | None = None,
     ) -> None:
         if not callable(per_sample_loss_fn):
-            raise TypeError("per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses")
+            raise TypeError(
+                "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
+            )
         if not isinstance(sample_dim, int):
             raise TypeError(f"sample_dim must be an int, got {type(sample_dim).__name__}")
         self.per_sample_loss_fn = per_sample_loss_fn
@@ -104,14 +106,18 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
     def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         losses = self.per_sample_loss_fn(model, batch)
         if not isinstance(losses, torch.Tensor):
-            raise TypeError(f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}")
+            raise TypeError(
+                f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}"
+            )
         if losses.dim() == 0:
             raise ValueError(
                 "per_sample_loss_fn returned a scalar; the empirical Fisher needs one loss per sample, "
                 "shape (N,): use reduction='none' (e.g. loss_fns.supervised_per_sample_loss(criterion))"
             )
         if not -losses.dim() <= self.sample_dim < losses.dim():
-            raise ValueError(f"sample_dim={self.sample_dim} is out of range for losses of shape {tuple(losses.shape)}")
+            raise ValueError(
+                f"sample_dim={self.sample_dim} is out of range for losses of shape {tuple(losses.shape)}"
+            )
         losses = losses.movedim(self.sample_dim, 0)
         n = batch_size(batch)
         if losses.shape[0] != n:

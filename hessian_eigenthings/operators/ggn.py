@@ -141,9 +141,13 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         **base: Any,
     ) -> None:
         if not callable(forward_fn):
-            raise TypeError("forward_fn must be callable as forward_fn(model, batch) -> output tensor")
+            raise TypeError(
+                "forward_fn must be callable as forward_fn(model, batch) -> output tensor"
+            )
         if jvp not in ("auto", "forward_mode", "finite_difference"):
-            raise ValueError(f"jvp must be 'auto', 'forward_mode' or 'finite_difference', got {jvp!r}")
+            raise ValueError(
+                f"jvp must be 'auto', 'forward_mode' or 'finite_difference', got {jvp!r}"
+            )
         if fd_eps is not None and not fd_eps > 0:
             raise ValueError(f"fd_eps must be positive, got {fd_eps}")
         super().__init__(model, dataloader, **base)
@@ -194,7 +198,9 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         self._loss_state(state)
         return state
 
-    def _apply(self, state: _OutputState, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+    def _apply(
+        self, state: _OutputState, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
         jv = self._jvp(state.batch, vecs)
         if jv.shape[1:] != state.output.shape:
             raise RuntimeError(
@@ -212,7 +218,9 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         for mname, m in self.model.named_modules():
             if m.training:
                 for bname, b in m.named_buffers(recurse=False):
-                    named[f"model.{mname}.{bname}" if mname else f"model.{bname}"] = b.detach().clone()
+                    named[f"model.{mname}.{bname}" if mname else f"model.{bname}"] = (
+                        b.detach().clone()
+                    )
         return named
 
     def _call_at(self, tensors: Sequence[torch.Tensor], batch: Batch) -> torch.Tensor:
@@ -253,7 +261,9 @@ class _OutputSandwichOperator(DataCurvatureOperator):
             warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
             return self._jvp_forward_mode_block(one, vecs)
 
-    def _jvp_forward_mode_block(self, one: Callable[..., torch.Tensor], vecs: list[torch.Tensor]) -> torch.Tensor:
+    def _jvp_forward_mode_block(
+        self, one: Callable[..., torch.Tensor], vecs: list[torch.Tensor]
+    ) -> torch.Tensor:
         k = vecs[0].shape[0]
         if k > 1 and self._vmap_ok is not False:
             try:
@@ -284,11 +294,17 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         with torch.no_grad():
             for j in range(k):
                 vj = [v[j] for v in vecs]
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in vj]))
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(x) for x in vj])
+                )
                 # step h along v/‖v‖; a zero v gives a zero product (NOTE [finite-difference step])
                 scale = self.fd_eps / norm.clamp_min(torch.finfo(norm.dtype).tiny ** 0.5)
-                plus = self._call_at([p + scale * x for p, x in zip(primals, vj, strict=True)], batch)
-                minus = self._call_at([p - scale * x for p, x in zip(primals, vj, strict=True)], batch)
+                plus = self._call_at(
+                    [p + scale * x for p, x in zip(primals, vj, strict=True)], batch
+                )
+                minus = self._call_at(
+                    [p - scale * x for p, x in zip(primals, vj, strict=True)], batch
+                )
                 if out is None:
                     out = torch.empty((k, *plus.shape), dtype=plus.dtype, device=plus.device)
                 torch.mul(plus - minus, 0.5 / scale, out=out[j])
@@ -296,10 +312,14 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         return out
 
     # -- Jᵀ u -----------------------------------------------------------------------
-    def _vjp(self, output: torch.Tensor, u: torch.Tensor, retain: bool) -> Sequence[torch.Tensor | None]:
+    def _vjp(
+        self, output: torch.Tensor, u: torch.Tensor, retain: bool
+    ) -> Sequence[torch.Tensor | None]:
         k = u.shape[0]
         if k == 1:
-            g = torch.autograd.grad(output, self.params, u[0], retain_graph=retain, allow_unused=True)
+            g = torch.autograd.grad(
+                output, self.params, u[0], retain_graph=retain, allow_unused=True
+            )
             return [None if x is None else x.unsqueeze(0) for x in g]
         if self._vjp_batched_ok is not False:
             first = self._vjp_batched_ok is None
@@ -307,8 +327,12 @@ class _OutputSandwichOperator(DataCurvatureOperator):
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", UserWarning)
                     g = torch.autograd.grad(
-                        output, self.params, u, is_grads_batched=True,
-                        retain_graph=retain or first, allow_unused=True,
+                        output,
+                        self.params,
+                        u,
+                        is_grads_batched=True,
+                        retain_graph=retain or first,
+                        allow_unused=True,
                     )
             except (RuntimeError, NotImplementedError, UserWarning):
                 if not first:
@@ -318,7 +342,9 @@ class _OutputSandwichOperator(DataCurvatureOperator):
                 self._vjp_batched_ok = True
                 return list(g)
         rows = [
-            torch.autograd.grad(output, self.params, u[j], retain_graph=retain or j < k - 1, allow_unused=True)
+            torch.autograd.grad(
+                output, self.params, u[j], retain_graph=retain or j < k - 1, allow_unused=True
+            )
             for j in range(k)
         ]
         return [
@@ -380,9 +406,13 @@ class GGNOperator(_OutputSandwichOperator):
         graph_memory_budget: int | None = None,
     ) -> None:
         if chunked_lm_head not in (True, False, "auto"):
-            raise ValueError(f"chunked_lm_head must be True, False or 'auto', got {chunked_lm_head!r}")
+            raise ValueError(
+                f"chunked_lm_head must be True, False or 'auto', got {chunked_lm_head!r}"
+            )
         if not callable(loss_of_output_fn):
-            raise TypeError("loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar")
+            raise TypeError(
+                "loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar"
+            )
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
         if loss_hvp == "analytical" and not isinstance(loss_of_output_fn, OutputHessianLoss):
@@ -481,7 +511,9 @@ class GGNOperator(_OutputSandwichOperator):
         state.n = state.valid.sum().clamp_min(1)
         return state
 
-    def _apply(self, state: _OutputState, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+    def _apply(
+        self, state: _OutputState, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
         if state.valid is None:
             return super()._apply(state, vecs, retain)
         head = self.lm_head
@@ -499,10 +531,16 @@ class GGNOperator(_OutputSandwichOperator):
         g_b = None if ib is None else torch.empty_like(vecs[ib])
         for j in range(k):
             gh, gw, gb = lm_head_ce_ggn(
-                h, W, b, dh[j, :, :-1],
+                h,
+                W,
+                b,
+                dh[j, :, :-1],
                 None if iw is None else vecs[iw][j],
                 None if ib is None else vecs[ib][j],
-                state.valid, state.n, chunk_rows=self.lm_head_chunk_rows, impl=loss.fused,
+                state.valid,
+                state.n,
+                chunk_rows=self.lm_head_chunk_rows,
+                impl=loss.fused,
             )
             g_h[j, :, :-1] = gh
             if g_w is not None:
@@ -524,7 +562,9 @@ class GGNOperator(_OutputSandwichOperator):
         loss = self.loss_of_output_fn(leaf, state.batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_of_output_fn must return a scalar (the mean loss of the batch), got {shape}")
+            raise ValueError(
+                f"loss_of_output_fn must return a scalar (the mean loss of the batch), got {shape}"
+            )
         (grad,) = torch.autograd.grad(loss.reshape(()), leaf, create_graph=True)
         state.output_leaf = leaf
         state.loss_grad = grad
@@ -534,7 +574,9 @@ class GGNOperator(_OutputSandwichOperator):
             hu = self.loss_of_output_fn.hvp(state.output.detach(), state.batch, u)  # type: ignore[union-attr]
             if not isinstance(hu, torch.Tensor) or hu.shape != u.shape:
                 got = tuple(hu.shape) if isinstance(hu, torch.Tensor) else type(hu).__name__
-                raise ValueError(f"{self.loss_of_output_fn!r}.hvp returned {got} for u of shape {tuple(u.shape)}; it must keep u's shape")
+                raise ValueError(
+                    f"{self.loss_of_output_fn!r}.hvp returned {got} for u of shape {tuple(u.shape)}; it must keep u's shape"
+                )
             return hu
         grad, leaf = state.loss_grad, state.output_leaf
         assert grad is not None and leaf is not None
@@ -545,5 +587,7 @@ class GGNOperator(_OutputSandwichOperator):
         if k == 1:
             (hu,) = torch.autograd.grad(grad, leaf, u[0], retain_graph=True, allow_unused=True)
             return torch.zeros_like(u) if hu is None else hu.unsqueeze(0)
-        (hu,) = torch.autograd.grad(grad, leaf, u, is_grads_batched=True, retain_graph=True, allow_unused=True)
+        (hu,) = torch.autograd.grad(
+            grad, leaf, u, is_grads_batched=True, retain_graph=True, allow_unused=True
+        )
         return torch.zeros_like(u) if hu is None else hu

@@ -18,7 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config).double().eval()
 
 
@@ -46,7 +48,9 @@ def test_lm_loss_equals_transformers_loss() -> None:
 def test_without_labels_padding_targets_are_left_out() -> None:
     model, batch = gpt2(), lm_batch()
     no_labels = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    collated = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # what HF collators write
+    collated = batch["input_ids"].masked_fill(
+        batch["attention_mask"] == 0, -100
+    )  # what HF collators write
     close_to_hf(hf_lm_loss()(model, no_labels), model(**no_labels, labels=collated).loss)
     ids_only = batch["input_ids"]  # a bare tensor batch: every position counts
     close_to_hf(hf_lm_loss()(model, ids_only), model(input_ids=ids_only, labels=ids_only).loss)
@@ -57,7 +61,9 @@ def test_lm_loss_of_output_hvp_equals_autograd_hessian() -> None:
     logits = torch.randn(3, 6, 11, dtype=torch.float64)
     loss = hf_lm_loss_of_output(fused="eager")
     assert isinstance(loss, OutputHessianLoss) and isinstance(loss, HFCausalLMLoss)
-    H = torch.func.jacrev(torch.func.jacrev(lambda o: loss(o, batch)))(logits).reshape(logits.numel(), -1)
+    H = torch.func.jacrev(torch.func.jacrev(lambda o: loss(o, batch)))(logits).reshape(
+        logits.numel(), -1
+    )
     U = torch.randn(2, 3, 6, 11, dtype=torch.float64)
     got = loss.hvp(logits, batch, U)
     torch.testing.assert_close(got.reshape(2, -1), U.reshape(2, -1) @ H.T, rtol=1e-10, atol=1e-12)
@@ -69,13 +75,26 @@ def test_half_precision_logits_loss_in_float32() -> None:
     logits = torch.randn(3, 6, 11, dtype=torch.bfloat16)
     loss = hf_lm_loss_of_output()(logits, batch)
     assert loss.dtype == torch.float32
-    assert hf_lm_loss_of_output().hvp(logits, batch, torch.randn(1, 3, 6, 11, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert (
+        hf_lm_loss_of_output()
+        .hvp(logits, batch, torch.randn(1, 3, 6, 11, dtype=torch.bfloat16))
+        .dtype
+        == torch.bfloat16
+    )
 
 
 def test_seq2seq_loss_equals_transformers_loss() -> None:
     config = transformers.T5Config(
-        vocab_size=11, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        vocab_size=11,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     model = transformers.T5ForConditionalGeneration(config).double().eval()
     ids = torch.randint(2, 11, (2, 5))
@@ -94,4 +113,6 @@ def test_bad_batches() -> None:
     with pytest.raises(KeyError, match="input_ids"):
         hf_lm_loss_of_output()(torch.randn(2, 3, 11), {"attention_mask": torch.ones(2, 3)})
     with pytest.raises(ValueError, match="batch, seq, vocab"):
-        hf_lm_loss_of_output()(torch.randn(2, 11), {"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+        hf_lm_loss_of_output()(
+            torch.randn(2, 11), {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+        )

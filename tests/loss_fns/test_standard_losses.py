@@ -30,15 +30,21 @@ def check_hvp(loss: OutputHessianLoss, output: torch.Tensor, batch: object, k: i
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-def test_cross_entropy_class_indices_with_ignore_index(reduction: str, label_smoothing: float) -> None:
+def test_cross_entropy_class_indices_with_ignore_index(
+    reduction: str, label_smoothing: float
+) -> None:
     logits = torch.randn(9, 7, dtype=torch.float64)
     y = torch.randint(0, 7, (9,))
     y[[1, 4]] = -100
-    loss = cross_entropy_loss_of_output(reduction=reduction, label_smoothing=label_smoothing, impl="eager")  # type: ignore[arg-type]
+    loss = cross_entropy_loss_of_output(
+        reduction=reduction, label_smoothing=label_smoothing, impl="eager"
+    )  # type: ignore[arg-type]
     check_hvp(loss, logits, (None, y))
     torch.testing.assert_close(
         loss(logits, (None, y)),
-        nn.functional.cross_entropy(logits, y, reduction=reduction, label_smoothing=label_smoothing),
+        nn.functional.cross_entropy(
+            logits, y, reduction=reduction, label_smoothing=label_smoothing
+        ),
     )
 
 
@@ -49,7 +55,9 @@ def test_cross_entropy_spatial_and_probability_targets() -> None:
     check_hvp(cross_entropy_loss_of_output(ignore_index=7), logits, (None, y))
     probs = torch.softmax(torch.randn(3, 5, 4, 2, dtype=torch.float64), dim=1)
     check_hvp(cross_entropy_loss_of_output(), logits, (None, probs))
-    check_hvp(cross_entropy_loss_of_output(), torch.randn(6, dtype=torch.float64), (None, torch.tensor(2)))
+    check_hvp(
+        cross_entropy_loss_of_output(), torch.randn(6, dtype=torch.float64), (None, torch.tensor(2))
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -64,11 +72,17 @@ def test_supervised_loss_of_output_dispatch() -> None:
     assert isinstance(ce, CrossEntropyOutputLoss) and isinstance(ce, OutputHessianLoss)
     assert ce.ignore_index == 3 and ce.label_smoothing == 0.1
     assert isinstance(supervised_loss_of_output(nn.MSELoss(reduction="sum")), MSEOutputLoss)
-    for criterion in (nn.CrossEntropyLoss(weight=torch.ones(3)), nn.HuberLoss(), nn.MSELoss(reduction="none")):
+    for criterion in (
+        nn.CrossEntropyLoss(weight=torch.ones(3)),
+        nn.HuberLoss(),
+        nn.MSELoss(reduction="none"),
+    ):
         generic = supervised_loss_of_output(criterion)
         assert not isinstance(generic, OutputHessianLoss)
     out, y = torch.randn(4, 3), torch.randn(4, 3)
-    torch.testing.assert_close(supervised_loss_of_output(nn.HuberLoss())(out, (None, y)), nn.HuberLoss()(out, y))
+    torch.testing.assert_close(
+        supervised_loss_of_output(nn.HuberLoss())(out, (None, y)), nn.HuberLoss()(out, y)
+    )
     with pytest.raises(TypeError):
         supervised_loss_of_output("ce")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduction"):
@@ -81,7 +95,10 @@ def test_supervised_loss_and_forward() -> None:
     model = nn.Linear(3, 2)
     x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     torch.testing.assert_close(supervised_forward(model, (x, y)), model(x))
-    torch.testing.assert_close(supervised_loss(nn.CrossEntropyLoss())(model, (x, y)), nn.functional.cross_entropy(model(x), y))
+    torch.testing.assert_close(
+        supervised_loss(nn.CrossEntropyLoss())(model, (x, y)),
+        nn.functional.cross_entropy(model(x), y),
+    )
     with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
         supervised_forward(model, x)
 

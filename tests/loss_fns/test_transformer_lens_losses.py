@@ -26,14 +26,21 @@ class StandIn(nn.Module):
         self.unembed = nn.Linear(d, vocab)
         self.seen_mask: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor, return_type: str = "logits", attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        return_type: str = "logits",
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         assert return_type == "logits"
         self.seen_mask = attention_mask
         h = torch.cumsum(self.embed(tokens), dim=1)  # causal mixing
         return self.unembed(torch.tanh(h))
 
 
-def reference_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def reference_loss(
+    logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     # transformer_lens.utils.lm_cross_entropy_loss, restated
     logp = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     if mask is None:
@@ -63,7 +70,9 @@ def test_loss_matches_transformer_lens_formula(with_mask: bool) -> None:
     out = logits.detach()
     H = torch.func.jacrev(torch.func.jacrev(lambda o: loss(o, batch)))(out).reshape(out.numel(), -1)
     U = torch.randn(2, *out.shape, dtype=torch.float64)
-    torch.testing.assert_close(loss.hvp(out, batch, U).reshape(2, -1), U.reshape(2, -1) @ H.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        loss.hvp(out, batch, U).reshape(2, -1), U.reshape(2, -1) @ H.T, rtol=1e-10, atol=1e-12
+    )
 
 
 def test_input_ids_key_and_operators() -> None:

@@ -62,7 +62,9 @@ def dense_ggn(
         with torch.no_grad():
             out = forward_fn(model, batch)
         # reverse over reverse: independent of the operator's forward mode
-        H = torch.func.jacrev(torch.func.jacrev(lambda o, b=batch: loss_of_output(o, b)))(out.detach())
+        H = torch.func.jacrev(torch.func.jacrev(lambda o, b=batch: loss_of_output(o, b)))(
+            out.detach()
+        )
         H = H.reshape(out.numel(), out.numel())
         b = batch_size(batch)
         term = b * (J.T @ H @ J)

@@ -68,10 +68,16 @@ def test_hessian_and_ggn_match(criterion: nn.Module) -> None:
 
 @pytest.mark.parametrize(
     "criterion, scale",
-    [(nn.CrossEntropyLoss(), 1.0), (nn.MSELoss(), float(C)), (nn.CrossEntropyLoss(reduction="sum"), float(N))],
+    [
+        (nn.CrossEntropyLoss(), 1.0),
+        (nn.MSELoss(), float(C)),
+        (nn.CrossEntropyLoss(reduction="sum"), float(N)),
+    ],
     ids=["ce-mean", "mse-mean", "ce-sum"],
 )
-def test_empirical_fisher_matches_up_to_the_documented_scale(criterion: nn.Module, scale: float) -> None:
+def test_empirical_fisher_matches_up_to_the_documented_scale(
+    criterion: nn.Module, scale: float
+) -> None:
     model, data, params, V = setup(criterion)
     ours = EmpiricalFisherOperator(model, data, supervised_per_sample_loss(criterion))
     theirs = curvlinops.EFLinearOperator(model, criterion, params, data)

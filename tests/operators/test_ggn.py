@@ -58,7 +58,8 @@ def test_mse_closed_form() -> None:
     torch.testing.assert_close(
         op.to_dense(),
         GGNOperator(model, data, supervised_forward, loss, loss_hvp="autograd").to_dense(),
-        rtol=1e-10, atol=1e-12,
+        rtol=1e-10,
+        atol=1e-12,
     )
 
 
@@ -239,8 +240,14 @@ def test_input_validation() -> None:
 def _gpt2(attn: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2,
-        bos_token_id=0, eos_token_id=0, attn_implementation=attn,
+        vocab_size=13,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation=attn,
     )
     return transformers.GPT2LMHeadModel(config).double().eval()
 
@@ -276,19 +283,30 @@ def test_tiny_gpt2_dict_batches(attn: str) -> None:
 def test_chunked_lm_head_equals_unchunked(tied: bool) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=tied, attn_implementation="eager",
+        vocab_size=13,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
     )
     model = transformers.GPT2LMHeadModel(config).double().eval()
     data = _lm_batches()
     forward, loss = hf_lm_forward(), hf_lm_loss_of_output(fused="eager")
-    chunked = GGNOperator(model, data, forward, loss, lm_head_chunk_rows=4)  # 3·5 and 2·5 rows: several chunks
+    chunked = GGNOperator(
+        model, data, forward, loss, lm_head_chunk_rows=4
+    )  # 3·5 and 2·5 rows: several chunks
     full = GGNOperator(model, data, forward, loss, chunked_lm_head=False)
     assert chunked.lm_head is model.lm_head and full.lm_head is None
     V = torch.randn(full.size, 3, dtype=torch.float64)
     before = snapshot(model)
     torch.testing.assert_close(chunked @ V, full @ V, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(chunked @ V[:, 0].contiguous(), (full @ V)[:, 0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        chunked @ V[:, 0].contiguous(), (full @ V)[:, 0], rtol=1e-10, atol=1e-12
+    )
     assert_unchanged(model, before)
     # a subset without the head, and one with the head only
     for flt in (match_names("transformer.h.*"), match_names("lm_head.*", "transformer.wte.*")):
@@ -307,7 +325,9 @@ def test_chunked_lm_head_falls_back_when_logits_are_post_processed() -> None:
             out.logits = 2.0 * out.logits  # like logit soft-capping: not lm_head(h)
             return out
 
-    config = transformers.GPT2Config(vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=13, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     model = Scaled(config).double().eval()
     data = _lm_batches()[:1]
     forward, loss = hf_lm_forward(), hf_lm_loss_of_output()
