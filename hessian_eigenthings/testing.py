@@ -31,7 +31,8 @@ def _flat_fn(
             def forward(self_inner) -> torch.Tensor:
                 return fn(model, batch)
 
-        with torch.nn.utils.stateless._reparametrize_module(model, params):
+        # tie_weights: a tied tensor (embedding = LM head) must be substituted at every use
+        with torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True):
             return _Call()()
 
     return f
