@@ -113,18 +113,22 @@ def row_dots(backend: LinAlgBackend, A: torch.Tensor, B: torch.Tensor) -> torch.
 def orthonormalize_rows(W: torch.Tensor, backend: LinAlgBackend, rtol: float | None = None) -> torch.Tensor:
     """Orthonormal rows spanning the rows of ``W (b, n)``; rank-deficient directions dropped.
 
-    Single device: Householder QR with column pivoting-free rank cut on
-    ``|diag R|``. Other backends: Gram-matrix orthonormalization (eigh of the
-    ``(b, b)`` Gram matrix, which is a reduction the backend can do), applied
-    twice so the result is orthonormal to working precision.
+    Single device: Householder QR; when its diagonal shows a (near) rank
+    deficiency, which QR without pivoting cannot place, an SVD decides the
+    rank instead. Other backends: Gram-matrix orthonormalization (eigh of the
+    ``(b, b)`` Gram matrix, a reduction the backend can do), applied twice so
+    the result is orthonormal to working precision.
     """
     eps = torch.finfo(W.dtype).eps
     rtol = rtol if rtol is not None else 1e3 * eps
     if isinstance(backend, SingleDeviceBackend):
         Q, R = torch.linalg.qr(W.T)
         d = R.diagonal().abs()
-        keep = d > rtol * d.max().clamp_min(torch.finfo(W.dtype).tiny)
-        return Q.T[keep].contiguous()
+        if Q.shape[1] == W.shape[0] and bool((d > rtol * d.max().clamp_min(torch.finfo(W.dtype).tiny)).all()):
+            return Q.T.contiguous()
+        _, sv, Vh = torch.linalg.svd(W, full_matrices=False)
+        keep = sv > rtol * sv.max().clamp_min(torch.finfo(W.dtype).tiny)
+        return Vh[keep].contiguous()
     out = W
     for it in range(2):
         G = backend.inner_rows(out, out).to(torch.float64)

@@ -5,7 +5,8 @@ at rate ``|λ₂/λ₁|`` per product. With momentum ``β`` (De Sa et al., 2018)
 the recurrence is ``x_{t+1} = A x_t − β x_{t−1}``, which for
 ``β ≈ λ₂²/4`` converges at rate ``≈ sqrt`` of the plain one; a wrong ``β``
 can stall it, so the default is 0. Deflation finds the next pair on
-``A − Σ λᵢ uᵢuᵢᵀ`` (products with the original operator, then a projection).
+``P A P`` with ``P = I − Σ uᵢuᵢᵀ`` over the pairs found (projection
+deflation: products with the original operator between two projections).
 
 Stopping rule: the true residual ``||A v − (vᵀAv) v|| <= tol · |vᵀAv|`` of
 the current iterate, available from the product just computed (one host
@@ -99,6 +100,8 @@ def _power(
         if ynorm == 0.0:  # x is in the null space: λ = 0 exactly
             converged = True
             break
+        if it == max_iter:  # keep x: the reported λ and residual are x's
+            break
         prev = x / ynorm
         x = y / ynorm
     return lam, x, res, it, converged
@@ -190,15 +193,20 @@ def deflated_power_iteration(
     with progress_bar(k * max_iter, f"deflated power iteration (k={k})", progress) as bar:
         for i in range(k):
             found = U[:i]
-            lam_found = lams[:i].to(device=op.device, dtype=wd)
 
-            def apply(z: torch.Tensor, found: torch.Tensor = found, lam_found: torch.Tensor = lam_found) -> torch.Tensor:
+            def apply(z: torch.Tensor, found: torch.Tensor = found) -> torch.Tensor:
+                # projection deflation P A P, P = I - UUᵀ: the iterate stays orthogonal to the
+                # pairs found, so their residual errors do not leak in as they do with A - λuuᵀ
+                if found.shape[0]:
+                    z = z - backend.inner_rows(z, found) @ found
                 w = apply_rows(op, z)
                 if found.shape[0]:
-                    w = w - (backend.inner_rows(z, found) * lam_found) @ found
+                    w = w - backend.inner_rows(w, found) @ found
                 return w
 
             x = random_rows(1, n, gen, device=op.device, dtype=wd)
+            if i:
+                x = x - backend.inner_rows(x, found) @ found
             x = x / row_dots(backend, x, x).sqrt().unsqueeze(1)
             lam, v, _res, it, _conv = _power(
                 apply, x, max_iter=max_iter, tol=tol, momentum=momentum, backend=backend, noise=noise, bar=bar
@@ -209,6 +217,15 @@ def deflated_power_iteration(
 
     AU = apply_rows(op, U)
     products += k
+    # Rayleigh-Ritz on span(U): the error of an early pair lies mostly along the next
+    # eigenvectors (the slowest-decaying components), which span(U) contains; rotating
+    # removes it at no extra product
+    G = backend.inner_rows(U, AU).to("cpu", torch.float64)
+    if not bool(torch.isfinite(G).all()):
+        raise non_finite_error("residual check", products)
+    lams, S = torch.linalg.eigh(0.5 * (G + G.T))
+    St = S.T.to(device=op.device, dtype=wd)
+    U, AU = St @ U, St @ AU
     R = AU - lams.to(device=op.device, dtype=wd).unsqueeze(1) * U
     res = row_dots(backend, R, R).sqrt().to("cpu", torch.float64)
     if not bool(torch.isfinite(res).all()):

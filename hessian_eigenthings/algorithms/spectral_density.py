@@ -43,9 +43,10 @@ def gaussian_density(
     """``Σ_j w_j N(t; θ_j, σ²)`` on ``grid`` (all float64, CPU), in grid chunks."""
     out = torch.empty_like(grid)
     norm = 1.0 / (sigma * math.sqrt(2.0 * math.pi))
-    for s in range(0, grid.shape[0], 2048):
-        g = grid[s : s + 2048, None]
-        out[s : s + 2048] = (torch.exp(-0.5 * ((g - nodes[None, :]) / sigma) ** 2) * weights).sum(dim=1) * norm
+    chunk = max(1, 2**21 // max(1, nodes.shape[0]))  # ~16 MiB of temporaries per chunk
+    for s in range(0, grid.shape[0], chunk):
+        g = grid[s : s + chunk, None]
+        out[s : s + chunk] = (torch.exp(-0.5 * ((g - nodes[None, :]) / sigma) ** 2) * weights).sum(dim=1) * norm
     return out
 
 

@@ -1,0 +1,93 @@
+"""Trace estimators: unbiasedness over seeds, Hutch++ beats Hutchinson on decaying spectra."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hessian_eigenthings
+from hessian_eigenthings.algorithms import hutch_plus_plus, hutchinson, trace
+from tests.algorithms.spectra import CountingOp, dense_matrix, dense_op, diag_op, spectrum
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("method", ["hutchinson", "hutch++"])
+def test_unbiased_over_seeds(method: str, distribution: str) -> None:
+    eigs = spectrum("indefinite", 60, seed=1)
+    m = dense_matrix(eigs, seed=1)
+    op = dense_op(m)
+    est = np.array([
+        trace(op, num_matvecs=12, method=method, distribution=distribution, seed=s).estimate  # type: ignore[arg-type]
+        for s in range(300)
+    ])
+    truth = eigs.sum()
+    se = est.std(ddof=1) / np.sqrt(len(est))
+    assert abs(est.mean() - truth) < 4 * se, (est.mean(), truth, se)
+
+
+def test_stderr_matches_the_spread_over_seeds() -> None:
+    m = dense_matrix(spectrum("indefinite", 50, seed=2), seed=2)
+    results = [hutchinson(dense_op(m), num_samples=40, distribution="gaussian", seed=s) for s in range(200)]
+    spread = np.std([r.estimate for r in results], ddof=1)
+    mean_stderr = np.mean([r.stderr for r in results])
+    assert mean_stderr == pytest.approx(spread, rel=0.2)
+    assert results[0].samples.shape == (40,)
+    assert results[0].estimate == pytest.approx(float(results[0].samples.mean()))
+
+
+def test_hutch_plus_plus_beats_hutchinson_on_power_law() -> None:
+    n = 2000
+    d = 1.0 / np.arange(1, n + 1) ** 2.0
+    truth = d.sum()
+    err_h, err_pp = [], []
+    for s in range(30):
+        err_h.append(trace(diag_op(d), num_matvecs=60, method="hutchinson", distribution="gaussian", seed=s).estimate - truth)
+        err_pp.append(trace(diag_op(d), num_matvecs=60, method="hutch++", distribution="gaussian", seed=s).estimate - truth)
+    rms_h, rms_pp = np.sqrt(np.mean(np.square(err_h))), np.sqrt(np.mean(np.square(err_pp)))
+    assert rms_pp < rms_h / 10, (rms_pp, rms_h)
+
+
+def test_products_go_in_blocks_and_budget_is_exact() -> None:
+    m = torch.as_tensor(dense_matrix(spectrum("separated", 40)))
+    op = CountingOp(m)
+    hutch_plus_plus(op, num_matvecs=30, seed=0, block_size=8)
+    assert op.num_matvecs == 30
+    # sketch (1 pass of 10) + A Q (1 pass) + 10 probes in blocks of 8 (2 passes)
+    assert op.passes == 4
+    op2 = CountingOp(m)
+    res = hutchinson(op2, num_samples=70, distribution="rademacher", seed=0)
+    assert op2.num_matvecs == 70 and op2.passes == 3  # default blocks of 32
+    assert res.samples.dtype == torch.float64
+
+
+def test_hutch_plus_plus_exact_when_the_sketch_spans_everything() -> None:
+    eigs = spectrum("indefinite", 8)
+    res = hutch_plus_plus(dense_op(dense_matrix(eigs)), num_matvecs=30, seed=0)
+    assert res.estimate == pytest.approx(eigs.sum(), abs=1e-12)
+    assert res.stderr == 0.0
+
+
+def test_low_rank_operator_trace_exact_with_hutch_plus_plus() -> None:
+    eigs = spectrum("lowrank", 100)  # rank 20
+    res = hutch_plus_plus(dense_op(dense_matrix(eigs)), num_matvecs=90, seed=0)
+    assert res.estimate == pytest.approx(eigs.sum(), rel=1e-10)
+
+
+def test_seeds_and_errors() -> None:
+    op = diag_op(np.linspace(0.0, 1.0, 30))
+    a, b = trace(op, num_matvecs=9, seed=3), trace(op, num_matvecs=9, seed=3)
+    assert a.estimate == b.estimate and torch.equal(a.samples, b.samples)
+    with pytest.raises(ValueError, match="method must be"):
+        trace(op, method="xtrace")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="distribution must be"):
+        trace(op, distribution="uniform")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_matvecs must be an int >= 3"):
+        hutch_plus_plus(op, num_matvecs=2)
+    assert hessian_eigenthings.trace is trace
+
+
+def test_float32_operator() -> None:
+    d = np.linspace(1.0, 2.0, 1000)
+    res = hutchinson(diag_op(d, torch.float32), num_samples=4, seed=0)
+    assert res.estimate == pytest.approx(d.sum(), rel=1e-5)  # diagonal + Rademacher: exact
