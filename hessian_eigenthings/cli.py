@@ -30,7 +30,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -169,7 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     run_opts = parser.add_argument_group("run")
     run_opts.add_argument("--seed", type=int, default=0, help="seed of the model, the data and every algorithm (default: 0)")
     run_opts.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: auto)")
-    run_opts.add_argument("--dtype", choices=tuple(_DTYPES), default="float32", help="working precision (default: float32)")
+    run_opts.add_argument(
+        "--dtype", choices=tuple(_DTYPES), default=None,
+        help="working precision; model and floating-point data are cast to it (default: float32 for "
+        "the built-in model, the model's own dtype for --model)",
+    )
     run_opts.add_argument(
         "-o", "--output", type=Path, default=Path("he_out"),
         help="folder for results.json and spectrum.png (default: ./he_out)",
@@ -337,6 +341,50 @@ def load_user_problem(spec: str) -> Problem:
     return Problem(model, dataloader, criterion, f"{spec} ({type(model).__name__}, {n_params} parameters)")
 
 
+class _CastBatches:
+    """Batches of a user's dataloader with tensors moved to the run's device and dtype, lazily."""
+
+    def __init__(self, data: Iterable[Any], device: torch.device, dtype: torch.dtype | None) -> None:
+        self.data = data
+        self.device = device
+        self.dtype = dtype
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.data:
+            yield _cast(batch, self.device, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+
+def _cast(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=dtype)
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _cast(v, device, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cast(b, device, dtype) for b in batch)
+    return batch
+
+
+def _cast_data(data: Iterable[Any], device: torch.device, dtype: torch.dtype | None) -> Iterable[Any]:
+    # a list is converted once, so every product sees the same tensor objects (the
+    # operators then recognise the batch without comparing contents); anything else lazily
+    if isinstance(data, (list, tuple)):
+        return [_cast(b, device, dtype) for b in data]
+    if hasattr(data, "__len__"):
+        return _CastBatches(data, device, dtype)
+    return _LazyCast(data, device, dtype)
+
+
+class _LazyCast(_CastBatches):
+    """As :class:`_CastBatches` for iterables without a length."""
+
+    __len__ = None  # type: ignore[assignment]
+
+
 # --------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------
@@ -441,7 +489,7 @@ def _floats(t: torch.Tensor) -> list[float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the computation for parsed options; returns what is written to ``results.json``."""
     device = resolve_device(args.device)
-    dtype = _DTYPES[args.dtype]
+    dtype = _DTYPES[args.dtype or "float32"]
     quiet = args.quiet
     progress = False if quiet else args.progress
     timings: dict[str, float] = {}
@@ -453,7 +501,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         problem = load_user_problem(args.model)
-        problem.model.to(device=device, dtype=dtype)
+        if args.dtype is not None:
+            problem.model.to(dtype=dtype)
+        problem.model.to(device=device)
+        problem.dataloader = _cast_data(problem.dataloader, device, dtype if args.dtype is not None else None)
     timings["setup"] = time.perf_counter() - t0
     _log(quiet, f"model: {problem.description}  [{timings['setup']:.1f} s]")
 
@@ -461,7 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         problem, args.operator, method=args.method, num_batches=args.num_batches, microbatch_size=args.microbatch_size
     )
     what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
-    _log(quiet, f"operator: {what}, n = {op.size} parameters, {args.dtype} on {device}")
+    _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
     memory = _memory_estimate(problem, op, args)
     if memory is not None:
         _log(quiet, memory.summary())
@@ -469,7 +520,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "version": __version__,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": args.dtype},
+        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": str(op.dtype).removeprefix("torch.")},
         "memory_estimate": None if memory is None else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
     }
 

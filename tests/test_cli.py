@@ -1,0 +1,206 @@
+"""The command-line tool end to end (subprocesses) and its option handling (in process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hessian_eigenthings as he
+from hessian_eigenthings import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A user's model file as the --model contract describes it: make() -> (model, dataloader, criterion).
+USER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def make():
+        gen = torch.Generator().manual_seed(123)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        x = torch.randn(40, 6, generator=gen)
+        y = torch.randint(0, 3, (40,), generator=gen)
+        data = [(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:], y[32:])]
+        return model, data, nn.CrossEntropyLoss()
+
+    def not_a_triple():
+        return 1, 2
+
+    NOT_CALLABLE = 3
+    """
+)
+
+SMALL = ["-k", "3", "--trace-matvecs", "9", "--slq-runs", "2", "--slq-steps", "12", "--grid-points", "300"]
+
+
+@pytest.fixture
+def user_module(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny_user_model.py"
+    path.write_text(USER_MODULE)
+    return path
+
+
+def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "hessian_eigenthings", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def _load(path: Path):  # the user's make() loaded the way the test compares against
+    namespace: dict[str, object] = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace["make"]()  # type: ignore[operator]
+
+
+def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run_cli(
+        ["--model", f"{user_module}:make", "--dtype", "float64", "--seed", "7", "-o", str(out), *SMALL],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "top 3 eigenvalues" in proc.stdout
+    assert "memory estimate" in proc.stdout
+    res = json.loads((out / "results.json").read_text())
+
+    model, data, criterion = _load(user_module)
+    model = model.double()
+    data = [(x.double(), y) for x, y in data]
+    op = he.HessianOperator(model, data, he.supervised_loss(criterion))
+    eig = he.lanczos(op, k=3, which="LA", tol=1e-4, seed=7)
+    tr = he.trace(op, num_matvecs=9, seed=7)
+    sd = he.spectral_density(op, num_runs=2, lanczos_steps=12, num_grid_points=300, seed=7)
+
+    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), eig.eigenvalues, rtol=1e-9, atol=1e-12)
+    assert res["trace"]["estimate"] == pytest.approx(tr.estimate, rel=1e-9)
+    torch.testing.assert_close(torch.tensor(res["spectral_density"]["nodes"], dtype=torch.float64), sd.raw_eigenvalues, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(res["spectral_density"]["density"], dtype=torch.float64), sd.density, rtol=1e-7, atol=1e-9)
+    assert res["model"]["num_parameters"] == op.size == 6 * 8 + 8 + 8 * 3 + 3
+    assert res["memory_estimate"]["parameter_bytes"] == op.size * 8
+
+    png = out / "spectrum.png"
+    assert png.is_file() and png.stat().st_size > 20_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_builtin_default_small(tmp_path: Path) -> None:
+    """The built-in problem (synthetic data here, for speed) with every stage on."""
+    proc = _run_cli(["--synthetic", "--train-steps", "5", "--seed", "1", "--no-progress", *SMALL], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "he_out"  # the default output folder, relative to the working directory
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) >= {"config", "model", "eigenvalues", "trace", "spectral_density", "memory_estimate", "timings_s"}
+    assert "synthetic" in res["model"]["description"]
+
+    problem = cli.builtin_problem(seed=1, train_steps=5, synthetic=True)
+    op = cli.build_operator(problem, "hessian")
+    eig = he.lanczos(op, k=3, which="LA", tol=1e-4, seed=1)
+    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), eig.eigenvalues, rtol=1e-4, atol=1e-6)
+    assert (out / "spectrum.png").stat().st_size > 20_000
+
+
+def test_module_function_form_and_ggn(tmp_path: Path, user_module: Path) -> None:
+    proc = _run_cli(
+        ["--model", "tiny_user_model:make", "--operator", "ggn", "--no-plot", "-o", "res", *SMALL],
+        cwd=user_module.parent,
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((user_module.parent / "res" / "results.json").read_text())
+    assert not (user_module.parent / "res" / "spectrum.png").exists()
+    # the GGN of a convex loss is positive semi-definite
+    assert min(res["eigenvalues"]["values"]) > 0
+    assert res["trace"]["estimate"] > 0
+
+
+def test_fisher_and_finite_difference_in_process(tmp_path: Path, user_module: Path) -> None:
+    for extra in (["--operator", "fisher"], ["--method", "finite_difference"]):
+        code = cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(tmp_path / extra[1]), *SMALL, *extra])
+        assert code == 0
+        res = json.loads((tmp_path / extra[1] / "results.json").read_text())
+        assert len(res["eigenvalues"]["values"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-k", "0"], "expected a positive integer"),
+        (["--operator", "laplacian"], "invalid choice"),
+        (["--operator", "ggn", "--method", "finite_difference"], "applies to --operator hessian only"),
+        (["--trace-matvecs", "2"], "must be 0 (skip) or >= 3"),
+        (["--dtype", "float8"], "invalid choice"),
+        (["--model", "x:y", "--synthetic"], "cannot be combined"),
+    ],
+)
+def test_bad_options(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon_here", "expects MODULE:FUNCTION"),
+        ("{dir}/missing.py:make", "not found"),
+        ("{file}:nothing", "has no attribute 'nothing'"),
+        ("{file}:NOT_CALLABLE", "is not callable"),
+        ("{file}:not_a_triple", "must return (model, dataloader, criterion)"),
+        ("surely_no_such_module_xyz:make", "no module named"),
+    ],
+)
+def test_bad_user_model(
+    spec: str, message: str, user_module: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec.format(dir=tmp_path, file=user_module)
+    code = cli.main(["--model", spec, "-o", str(tmp_path / "out"), *SMALL])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hessian-eigenthings: error:") and message in err
+
+
+def test_bad_device(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = cli.main(["--device", "nonsense", "-o", str(tmp_path)])
+    assert code == 2
+    assert "unknown device" in capsys.readouterr().err
+
+
+def test_without_matplotlib_still_writes_json(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    code = cli.main(["--model", f"{user_module}:make", "-o", str(tmp_path), "-k", "2", "--trace-matvecs", "0", "--slq-runs", "0"])
+    assert code == 0
+    assert (tmp_path / "results.json").is_file()
+    assert not (tmp_path / "spectrum.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_help_documents_the_model_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(model, dataloader, criterion)" in text and "./he_out" in text
+
+
+def test_builtin_problem_is_deterministic() -> None:
+    a = cli.builtin_problem(seed=3, train_steps=3, synthetic=True)
+    b = cli.builtin_problem(seed=3, train_steps=3, synthetic=True)
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert isinstance(a.model, nn.Module) and len(list(a.dataloader)) == 1
