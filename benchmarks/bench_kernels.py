@@ -130,10 +130,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------ sections
 
 
-def sweep_configs(quick: bool) -> list[TritonConfig | None]:
+def sweep_configs(quick: bool, sweep: str = "full") -> list[TritonConfig | None]:
     """None = the default config for the shape; then the sweep."""
     if quick:
         return [None, TritonConfig(keep=64, block=128, num_warps=4, programs_per_sm=2)]
+    if sweep == "none":
+        return [None]
+    if sweep == "small":
+        return [
+            None,
+            TritonConfig(16384, 8192, 32, 2),
+            TritonConfig(4096, 4096, 16, 2),
+            TritonConfig(8192, 4096, 16, 2),
+            TritonConfig(4096, 8192, 32, 2),
+            TritonConfig(2048, 4096, 16, 2),
+            TritonConfig(2048, 2048, 8, 4),
+            TritonConfig(4096, 4096, 16, 3),
+            TritonConfig(8192, 8192, 32, 2),
+            TritonConfig(16384, 8192, 32, 2, vec=16),
+        ]
     out: list[TritonConfig | None] = [None]
     for keep in (4096, 8192, 16384):
         for block in (2048, 4096, 8192):
@@ -154,13 +169,33 @@ def sweep_configs(quick: bool) -> list[TritonConfig | None]:
 
 
 def product_section(
-    label: str, rows: int, V: int, dtype: torch.dtype, bw: float, quick: bool, deadline: float
+    label: str,
+    rows: int,
+    V: int,
+    dtype: torch.dtype,
+    bw: float,
+    quick: bool,
+    deadline: float,
+    sweep: str = "full",
+    sliced: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
-    logits = (3 * torch.randn(rows, V, device=DEV)).to(dtype)
-    u = torch.randn(rows, V, device=DEV).to(dtype)
-    n = float(rows)
-    ref = K.cross_entropy_hvp_reference(logits.float(), u.float(), None, n)
+    valid: torch.Tensor | None = None
+    n: float | torch.Tensor
+    if sliced:
+        # The causal-LM layout: logits[:, :-1] of (B, T+1, V), ~5% ignored
+        # rows, n on device.
+        B = 8
+        full = (3 * torch.randn(B, rows // B + 1, V, device=DEV)).to(dtype)
+        logits = full[:, :-1]
+        u = torch.randn(B, rows // B, V, device=DEV).to(dtype)
+        valid = torch.rand(B, rows // B, device=DEV) > 0.05
+        n = valid.sum()
+    else:
+        logits = (3 * torch.randn(rows, V, device=DEV)).to(dtype)
+        u = torch.randn(rows, V, device=DEV).to(dtype)
+        n = float(rows)
+    ref = K.cross_entropy_hvp_reference(logits.float(), u.float(), valid, n)
     elem = logits.element_size()
     floor_ms = 3 * rows * V * elem / bw * 1e3
     res: dict[str, Any] = {
@@ -177,7 +212,7 @@ def product_section(
         try:
             if time.time() > deadline:
                 raise TimeoutError("skipped: time budget spent")
-            poisoned = torch.full_like(logits, float("nan"))
+            poisoned = torch.full(logits.shape, float("nan"), dtype=dtype, device=DEV)
             out = run(poisoned)
             entry["rel_err"] = rel_err(out, ref)
             entry["unwritten"] = int(out.isnan().sum())
@@ -185,7 +220,7 @@ def product_section(
             entry["ms"] = bench(lambda: run(None))
             entry["x_floor"] = entry["ms"] / floor_ms
             entry["extra_peak_gib"] = extra_peak_gib(lambda: run(None))
-            scratch = u.clone()
+            scratch = u.clone()  # out=u: in place
             entry["extra_peak_gib_out_u"] = extra_peak_gib(lambda: run(scratch))
         except Exception as e:  # one failing config must not end the run
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -202,14 +237,14 @@ def product_section(
     # ``out`` is a NaN-poisoned buffer for the check, u's clone for the
     # in-place memory figure, or None.
     record(
-        "eager", with_out(lambda o: K.cross_entropy_hvp(logits, u, None, n, impl="eager", out=o))
+        "eager", with_out(lambda o: K.cross_entropy_hvp(logits, u, valid, n, impl="eager", out=o))
     )
     record(
         "compile",
-        with_out(lambda o: K.cross_entropy_hvp(logits, u, None, n, impl="compile", out=o)),
+        with_out(lambda o: K.cross_entropy_hvp(logits, u, valid, n, impl="compile", out=o)),
     )
     if TRITON_OK:
-        for cfg in sweep_configs(quick):
+        for cfg in sweep_configs(quick, "none" if sliced else sweep):
             c = cfg or default_config(V, dtype)
             name = (
                 f"triton{'*' if cfg is None else ''} k{c.keep} b{c.block} w{c.num_warps} "
@@ -218,7 +253,7 @@ def product_section(
             record(
                 name,
                 with_out(
-                    lambda o, c=c: cross_entropy_hvp_triton(logits, u, None, n, out=o, config=c)
+                    lambda o, c=c: cross_entropy_hvp_triton(logits, u, valid, n, out=o, config=c)
                 ),
             )
     return res
@@ -416,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, two configs")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop sweeping after this")
+    ap.add_argument("--sweep", choices=["none", "small", "full"], default="full")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
@@ -449,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
             ("B64 T256 V50304", 64 * 256, 50304, "fp32"),
             ("B64 T256 V50304", 64 * 256, 50304, "bf16"),
             ("B8 T1024 V128256", 8 * 1024, 128256, "bf16"),
+            ("B8 T1024 V128256 sliced+mask", 8 * 1024, 128256, "bf16"),
+            ("B64 T256 V16384", 64 * 256, 16384, "bf16"),
         ]
     start = time.time()
     for i, (label, rows, V, dt) in enumerate(shapes):
@@ -457,7 +495,17 @@ def main(argv: list[str] | None = None) -> None:
         shape_deadline = start + args.budget_s * (i + 1) / len(shapes)
         try:
             report["products"].append(
-                product_section(label, rows, V, DTYPES[dt], bw, args.quick, shape_deadline)
+                product_section(
+                    label,
+                    rows,
+                    V,
+                    DTYPES[dt],
+                    bw,
+                    args.quick,
+                    shape_deadline,
+                    args.sweep,
+                    sliced="sliced" in label,
+                )
             )
             if CUDA:
                 torch.cuda.empty_cache()

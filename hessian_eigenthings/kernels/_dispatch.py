@@ -13,10 +13,11 @@ from hessian_eigenthings.kernels.cross_entropy import cross_entropy_hvp_referenc
 
 IMPLS = ("auto", "eager", "compile", "triton")
 
-#: ``impl="auto"`` runs the eager reference below this many classes: there a
-#: fused kernel's launch and (for compile) guard overhead outweighs the saved
-#: memory traffic. Measured on an H100, see benchmarks/RESULTS_kernels.md.
-AUTO_EAGER_MAX_VOCAB = 2048
+#: ``impl="auto"`` runs the eager reference below this many classes: there
+#: every implementation is bound by launch overhead (H200, 8192 rows: eager
+#: and Triton tie at V=128, Triton wins from V=256, torch.compile from V=512;
+#: see benchmarks/RESULTS_kernels.md).
+AUTO_EAGER_MAX_VOCAB = 512
 
 
 def _tracks_grad(*xs: torch.Tensor) -> bool:

@@ -225,15 +225,23 @@ SINGLE_PASS_MAX_V = 16384
 
 
 def default_config(V: int, dtype: torch.dtype) -> TritonConfig:
-    """Launch parameters chosen from the row length and input width."""
+    """Launch parameters chosen from the row length and input width.
+
+    From the sweep of benchmarks/bench_kernels.py on an H200 (see
+    benchmarks/RESULTS_kernels.md): rows up to 16384 columns are kept whole
+    (about 1.05× the bandwidth floor); longer float32 rows do best with the
+    largest kept head and deep blocks; 16-bit rows of LM vocabularies with a
+    small head and two programs per multiprocessor (the re-read then hits
+    L2), very long ones like float32.
+    """
     if V <= SINGLE_PASS_MAX_V:
         keep = _next_pow2(V)
-        warps = min(16, max(1, keep // 512))
-        return TritonConfig(keep=keep, block=16, num_warps=warps, programs_per_sm=4)
-    wide = dtype == torch.float32
-    return TritonConfig(
-        keep=8192 if wide else 16384, block=2048 if wide else 4096, num_warps=16, programs_per_sm=1
-    )
+        return TritonConfig(
+            keep=keep, block=16, num_warps=min(32, max(1, keep // 512)), programs_per_sm=4
+        )
+    if dtype == torch.float32 or V > 65536:
+        return TritonConfig(keep=16384, block=8192, num_warps=32, programs_per_sm=2)
+    return TritonConfig(keep=4096, block=4096, num_warps=16, programs_per_sm=2)
 
 
 @functools.lru_cache(maxsize=16)
