@@ -2,6 +2,7 @@
 
 Written against hessian-eigenthings 0.x; must run unchanged on 1.0 (it warns).
 """
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -16,7 +17,7 @@ class Net(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 4 * 4, 3)
+        self.fc = nn.Linear(4 * 3 * 3, 3)
 
     def forward(self, x):
         x = F.max_pool2d(torch.tanh(self.bn1(self.conv1(x))), 2)
@@ -24,8 +25,8 @@ class Net(nn.Module):
 
 
 torch.manual_seed(0)
-images = torch.randn(96, 1, 8, 8)
-labels = torch.randint(0, 3, (96,))
+images = torch.randn(64, 1, 6, 6)
+labels = torch.randint(0, 3, (64,))
 dataloader = DataLoader(TensorDataset(images, labels), batch_size=32, shuffle=False)
 
 model = Net()

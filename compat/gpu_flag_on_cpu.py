@@ -3,6 +3,7 @@
 0.x crashed here; 1.0 warns once per call site and runs on the CPU.
 Written against hessian-eigenthings 0.x; must run unchanged on 1.0 (it warns).
 """
+
 import torch
 import torch.nn as nn
 

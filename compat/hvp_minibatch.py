@@ -2,6 +2,7 @@
 
 Written against hessian-eigenthings 0.x; must run unchanged on 1.0 (it warns).
 """
+
 import torch
 import torch.nn as nn
 

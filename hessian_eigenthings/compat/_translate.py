@@ -8,12 +8,16 @@ the types 0.x returned.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from hessian_eigenthings.compat._deprecations import warn_cpu_fallback
+from hessian_eigenthings.algorithms.result import ConvergenceWarning
+from hessian_eigenthings.compat._deprecations import user_stacklevel, warn_cpu_fallback
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 
@@ -72,7 +76,9 @@ class _ApplyAdapter(CurvatureOperator):
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         out = self.obj.apply(v)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{type(self.obj).__name__}.apply must return a torch.Tensor, got {type(out).__name__}")
+            raise TypeError(
+                f"{type(self.obj).__name__}.apply must return a torch.Tensor, got {type(out).__name__}"
+            )
         self._device, self._dtype = out.device, out.dtype
         return out.reshape(v.shape).to(device=v.device, dtype=v.dtype)
 
@@ -140,7 +146,9 @@ def init_vector(vec: Any, op: CurvatureOperator, name: str) -> torch.Tensor | No
     if not isinstance(vec, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(vec).__name__}")
     if vec.numel() != op.size:
-        raise ValueError(f"{name} must have {op.size} entries (the operator size), got shape {tuple(vec.shape)}")
+        raise ValueError(
+            f"{name} must have {op.size} entries (the operator size), got shape {tuple(vec.shape)}"
+        )
     return vec.reshape(-1).to(device=op.device, dtype=op.dtype)
 
 
@@ -157,3 +165,23 @@ def seed_from_global_rng() -> int:
 
 def as_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return t.detach().cpu().numpy()
+
+
+@contextlib.contextmanager
+def core_convergence_warning_off() -> Iterator[None]:
+    """Silence the core's ConvergenceWarning: it speaks 1.0 arguments (``max_iter``, the
+    translated ``tol``) and points into the facade; ``warn_unconverged`` says it in 0.x terms."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=ConvergenceWarning)
+        yield
+
+
+def warn_unconverged(what: str, converged: torch.Tensor, advice: str) -> None:
+    """ConvergenceWarning at the user's line when some pair missed the tolerance (0.x words)."""
+    done, k = int(converged.sum()), int(converged.numel())
+    if done < k:
+        warnings.warn(
+            f"{what}: {done} of {k} eigenpairs converged; {advice}",
+            ConvergenceWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -61,7 +61,9 @@ class _HVPOperator(HessianOperator):
             )
         requested_device(use_gpu, "HVPOperator")
         chunk = check_int(
-            "max_possible_gpu_samples", max_possible_gpu_samples, minimum=1,
+            "max_possible_gpu_samples",
+            max_possible_gpu_samples,
+            minimum=1,
             hint="1.0: HessianOperator(..., microbatch_size=...)",
         )
         super().__init__(
@@ -93,7 +95,9 @@ class _HVPOperator(HessianOperator):
     def apply(self, vec: torch.Tensor) -> torch.Tensor:
         """0.x ``apply``: ``H vec`` for a flat vector on any device and of any floating dtype."""
         if not isinstance(vec, torch.Tensor):
-            raise TypeError(f"vec must be a torch.Tensor, got {type(vec).__name__} (1.0: op.matvec(v))")
+            raise TypeError(
+                f"vec must be a torch.Tensor, got {type(vec).__name__} (1.0: op.matvec(v))"
+            )
         return self.matvec(vec.reshape(-1).to(device=self.device, dtype=self.dtype))
 
     def zero_grad(self) -> None:

@@ -31,8 +31,10 @@ from hessian_eigenthings.compat._translate import (
     as_numpy,
     check_float,
     check_int,
+    core_convergence_warning_off,
     init_vector,
     seed_from_global_rng,
+    warn_unconverged,
 )
 
 _CORE_WHICH = ("LM", "LA", "SA")
@@ -57,7 +59,15 @@ def lanczos(
     """
     warn_deprecated("lanczos")
     return run_lanczos(
-        operator, num_eigenthings, which, max_steps, tol, num_lanczos_vectors, init_vec, use_gpu, fp16
+        operator,
+        num_eigenthings,
+        which,
+        max_steps,
+        tol,
+        num_lanczos_vectors,
+        init_vec,
+        use_gpu,
+        fp16,
     )
 
 
@@ -77,15 +87,26 @@ def run_lanczos(
     n = op.size
     k = check_int("num_eigenthings", num_eigenthings, minimum=1, hint="1.0: lanczos(op, k=...)")
     if k > n:
-        raise ValueError(f"num_eigenthings={k} must be at most the operator size {n} (1.0: lanczos(op, k=...))")
+        raise ValueError(
+            f"num_eigenthings={k} must be at most the operator size {n} (1.0: lanczos(op, k=...))"
+        )
     if which not in _CORE_WHICH + _ARPACK_ONLY:
-        raise ValueError(f"which must be one of 'LM', 'SM', 'LA', 'SA', 'BE', got {which!r} (1.0: which='LM'|'LA'|'SA')")
-    restarts = check_int("max_steps", max_steps, minimum=1, hint="ARPACK restarts; 1.0: lanczos(op, max_iter=<products>)")
+        raise ValueError(
+            f"which must be one of 'LM', 'SM', 'LA', 'SA', 'BE', got {which!r} (1.0: which='LM'|'LA'|'SA')"
+        )
+    restarts = check_int(
+        "max_steps",
+        max_steps,
+        minimum=1,
+        hint="ARPACK restarts; 1.0: lanczos(op, max_iter=<products>)",
+    )
     tol = check_float("tol", tol, minimum=0.0, hint="1.0: lanczos(op, tol=...), same meaning")
     if num_lanczos_vectors is None:
         ncv = min(n, max(2 * k + 1, 20))  # eigsh's default
     else:
-        ncv = check_int("num_lanczos_vectors", num_lanczos_vectors, minimum=1, hint="1.0: lanczos(op, ncv=...)")
+        ncv = check_int(
+            "num_lanczos_vectors", num_lanczos_vectors, minimum=1, hint="1.0: lanczos(op, ncv=...)"
+        )
         if not k < ncv <= n and not (ncv == k == n):
             raise ValueError(
                 f"num_lanczos_vectors must satisfy num_eigenthings < num_lanczos_vectors <= operator size, "
@@ -97,18 +118,29 @@ def run_lanczos(
         from scipy.sparse.linalg import eigsh
 
         start = None if v0 is None else as_numpy(v0.to(torch.float64))
-        evals, evecs = eigsh(op.to_scipy(), k=k, which=which, maxiter=restarts, tol=tol, ncv=ncv, v0=start)
+        evals, evecs = eigsh(
+            op.to_scipy(), k=k, which=which, maxiter=restarts, tol=tol, ncv=ncv, v0=start
+        )
         return evals, np.ascontiguousarray(evecs.T)
 
-    result = core_lanczos(
-        op,
-        k=k,
-        which=which,  # type: ignore[arg-type]
-        tol=tol,
-        ncv=ncv,
-        max_iter=ncv + restarts * max(1, ncv - k),
-        v0=v0,
-        seed=None if v0 is not None else seed_from_global_rng(),
+    with core_convergence_warning_off():
+        result = core_lanczos(
+            op,
+            k=k,
+            which=which,  # type: ignore[arg-type]
+            tol=tol,
+            ncv=ncv,
+            max_iter=ncv + restarts * max(1, ncv - k),
+            v0=v0,
+            seed=None if v0 is not None else seed_from_global_rng(),
+        )
+    warn_unconverged(
+        "lanczos",
+        result.converged,
+        f"max_steps={restarts} restarts with num_lanczos_vectors={ncv} ran out before tol={tol:g} "
+        "(0.x raised ArpackNoConvergence); raise max_steps or num_lanczos_vectors",
     )
     ascending = torch.argsort(result.eigenvalues.cpu(), stable=True)
-    return as_numpy(result.eigenvalues.cpu()[ascending]), as_numpy(result.eigenvectors[ascending.to(result.eigenvectors.device)])
+    return as_numpy(result.eigenvalues.cpu()[ascending]), as_numpy(
+        result.eigenvectors[ascending.to(result.eigenvectors.device)]
+    )

@@ -46,7 +46,9 @@ class Operator(CurvatureOperator):
     def size(self, value: int) -> None:
         # 0.x stored size as a plain attribute that subclasses assign
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"size must be a positive int (the length of the flat vector), got {value!r}")
+            raise ValueError(
+                f"size must be a positive int (the length of the flat vector), got {value!r}"
+            )
         self._size = int(value)
 
     def apply(self, vec: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,9 @@ class Operator(CurvatureOperator):
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         out = self.apply(v)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{type(self).__name__}.apply must return a torch.Tensor, got {type(out).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.apply must return a torch.Tensor, got {type(out).__name__}"
+            )
         if not self._learned:
             self._device, self._dtype, self._learned = out.device, out.dtype, True
         return out.reshape(v.shape).to(device=v.device, dtype=v.dtype)

@@ -1,8 +1,9 @@
 """0.x ``power_iteration`` and ``deflated_power_iteration`` on the 1.0 solvers.
 
 Argument map (0.x -> 1.0): ``steps`` / ``power_iter_steps`` -> ``max_iter``,
-``error_threshold`` / ``power_iter_err_threshold`` -> ``tol``,
-``num_eigenthings`` -> ``k``, ``init_vec`` -> ``init``, ``momentum`` as is.
+``num_eigenthings`` -> ``k``, ``init_vec`` -> ``init``, ``momentum`` as is,
+and ``error_threshold`` / ``power_iter_err_threshold`` -> ``tol`` as in
+NOTE [0.x power iteration threshold].
 0.x drew start vectors from torch's global generator; the facade draws the
 1.0 ``seed`` from it, so ``torch.manual_seed`` still makes runs repeatable.
 Results: ``(float, tensor)`` for ``power_iteration``; numpy arrays (or
@@ -12,6 +13,7 @@ tensors with ``to_numpy=False``) sorted by eigenvalue, descending, for
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,9 +29,23 @@ from hessian_eigenthings.compat._translate import (
     check_bool,
     check_float,
     check_int,
+    core_convergence_warning_off,
     init_vector,
     seed_from_global_rng,
 )
+
+# NOTE [0.x power iteration threshold]
+# 0.x stopped when the eigenvalue estimate (the Rayleigh quotient) changed by
+# less than `error_threshold`, relative, between two steps; 1.0 stops when the
+# relative residual ||Av - λv|| / |λ| is below `tol`. The Rayleigh quotient's
+# error is quadratic in the vector's error, so its change per step is about
+# the square of the residual: passing tol = sqrt(error_threshold) stops at
+# about the point 0.x stopped, at the eigenvalue accuracy 0.x gave, without
+# the extra steps a residual of `error_threshold` would take.
+
+
+def _tol(name: str, threshold: object, hint: str) -> float:
+    return math.sqrt(check_float(name, threshold, minimum=0.0, hint=hint))
 
 
 def power_iteration(
@@ -49,8 +65,10 @@ def power_iteration(
     warn_deprecated("power_iteration")
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="power_iteration")
     steps = check_int("steps", steps, minimum=1, hint="1.0: power_iteration_one(op, max_iter=...)")
-    tol = check_float("error_threshold", error_threshold, minimum=0.0, hint="1.0: power_iteration_one(op, tol=...)")
-    momentum = check_float("momentum", momentum, minimum=0.0, hint="1.0: power_iteration_one(op, momentum=...)")
+    tol = _tol("error_threshold", error_threshold, "1.0: power_iteration_one(op, tol=...)")
+    momentum = check_float(
+        "momentum", momentum, minimum=0.0, hint="1.0: power_iteration_one(op, momentum=...)"
+    )
     init = init_vector(init_vec, op, "init_vec")
     result = power_iteration_one(
         op,
@@ -60,7 +78,7 @@ def power_iteration(
         init=init,
         seed=None if init is not None else seed_from_global_rng(),
     )
-    return float(result.eigenvalue), result.eigenvector
+    return float(result.eigenvalue), result.eigenvector.to(op.dtype)  # fp16=True: half, as 0.x
 
 
 def deflated_power_iteration(
@@ -80,7 +98,14 @@ def deflated_power_iteration(
     """
     warn_deprecated("deflated_power_iteration")
     return run_deflated_power_iteration(
-        operator, num_eigenthings, power_iter_steps, power_iter_err_threshold, momentum, use_gpu, fp16, to_numpy
+        operator,
+        num_eigenthings,
+        power_iter_steps,
+        power_iter_err_threshold,
+        momentum,
+        use_gpu,
+        fp16,
+        to_numpy,
     )
 
 
@@ -96,27 +121,41 @@ def run_deflated_power_iteration(
 ) -> tuple[Any, Any]:
     """The body of 0.x ``deflated_power_iteration`` without the warning."""
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="deflated_power_iteration")
-    k = check_int("num_eigenthings", num_eigenthings, minimum=1, hint="1.0: deflated_power_iteration(op, k=...)")
+    k = check_int(
+        "num_eigenthings",
+        num_eigenthings,
+        minimum=1,
+        hint="1.0: deflated_power_iteration(op, k=...)",
+    )
     if k > op.size:
         raise ValueError(
             f"num_eigenthings={k} must be at most the operator size {op.size} "
             "(1.0: deflated_power_iteration(op, k=...))"
         )
     steps = check_int(
-        "power_iter_steps", power_iter_steps, minimum=1, hint="1.0: deflated_power_iteration(op, max_iter=...)"
+        "power_iter_steps",
+        power_iter_steps,
+        minimum=1,
+        hint="1.0: deflated_power_iteration(op, max_iter=...)",
     )
-    tol = check_float(
-        "power_iter_err_threshold", power_iter_err_threshold, minimum=0.0,
-        hint="1.0: deflated_power_iteration(op, tol=...)",
+    tol = _tol(
+        "power_iter_err_threshold",
+        power_iter_err_threshold,
+        "1.0: deflated_power_iteration(op, tol=...)",
     )
-    momentum = check_float("momentum", momentum, minimum=0.0, hint="1.0: deflated_power_iteration(op, momentum=...)")
+    momentum = check_float(
+        "momentum", momentum, minimum=0.0, hint="1.0: deflated_power_iteration(op, momentum=...)"
+    )
     numpy_out = check_bool("to_numpy", to_numpy)
-    result = core_deflated_power_iteration(
-        op, k=k, max_iter=steps, tol=tol, momentum=momentum, seed=seed_from_global_rng()
-    )
+    # 0.x treated power_iter_steps as a budget and never reported convergence; the facade keeps
+    # that (1.0 code reads result.converged, and the 1.0 function warns)
+    with core_convergence_warning_off():
+        result = core_deflated_power_iteration(
+            op, k=k, max_iter=steps, tol=tol, momentum=momentum, seed=seed_from_global_rng()
+        )
     descending = torch.argsort(result.eigenvalues.cpu(), descending=True, stable=True)
     values = result.eigenvalues.cpu()[descending]
-    vectors = result.eigenvectors[descending.to(result.eigenvectors.device)]
+    vectors = result.eigenvectors[descending.to(result.eigenvectors.device)].to(op.dtype)
     if numpy_out:
         return as_numpy(values), as_numpy(vectors)
     return values, vectors

@@ -79,10 +79,14 @@ class _Route:
         if unknown:
             parts.append(f"unknown keyword arguments {unknown};")
         if only_old and only_new:
-            parts.append(f"0.x-only arguments {only_old} are mixed with 1.0-only arguments {only_new};")
+            parts.append(
+                f"0.x-only arguments {only_old} are mixed with 1.0-only arguments {only_new};"
+            )
         if args[1:] and only_new:
-            parts.append("positional arguments after the operator are 0.x style, keywords like "
-                         f"{only_new} are 1.0 style;")
+            parts.append(
+                "positional arguments after the operator are 0.x style, keywords like "
+                f"{only_new} are 1.0 style;"
+            )
         parts.append(
             f"1.0 is {self.name}{self.new_sig}; 0.x (deprecated) is {self.name}{self.old_sig}. "
             "See migration_guide.md."
@@ -91,7 +95,9 @@ class _Route:
 
 
 _LANCZOS = _Route("lanczos", legacy_lanczos, core_lanczos)
-_DEFLATED = _Route("deflated_power_iteration", legacy_deflated_power_iteration, core_deflated_power_iteration)
+_DEFLATED = _Route(
+    "deflated_power_iteration", legacy_deflated_power_iteration, core_deflated_power_iteration
+)
 
 
 def lanczos(*args: Any, **kwargs: Any) -> Any:
@@ -119,6 +125,11 @@ def deflated_power_iteration(*args: Any, **kwargs: Any) -> Any:
     if _DEFLATED.wants_0x(args, kwargs):
         return legacy_deflated_power_iteration(*args, **kwargs)
     return core_deflated_power_iteration(*args, **kwargs)
+
+
+# `import hessian_eigenthings.lanczos as lz` binds lz to the package attribute, which is the routed
+# function (not the 0.x module): give it the module's one public name so 0.x `lz.lanczos(...)` works.
+setattr(lanczos, "lanczos", legacy_lanczos)  # noqa: B010
 
 
 class CallableModule(types.ModuleType):

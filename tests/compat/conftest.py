@@ -1,6 +1,6 @@
-"""Temporary: the facade needs hessian_eigenthings.algorithms.power_iteration, which is not in the tree yet."""
+"""Temporary: skip the facade tests until the top-level package exports the 0.x names."""
 
-import importlib.util
+import hessian_eigenthings
 
-if importlib.util.find_spec("hessian_eigenthings.algorithms.power_iteration") is None:
+if not hasattr(hessian_eigenthings, "compute_hessian_eigenthings"):
     collect_ignore_glob = ["test_*.py"]

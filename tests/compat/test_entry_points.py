@@ -39,20 +39,34 @@ SIGNATURES = {
 @pytest.mark.parametrize("fn", list(SIGNATURES), ids=lambda f: f.__name__)
 def test_0x_signatures(fn: object) -> None:
     sig = inspect.signature(fn)  # type: ignore[arg-type]
-    plain = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
-                        return_annotation=inspect.Signature.empty)
+    plain = sig.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
     assert str(plain) == SIGNATURES[fn]  # type: ignore[index]
 
 
 # -- compute_hessian_eigenthings ------------------------------------------------
 
+
 @legacy
-@pytest.mark.parametrize(("mode", "order"), [("power_iter", "descending"), ("lanczos", "ascending")])
+@pytest.mark.filterwarnings(
+    "ignore::hessian_eigenthings.algorithms.ConvergenceWarning"
+)  # order is tested, not accuracy
+@pytest.mark.parametrize(
+    ("mode", "order"), [("power_iter", "descending"), ("lanczos", "ascending")]
+)
 def test_compute_hessian_eigenthings_returns_numpy_in_0x_order(mode: str, order: str) -> None:
     model, criterion, data = mlp_problem()
     n = sum(p.numel() for p in model.parameters())
     vals, vecs = compat.compute_hessian_eigenthings(
-        model, data, criterion, 3, mode=mode, use_gpu=False, **({"power_iter_steps": 200} if mode == "power_iter" else {})
+        model,
+        data,
+        criterion,
+        3,
+        mode=mode,
+        use_gpu=False,
+        **({"power_iter_steps": 200} if mode == "power_iter" else {}),
     )
     assert isinstance(vals, np.ndarray) and isinstance(vecs, np.ndarray)
     assert vals.shape == (3,) and vecs.shape == (3, n)
@@ -67,7 +81,9 @@ def test_compute_hessian_eigenthings_rejects_bad_mode_and_kwargs() -> None:
     with pytest.raises(ValueError, match=r"mode must be 'power_iter' or 'lanczos'.*1\.0"):
         compat.compute_hessian_eigenthings(model, data, criterion, mode="arnoldi", use_gpu=False)
     with pytest.raises(TypeError, match="max_steps"):
-        compat.compute_hessian_eigenthings(model, data, criterion, mode="power_iter", use_gpu=False, max_steps=3)
+        compat.compute_hessian_eigenthings(
+            model, data, criterion, mode="power_iter", use_gpu=False, max_steps=3
+        )
 
 
 @legacy
@@ -80,7 +96,9 @@ def test_compute_hessian_eigenthings_rejects_bad_mode_and_kwargs() -> None:
         ({"fp16": "yes"}, TypeError, "fp16"),
     ],
 )
-def test_bad_0x_arguments_raise_the_0x_error_kind_and_name_the_1x_way(kwargs: dict, error: type, words: str) -> None:
+def test_bad_0x_arguments_raise_the_0x_error_kind_and_name_the_1x_way(
+    kwargs: dict, error: type, words: str
+) -> None:
     model, criterion, data = mlp_problem()
     args = {"use_gpu": False, **kwargs}
     with pytest.raises(error, match=words):
@@ -88,6 +106,7 @@ def test_bad_0x_arguments_raise_the_0x_error_kind_and_name_the_1x_way(kwargs: di
 
 
 # -- HVPOperator ----------------------------------------------------------------
+
 
 def _hvp(*args: object, **kwargs: object) -> compat.HVPOperator:
     with pytest.warns(deprecation.DeprecatedWarning):
@@ -108,7 +127,9 @@ def test_hvp_operator_keeps_0x_per_batch_average_on_a_short_last_batch() -> None
     v = torch.randn(sum(p.numel() for p in model.parameters()))
     per_batch = [HessianOperator(model, [b], supervised_loss(criterion)).matvec(v) for b in data]
     uniform = torch.stack(per_batch).mean(0)  # what 0.x computed
-    weighted = HessianOperator(model, data, supervised_loss(criterion)).matvec(v)  # what 1.0 computes
+    weighted = HessianOperator(model, data, supervised_loss(criterion)).matvec(
+        v
+    )  # what 1.0 computes
     assert not torch.allclose(uniform, weighted, atol=1e-4)  # the difference is real here
     torch.testing.assert_close(_hvp(model, data, criterion).apply(v), uniform)
 
@@ -141,7 +162,9 @@ def test_hvp_operator_fp16_vectors_and_zero_grad() -> None:
     assert out.dtype == torch.float16
     full = HessianOperator(model, data, supervised_loss(criterion)).matvec(torch.ones(op.size))
     torch.testing.assert_close(out.float(), full, rtol=2e-3, atol=2e-3)
-    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())  # products leave .grad alone
+    assert all(
+        torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters()
+    )  # products leave .grad alone
     op.zero_grad()
     assert all(not p.grad.any() for p in model.parameters())
 
@@ -152,10 +175,13 @@ def test_hvp_operator_works_with_every_1x_algorithm() -> None:
     model, criterion, data = mlp_problem()
     op = _hvp(model, data, criterion)
     assert isinstance(algorithms.lanczos(op, k=2), algorithms.EigenResult)
-    assert isinstance(algorithms.deflated_power_iteration(op, k=1, max_iter=200), algorithms.EigenResult)
+    assert isinstance(
+        algorithms.deflated_power_iteration(op, k=1, max_iter=200), algorithms.EigenResult
+    )
 
 
 # -- Operator / LambdaOperator ------------------------------------------------------
+
 
 class Doubling(compat.Operator):
     def __init__(self, n: int, dtype: torch.dtype = torch.float32) -> None:
@@ -190,15 +216,20 @@ def test_custom_operator_works_with_1x_algorithms() -> None:
     A = symmetric_matrix(20)
     op = compat.LambdaOperator(lambda v: A @ v, 20)
     res = he.algorithms.lanczos(op, k=2, tol=1e-6)
-    torch.testing.assert_close(res.eigenvalues, torch.tensor([7.0, 5.0]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        res.eigenvalues, torch.tensor([7.0, 5.0]), rtol=1e-4, atol=1e-4, check_dtype=False
+    )
 
 
 # -- power iteration ----------------------------------------------------------------
 
+
 @legacy
 def test_power_iteration_returns_float_and_tensor() -> None:
     A = symmetric_matrix(20)
-    val, vec = compat.power_iteration(compat.LambdaOperator(lambda v: A @ v, 20), steps=300, error_threshold=1e-8, use_gpu=False)
+    val, vec = compat.power_iteration(
+        compat.LambdaOperator(lambda v: A @ v, 20), steps=300, error_threshold=1e-8, use_gpu=False
+    )
     assert isinstance(val, float) and isinstance(vec, torch.Tensor) and vec.shape == (20,)
     assert val == pytest.approx(7.0, rel=1e-3)
 
@@ -208,7 +239,9 @@ def test_power_iteration_init_vec_is_used() -> None:
     A = symmetric_matrix(20)
     op = compat.LambdaOperator(lambda v: A @ v, 20)
     top = torch.linalg.eigh(A.double()).eigenvectors[:, -1].float()
-    val, _vec = compat.power_iteration(op, steps=1, init_vec=top, use_gpu=False)  # already an eigenvector
+    val, _vec = compat.power_iteration(
+        op, steps=1, init_vec=top, use_gpu=False
+    )  # already an eigenvector
     assert val == pytest.approx(7.0, rel=1e-4)
 
 
@@ -224,7 +257,32 @@ def test_deflated_power_iteration_is_sorted_descending(to_numpy: bool) -> None:
     assert tuple(vecs.shape) == (3, 20)
 
 
+def test_unconverged_lanczos_warns_in_0x_words_at_the_user_line() -> None:
+    A = symmetric_matrix(
+        40, spectrum=torch.linspace(1.0, 2.0, 40)
+    )  # no gap: one restart cannot converge
+    op = LambdaOperator(lambda v: A @ v, 40)
+    with (
+        pytest.warns(he.algorithms.ConvergenceWarning) as rec,
+        pytest.warns(deprecation.DeprecatedWarning),
+    ):
+        compat.lanczos(op, 3, "LM", 1, 1e-12, 6)
+    mine = [r for r in rec if r.category is he.algorithms.ConvergenceWarning]
+    assert len(mine) == 1 and mine[0].filename == __file__
+    assert "max_steps" in str(mine[0].message) and "max_iter" not in str(mine[0].message)
+
+
+def test_unconverged_deflated_power_iteration_is_silent_as_in_0x() -> None:
+    A = symmetric_matrix(40, spectrum=torch.linspace(1.0, 2.0, 40))
+    with pytest.warns(deprecation.DeprecatedWarning) as rec:
+        compat.deflated_power_iteration(
+            LambdaOperator(lambda v: A @ v, 40), 2, 3, 1e-12, use_gpu=False
+        )
+    assert {r.category for r in rec} == {deprecation.DeprecatedWarning}
+
+
 # -- lanczos ------------------------------------------------------------------------
+
 
 def _lanczos_0x(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
     with pytest.warns(deprecation.DeprecatedWarning):
@@ -256,7 +314,9 @@ def test_lanczos_arpack_only_modes_go_to_eigsh(which: str) -> None:
     A = symmetric_matrix(30, dtype=torch.float64)
     op = LambdaOperator(lambda v: A @ v, 30, dtype=torch.float64)
     vals, vecs = _lanczos_0x(op, 2, which, 200, 1e-10, 30)
-    ref = scipy.sparse.linalg.eigsh(A.numpy(), k=2, which=which, tol=1e-10, ncv=30, return_eigenvectors=False)
+    ref = scipy.sparse.linalg.eigsh(
+        A.numpy(), k=2, which=which, tol=1e-10, ncv=30, return_eigenvectors=False
+    )
     np.testing.assert_allclose(np.sort(vals), np.sort(ref), atol=1e-8)
     assert vecs.shape == (2, 30)
 
@@ -264,7 +324,9 @@ def test_lanczos_arpack_only_modes_go_to_eigsh(which: str) -> None:
 def test_lanczos_init_vec_and_fp16() -> None:
     A = symmetric_matrix(30)
     op = LambdaOperator(lambda v: A @ v, 30)
-    vals, vecs = _lanczos_0x(op, 2, "LA", 50, 1e-3, None, np.ones(30, dtype=np.float32), False, True)
+    vals, vecs = _lanczos_0x(
+        op, 2, "LA", 50, 1e-3, None, np.ones(30, dtype=np.float32), False, True
+    )
     assert vecs.dtype == np.float16
     np.testing.assert_allclose(vals, [5.0, 7.0], rtol=1e-2)
 
@@ -292,6 +354,7 @@ def test_lanczos_rejects_non_operators() -> None:
 
 
 # -- utils --------------------------------------------------------------------------
+
 
 @legacy
 def test_utils(capsys: pytest.CaptureFixture[str]) -> None:
