@@ -1,6 +1,23 @@
 """hessian-eigenthings: curvature of a model's loss as matrix-free operators."""
 
 from hessian_eigenthings._version import __version__
+from hessian_eigenthings.algorithms import (
+    ConvergenceWarning,
+    DiagonalResult,
+    EigenResult,
+    LanczosTridiag,
+    SpectralDensityResult,
+    TraceResult,
+    deflated_power_iteration,
+    diagonal,
+    hutch_plus_plus,
+    hutchinson,
+    lanczos,
+    lanczos_tridiagonal,
+    power_iteration_one,
+    spectral_density,
+    trace,
+)
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
@@ -31,25 +48,39 @@ from hessian_eigenthings.operators import (
 )
 
 __all__ = [
+    "ConvergenceWarning",
     "CurvatureOperator",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
     "DDPHessianOperator",
+    "DiagonalResult",
     "DistributedBackend",
+    "EigenResult",
     "EmpiricalFisherOperator",
     "FSDPHessianOperator",
     "GGNOperator",
     "HessianOperator",
     "LambdaOperator",
+    "LanczosTridiag",
     "OutputHessianLoss",
+    "SpectralDensityResult",
+    "TraceResult",
     "__version__",
     "cross_entropy_loss_of_output",
+    "deflated_power_iteration",
+    "diagonal",
     "hf_lm_forward",
     "hf_lm_loss",
     "hf_lm_loss_of_output",
     "hf_seq2seq_loss",
+    "hutch_plus_plus",
+    "hutchinson",
     "is_main_process",
+    "lanczos",
+    "lanczos_tridiagonal",
     "mse_loss_of_output",
+    "power_iteration_one",
+    "spectral_density",
     "supervised_forward",
     "supervised_loss",
     "supervised_loss_of_output",
@@ -57,4 +88,5 @@ __all__ = [
     "tlens_forward",
     "tlens_loss",
     "tlens_loss_of_output",
+    "trace",
 ]
