@@ -87,11 +87,15 @@ def make_operator(
             time.sleep(PASS_MS / 1000.0)
             return inner.matmat(x.T).T
 
-        slow = LambdaOperator(lambda v: slow_rows(v[None])[0], n, device=device, dtype=dtype, matmat_fn=slow_rows)
+        slow = LambdaOperator(
+            lambda v: slow_rows(v[None])[0], n, device=device, dtype=dtype, matmat_fn=slow_rows
+        )
         return slow, top, passes
     if kind == "lowrank":
         r = 64
-        u = torch.linalg.qr(torch.randn(n, r, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
+        u = torch.linalg.qr(
+            torch.randn(n, r, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        )[0]
         s = np.linspace(20.0, 5.0, r)
         d = rng.uniform(0.0, 1.0, n)
         # eigenvalues of U S Uᵀ + D are not closed-form: take them from a dense r-dimensional
@@ -105,12 +109,20 @@ def make_operator(
             passes.count += 1
             return ((x @ ut) * st) @ ut.T + x * dd
 
-        op = LambdaOperator(lambda v: rows(v[None])[0], n, device=device, dtype=dtype, matmat_fn=rows)
-        ref_op = LambdaOperator(
-            lambda v: rows(v[None].to(dtype))[0].double(), n, device=device, dtype=torch.float64
-        ) if dtype == torch.float64 else None
+        op = LambdaOperator(
+            lambda v: rows(v[None])[0], n, device=device, dtype=dtype, matmat_fn=rows
+        )
+        ref_op = (
+            LambdaOperator(
+                lambda v: rows(v[None].to(dtype))[0].double(), n, device=device, dtype=torch.float64
+            )
+            if dtype == torch.float64
+            else None
+        )
         if ref_op is not None:
-            ref = lanczos(ref_op, k=K, tol=1e-12, ncv=60, seed=123, residuals="estimate").eigenvalues.numpy()
+            ref = lanczos(
+                ref_op, k=K, tol=1e-12, ncv=60, seed=123, residuals="estimate"
+            ).eigenvalues.numpy()
         else:
             ref = np.full(K, np.nan)
         passes.count = 0
@@ -139,11 +151,15 @@ def run_eigsh(op: LambdaOperator, device: torch.device) -> np.ndarray:
 VARIANTS: dict[str, Callable[[LambdaOperator, torch.device], np.ndarray]] = {
     "eigsh": run_eigsh,
     "lanczos": lambda op, dev: lanczos(op, k=K, tol=TOL, ncv=NCV, seed=0).eigenvalues.numpy(),
-    "lanczos-b4": lambda op, dev: lanczos(op, k=K, tol=TOL, block_size=4, seed=0).eigenvalues.numpy(),
+    "lanczos-b4": lambda op, dev: lanczos(
+        op, k=K, tol=TOL, block_size=4, seed=0
+    ).eigenvalues.numpy(),
 }
 
 
-def measure(kind: str, n: int, variant: str, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+def measure(
+    kind: str, n: int, variant: str, device: torch.device, dtype: torch.dtype, repeats: int
+) -> dict[str, Any]:
     op, ref, passes = make_operator(kind, n, device, dtype)
     fn = VARIANTS[variant]
     times, products, npasses = [], [], []
@@ -197,13 +213,26 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     global PASS_MS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat (CPU smoke run)")
-    p.add_argument("--sizes", type=int, nargs="*", default=None, help="operator sizes (default 1e5 1e6)")
-    p.add_argument("--operators", nargs="*", default=["powerlaw", "separated", "lowrank", "pass-bound"])
-    p.add_argument("--pass-ms", type=float, default=PASS_MS, help="fixed cost of one pass for 'pass-bound'")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs on a busy machine)")
+    p.add_argument(
+        "--sizes", type=int, nargs="*", default=None, help="operator sizes (default 1e5 1e6)"
+    )
+    p.add_argument(
+        "--operators", nargs="*", default=["powerlaw", "separated", "lowrank", "pass-bound"]
+    )
+    p.add_argument(
+        "--pass-ms", type=float, default=PASS_MS, help="fixed cost of one pass for 'pass-bound'"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (CPU runs on a busy machine)",
+    )
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
@@ -219,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     meta = {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "dtype": args.dtype,
         "torch": torch.__version__,
         "repeats": repeats,
@@ -234,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             for variant in args.variants:
                 rows.append(measure(kind, n, variant, device, dtype, repeats))
-                (args.out / "algorithms.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+                (args.out / "algorithms.json").write_text(
+                    json.dumps({"meta": meta, "rows": rows}, indent=2)
+                )
                 (args.out / "algorithms.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
     return 0

@@ -36,14 +36,18 @@ def check_k(k: int, n: int) -> None:
 
 
 def non_finite_error(what: str, iteration: int) -> ValueError:
-    return ValueError(f"operator product returned non-finite values ({what}, iteration {iteration}); {_NON_FINITE_HINT}")
+    return ValueError(
+        f"operator product returned non-finite values ({what}, iteration {iteration}); {_NON_FINITE_HINT}"
+    )
 
 
 def work_dtype(op: CurvatureOperator, precision: torch.dtype | None) -> torch.dtype:
     """dtype of bases and reductions. See NOTE [mixed precision]."""
     if precision is not None:
         if not isinstance(precision, torch.dtype) or not precision.is_floating_point:
-            raise TypeError(f"precision must be a floating torch.dtype (e.g. torch.float64), got {precision!r}")
+            raise TypeError(
+                f"precision must be a floating torch.dtype (e.g. torch.float64), got {precision!r}"
+            )
         return precision
     if op.dtype in (torch.float32, torch.float64):
         return op.dtype
@@ -94,7 +98,12 @@ def random_rows(
     if distribution == "gaussian":
         out = torch.randn(b, n, generator=gen, dtype=torch.float64)
     elif distribution == "rademacher":
-        out = torch.randint(0, 2, (b, n), generator=gen, dtype=torch.int8).to(torch.float64).mul_(2).sub_(1)
+        out = (
+            torch.randint(0, 2, (b, n), generator=gen, dtype=torch.int8)
+            .to(torch.float64)
+            .mul_(2)
+            .sub_(1)
+        )
     else:
         raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}")
     return out.to(device=device, dtype=dtype)
@@ -110,7 +119,9 @@ def row_dots(backend: LinAlgBackend, A: torch.Tensor, B: torch.Tensor) -> torch.
     return backend.all_reduce_sum((A * B).sum(dim=1))
 
 
-def orthonormalize_rows(W: torch.Tensor, backend: LinAlgBackend, rtol: float | None = None) -> torch.Tensor:
+def orthonormalize_rows(
+    W: torch.Tensor, backend: LinAlgBackend, rtol: float | None = None
+) -> torch.Tensor:
     """Orthonormal rows spanning the rows of ``W (b, n)``; rank-deficient directions dropped.
 
     Single device: Householder QR; when its diagonal shows a (near) rank
@@ -124,7 +135,9 @@ def orthonormalize_rows(W: torch.Tensor, backend: LinAlgBackend, rtol: float | N
     if isinstance(backend, SingleDeviceBackend):
         Q, R = torch.linalg.qr(W.T)
         d = R.diagonal().abs()
-        if Q.shape[1] == W.shape[0] and bool((d > rtol * d.max().clamp_min(torch.finfo(W.dtype).tiny)).all()):
+        if Q.shape[1] == W.shape[0] and bool(
+            (d > rtol * d.max().clamp_min(torch.finfo(W.dtype).tiny)).all()
+        ):
             return Q.T.contiguous()
         _, sv, Vh = torch.linalg.svd(W, full_matrices=False)
         keep = sv > rtol * sv.max().clamp_min(torch.finfo(W.dtype).tiny)

@@ -83,7 +83,9 @@ def diagonal(
                 exact = (Q * AQ).sum(dim=0).to(acc)
             probes = num_matvecs - spent
             if Q.shape[0] >= n:  # the sketch spans everything: exact
-                return DiagonalResult(estimate=exact, stderr=torch.zeros_like(exact), num_matvecs=spent)
+                return DiagonalResult(
+                    estimate=exact, stderr=torch.zeros_like(exact), num_matvecs=spent
+                )
         total = torch.zeros(n, dtype=acc, device=op.device)
         total_sq = torch.zeros(n, dtype=acc, device=op.device)
         for b in _blocks(probes, block_size):

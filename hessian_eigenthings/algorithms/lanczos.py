@@ -201,7 +201,9 @@ def lanczos(
     if b > 1 and ncv + b > n:
         b = 1  # the whole space fits in the basis: plain Lanczos is exact and cheaper
     if ncv < n and ncv < k + b:
-        raise ValueError(f"ncv={ncv} must be at least k + block_size = {k + b} (or the operator size {n})")
+        raise ValueError(
+            f"ncv={ncv} must be at least k + block_size = {k + b} (or the operator size {n})"
+        )
     if max_iter is None:
         max_iter = max(1000, 30 * ncv)
     if max_iter < min(n, k + b):
@@ -226,14 +228,18 @@ def lanczos(
             raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
         X0 = v0.reshape(-1, n).to(device=device, dtype=wd)
         if X0.shape[0] != b:
-            raise ValueError(f"v0 must have shape ({n},) or ({b}, {n}) for block_size={b}, got {tuple(v0.shape)}")
+            raise ValueError(
+                f"v0 must have shape ({n},) or ({b}, {n}) for block_size={b}, got {tuple(v0.shape)}"
+            )
         if not bool(torch.isfinite(X0).all()):
             raise ValueError("v0 has non-finite entries")
     else:
         X0 = random_rows(b, n, gen, device=device, dtype=wd)
     Q0 = orthonormalize_rows(X0, backend)
     if Q0.shape[0] < b:
-        raise ValueError("the start vector is zero (or the start block is rank deficient); pass a nonzero v0 or leave v0=None")
+        raise ValueError(
+            "the start vector is zero (or the start block is rank deficient); pass a nonzero v0 or leave v0=None"
+        )
     V[:b] = Q0
 
     j = 0  # first row of the block being expanded
@@ -292,7 +298,9 @@ def lanczos(
             if top >= k or exhausted:
                 theta, S = np.linalg.eigh(T[:top, :top])
                 anorm = max(anorm, float(np.abs(theta).max()))
-                est = np.zeros(top) if exhausted else np.linalg.norm(Rh @ S[top - b : top, :], axis=0)
+                est = (
+                    np.zeros(top) if exhausted else np.linalg.norm(Rh @ S[top - b : top, :], axis=0)
+                )
                 order = _order(theta, which)
                 want = order[:k]
                 thresh = np.maximum(tol * np.abs(theta[want]), noise * anorm)
@@ -305,10 +313,16 @@ def lanczos(
                 break
             if top + b > m:
                 # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
-                n_conv = int((est[order[:k]] <= np.maximum(tol * np.abs(theta[order[:k]]), noise * anorm)).sum())
+                n_conv = int(
+                    (
+                        est[order[:k]] <= np.maximum(tol * np.abs(theta[order[:k]]), noise * anorm)
+                    ).sum()
+                )
                 n_keep = _num_kept(k, m, b, n_conv)
                 keep = order[:n_keep]
-                Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(device=device, dtype=wd)
+                Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(
+                    device=device, dtype=wd
+                )
                 V[:n_keep] = Sk @ V[:top]
                 V[n_keep : n_keep + b] = V[top : top + b].clone()  # the ranges may overlap
                 coupling = Rh @ S[top - b : top, keep]
@@ -387,7 +401,7 @@ def _fresh_block(
     for _ in range(2):
         Z = Z - backend.inner_rows(Z, basis) @ basis
     Qw = orthonormalize_rows(W, backend, rtol=math.sqrt(float(torch.finfo(W.dtype).eps)))
-    Qw = Qw[: b]
+    Qw = Qw[:b]
     for _ in range(2):
         Z = Z - backend.inner_rows(Z, Qw) @ Qw
     Qz = orthonormalize_rows(Z, backend)
@@ -502,7 +516,9 @@ def tridiagonal_runs(
             bar.update(1)  # type: ignore[attr-defined]
         if not active.any() or j + 1 == steps:
             break
-        scale = torch.from_numpy(np.where(active, 1.0 / np.maximum(b_h, 1e-300), 0.0)).to(device=device, dtype=wd)
+        scale = torch.from_numpy(np.where(active, 1.0 / np.maximum(b_h, 1e-300), 0.0)).to(
+            device=device, dtype=wd
+        )
         nxt = W * scale.unsqueeze(1)
         if store:
             Vb[:, j + 1] = nxt

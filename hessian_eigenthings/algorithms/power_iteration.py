@@ -135,14 +135,24 @@ def power_iteration_one(
     noise = rounding_level(wd, op.dtype)
     with progress_bar(max_iter, "power iteration", progress) as bar:
         lam, v, res, it, conv = _power(
-            lambda z: apply_rows(op, z), x, max_iter=max_iter, tol=tol, momentum=momentum,
-            backend=backend, noise=noise, bar=bar,
+            lambda z: apply_rows(op, z),
+            x,
+            max_iter=max_iter,
+            tol=tol,
+            momentum=momentum,
+            backend=backend,
+            noise=noise,
+            bar=bar,
         )
     return PowerIterationResult(lam, v[0].to(op.dtype), res, it, conv)
 
 
 def _start(
-    op: CurvatureOperator, init: torch.Tensor | None, seed: int | None, backend: LinAlgBackend, wd: torch.dtype
+    op: CurvatureOperator,
+    init: torch.Tensor | None,
+    seed: int | None,
+    backend: LinAlgBackend,
+    wd: torch.dtype,
 ) -> torch.Tensor:
     if init is not None:
         if not isinstance(init, torch.Tensor):
@@ -154,7 +164,9 @@ def _start(
         x = random_rows(1, op.size, make_generator(seed, backend), device=op.device, dtype=wd)
     nrm = float(row_dots(backend, x, x).sqrt())
     if not nrm > 0.0 or nrm == float("inf"):
-        raise ValueError("the start vector is zero or non-finite; pass a nonzero init or leave init=None")
+        raise ValueError(
+            "the start vector is zero or non-finite; pass a nonzero init or leave init=None"
+        )
     return x / nrm
 
 
@@ -209,7 +221,14 @@ def deflated_power_iteration(
                 x = x - backend.inner_rows(x, found) @ found
             x = x / row_dots(backend, x, x).sqrt().unsqueeze(1)
             lam, v, _res, it, _conv = _power(
-                apply, x, max_iter=max_iter, tol=tol, momentum=momentum, backend=backend, noise=noise, bar=bar
+                apply,
+                x,
+                max_iter=max_iter,
+                tol=tol,
+                momentum=momentum,
+                backend=backend,
+                noise=noise,
+                bar=bar,
             )
             products += it
             U[i] = v[0]

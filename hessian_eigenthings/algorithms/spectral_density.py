@@ -46,7 +46,9 @@ def gaussian_density(
     chunk = max(1, 2**21 // max(1, nodes.shape[0]))  # ~16 MiB of temporaries per chunk
     for s in range(0, grid.shape[0], chunk):
         g = grid[s : s + chunk, None]
-        out[s : s + chunk] = (torch.exp(-0.5 * ((g - nodes[None, :]) / sigma) ** 2) * weights).sum(dim=1) * norm
+        out[s : s + chunk] = (torch.exp(-0.5 * ((g - nodes[None, :]) / sigma) ** 2) * weights).sum(
+            dim=1
+        ) * norm
     return out
 
 
@@ -84,7 +86,11 @@ def spectral_density(
     """
     op = check_operator(op)
     backend = default_backend(backend)
-    for name, val, least in (("num_runs", num_runs, 1), ("lanczos_steps", lanczos_steps, 1), ("num_grid_points", num_grid_points, 2)):
+    for name, val, least in (
+        ("num_runs", num_runs, 1),
+        ("lanczos_steps", lanczos_steps, 1),
+        ("num_grid_points", num_grid_points, 2),
+    ):
         if not isinstance(val, int) or isinstance(val, bool) or val < least:
             raise ValueError(f"{name} must be an int >= {least}, got {val!r}")
     if sigma is not None and not sigma > 0:
@@ -106,8 +112,14 @@ def spectral_density(
             r = min(group, num_runs - start)
             V0 = random_rows(r, n, gen, device=op.device, dtype=wd, distribution="rademacher")
             runs = tridiagonal_runs(
-                op, V0, steps, reorthogonalize=reorthogonalize, backend=backend,
-                precision=precision, keep_basis=False, bar=bar,
+                op,
+                V0,
+                steps,
+                reorthogonalize=reorthogonalize,
+                backend=backend,
+                precision=precision,
+                keep_basis=False,
+                bar=bar,
             )
             for run in runs:
                 T = torch.diag(run.alphas)
@@ -126,7 +138,9 @@ def spectral_density(
     grid = torch.linspace(lo - pad, hi + pad, num_grid_points, dtype=torch.float64)
     density = gaussian_density(raw_nodes, raw_weights, grid, sigma)
     return SpectralDensityResult(
-        grid=grid, density=density, raw_eigenvalues=raw_nodes, raw_weights=raw_weights, sigma=float(sigma)
+        grid=grid,
+        density=density,
+        raw_eigenvalues=raw_nodes,
+        raw_weights=raw_weights,
+        sigma=float(sigma),
     )
-
-

@@ -129,8 +129,15 @@ def hutchinson(
     wd = work_dtype(op, precision)
     with progress_bar(num_samples, "hutchinson", progress) as bar:
         vals = _quadratic_forms(
-            op, num_samples, gen, distribution=distribution, block_size=block_size,
-            backend=backend, wd=wd, Q=None, bar=bar,
+            op,
+            num_samples,
+            gen,
+            distribution=distribution,
+            block_size=block_size,
+            backend=backend,
+            wd=wd,
+            Q=None,
+            bar=bar,
         )
     return _result(vals)
 
@@ -172,8 +179,15 @@ def hutch_plus_plus(
         if q >= op.size:  # the sketch spans everything: the trace is exact
             return TraceResult(estimate=float(low), stderr=0.0, samples=low.reshape(1))
         vals = _quadratic_forms(
-            op, g, gen, distribution=distribution, block_size=block_size,
-            backend=backend, wd=wd, Q=Q, bar=bar,
+            op,
+            g,
+            gen,
+            distribution=distribution,
+            block_size=block_size,
+            backend=backend,
+            wd=wd,
+            Q=Q,
+            bar=bar,
         )
     return _result(low + vals)
 
@@ -198,12 +212,24 @@ def trace(
     """
     if method == "hutch++":
         return hutch_plus_plus(
-            op, num_matvecs=num_matvecs, distribution=distribution, seed=seed,
-            block_size=block_size, backend=backend, precision=precision, progress=progress,
+            op,
+            num_matvecs=num_matvecs,
+            distribution=distribution,
+            seed=seed,
+            block_size=block_size,
+            backend=backend,
+            precision=precision,
+            progress=progress,
         )
     if method == "hutchinson":
         return hutchinson(
-            op, num_samples=num_matvecs, distribution=distribution, seed=seed,
-            block_size=block_size, backend=backend, precision=precision, progress=progress,
+            op,
+            num_samples=num_matvecs,
+            distribution=distribution,
+            seed=seed,
+            block_size=block_size,
+            backend=backend,
+            precision=precision,
+            progress=progress,
         )
     raise ValueError(f"method must be 'hutch++' or 'hutchinson', got {method!r}")

@@ -48,7 +48,9 @@ def dense_matrix(eigs: np.ndarray, seed: int = 0) -> np.ndarray:
 
 def dense_op(m: np.ndarray, dtype: torch.dtype = torch.float64) -> LambdaOperator:
     mt = torch.as_tensor(m, dtype=dtype)
-    return LambdaOperator(lambda v: mt @ v, m.shape[0], dtype=dtype, matmat_fn=lambda rows: rows @ mt)
+    return LambdaOperator(
+        lambda v: mt @ v, m.shape[0], dtype=dtype, matmat_fn=lambda rows: rows @ mt
+    )
 
 
 def diag_op(d: np.ndarray, dtype: torch.dtype = torch.float64) -> LambdaOperator:
@@ -56,7 +58,9 @@ def diag_op(d: np.ndarray, dtype: torch.dtype = torch.float64) -> LambdaOperator
     return LambdaOperator(lambda v: dt * v, len(d), dtype=dtype, matmat_fn=lambda rows: rows * dt)
 
 
-def lowrank_plus_diag(n: int, r: int, seed: int = 0) -> tuple[LambdaOperator, Callable[[np.ndarray], np.ndarray]]:
+def lowrank_plus_diag(
+    n: int, r: int, seed: int = 0
+) -> tuple[LambdaOperator, Callable[[np.ndarray], np.ndarray]]:
     """``A = U diag(s) Uᵀ + diag(d)`` of size n; returns the operator and a numpy matvec."""
     rng = np.random.default_rng(seed)
     u, _ = np.linalg.qr(rng.standard_normal((n, r)))
@@ -67,11 +71,15 @@ def lowrank_plus_diag(n: int, r: int, seed: int = 0) -> tuple[LambdaOperator, Ca
     def rows_fn(rows: torch.Tensor) -> torch.Tensor:
         return ((rows @ ut) * st) @ ut.T + rows * dt
 
-    op = LambdaOperator(lambda v: rows_fn(v.unsqueeze(0))[0], n, dtype=torch.float64, matmat_fn=rows_fn)
+    op = LambdaOperator(
+        lambda v: rows_fn(v.unsqueeze(0))[0], n, dtype=torch.float64, matmat_fn=rows_fn
+    )
 
     def np_mv(x: np.ndarray) -> np.ndarray:
         x = x.reshape(n, -1)
-        return (u @ (s[:, None] * (u.T @ x)) + d[:, None] * x).reshape(x.shape if x.shape[1] > 1 else (n,))
+        return (u @ (s[:, None] * (u.T @ x)) + d[:, None] * x).reshape(
+            x.shape if x.shape[1] > 1 else (n,)
+        )
 
     return op, np_mv
 

@@ -13,10 +13,14 @@ from tests.algorithms.spectra import CountingOp, dense_matrix, dense_op, spectru
 @pytest.mark.parametrize("method", ["hutchinson", "diag++"])
 def test_unbiased_over_seeds(method: str) -> None:
     m = dense_matrix(spectrum("indefinite", 30, seed=4), seed=4)
-    runs = torch.stack([
-        diagonal(dense_op(m), num_matvecs=9, method=method, distribution="gaussian", seed=s).estimate  # type: ignore[arg-type]
-        for s in range(300)
-    ]).numpy()
+    runs = torch.stack(
+        [
+            diagonal(
+                dense_op(m), num_matvecs=9, method=method, distribution="gaussian", seed=s
+            ).estimate  # type: ignore[arg-type]
+            for s in range(300)
+        ]
+    ).numpy()
     mean, se = runs.mean(0), runs.std(0, ddof=1) / np.sqrt(runs.shape[0])
     z = (mean - np.diag(m)) / se
     assert np.abs(z).max() < 4.5, np.abs(z).max()  # 30 entries: the max |z| of 30 normals
@@ -36,7 +40,10 @@ def test_diag_plus_plus_beats_hutchinson_on_power_law() -> None:
     truth = np.diag(m)
     err = {}
     for method in ("hutchinson", "diag++"):
-        errs = [diagonal(dense_op(m), num_matvecs=60, method=method, seed=s).estimate.numpy() - truth for s in range(10)]  # type: ignore[arg-type]
+        errs = [
+            diagonal(dense_op(m), num_matvecs=60, method=method, seed=s).estimate.numpy() - truth
+            for s in range(10)
+        ]  # type: ignore[arg-type]
         err[method] = np.sqrt(np.mean(np.square(errs)))
     assert err["diag++"] < err["hutchinson"] / 5, err
 

@@ -49,7 +49,9 @@ def test_matches_eigh(kind: str, n: int, which: str) -> None:
     if which == "SA" and kind == "lowrank" and n > 5:
         pytest.skip("the smallest eigenvalues are an exactly degenerate zero block")
     if which == "SA" and kind == "powerlaw" and n > 5:
-        pytest.skip("the smallest eigenvalues accumulate at 0 with gaps ~1e-6 ||A||: not a Lanczos problem")
+        pytest.skip(
+            "the smallest eigenvalues accumulate at 0 with gaps ~1e-6 ||A||: not a Lanczos problem"
+        )
     res = lanczos(dense_op(m), k=k, tol=tol, which=which, seed=1)
     ref = _wanted(np.linalg.eigvalsh(m), which, k)
     lam = res.eigenvalues.numpy()
@@ -85,7 +87,13 @@ def test_krylov_exhausted_is_exact() -> None:
 def test_large_lowrank_plus_diagonal_against_eigsh() -> None:
     n, r = 100_000, 12
     op, np_mv = lowrank_plus_diag(n, r, seed=0)
-    ref = eigsh(LinearOperator((n, n), matvec=np_mv, dtype=np.float64), k=6, which="LA", tol=1e-10, v0=np.ones(n))[0]
+    ref = eigsh(
+        LinearOperator((n, n), matvec=np_mv, dtype=np.float64),
+        k=6,
+        which="LA",
+        tol=1e-10,
+        v0=np.ones(n),
+    )[0]
     res = lanczos(op, k=6, which="LA", tol=1e-8, seed=0)
     np.testing.assert_allclose(res.eigenvalues.numpy(), np.sort(ref)[::-1], rtol=1e-7)
     assert res.converged.all()
@@ -109,17 +117,23 @@ def test_no_more_products_than_eigsh(kind: str) -> None:
         count[0] += 1
         return d * x.ravel()
 
-    ref = eigsh(LinearOperator((n, n), matvec=mv, dtype=np.float64), k=10, tol=1e-6, ncv=21, v0=np.ones(n))[0]
+    ref = eigsh(
+        LinearOperator((n, n), matvec=mv, dtype=np.float64), k=10, tol=1e-6, ncv=21, v0=np.ones(n)
+    )[0]
     op = diag_op(d)
     est = lanczos(op, k=10, tol=1e-6, ncv=21, seed=0, residuals="estimate")
     assert est.iterations == op.num_matvecs
     assert est.iterations <= count[0], (est.iterations, count[0])
-    np.testing.assert_allclose(np.sort(np.abs(est.eigenvalues.numpy())), np.sort(np.abs(ref)), rtol=1e-9)
+    np.testing.assert_allclose(
+        np.sort(np.abs(est.eigenvalues.numpy())), np.sort(np.abs(ref)), rtol=1e-9
+    )
     # exact residuals cost exactly one block of k on top, and agree with the estimates
     op2 = diag_op(d)
     exact = lanczos(op2, k=10, tol=1e-6, ncv=21, seed=0)
     assert exact.iterations == est.iterations + 10 == op2.num_matvecs
-    np.testing.assert_allclose(exact.residuals.numpy(), est.residuals.numpy(), rtol=1e-3, atol=1e-13)
+    np.testing.assert_allclose(
+        exact.residuals.numpy(), est.residuals.numpy(), rtol=1e-3, atol=1e-13
+    )
 
 
 def test_converged_is_honest_when_budget_ends() -> None:
@@ -127,7 +141,9 @@ def test_converged_is_honest_when_budget_ends() -> None:
     with pytest.warns(ConvergenceWarning, match="of 5 eigenpairs converged"):
         res = lanczos(diag_op(d), k=5, tol=1e-10, ncv=12, max_iter=40, seed=0)
     dt = torch.as_tensor(d)
-    true_res = torch.linalg.vector_norm(res.eigenvectors * dt - res.eigenvalues[:, None] * res.eigenvectors, dim=1)
+    true_res = torch.linalg.vector_norm(
+        res.eigenvectors * dt - res.eigenvalues[:, None] * res.eigenvectors, dim=1
+    )
     torch.testing.assert_close(res.residuals, true_res, rtol=1e-6, atol=1e-14)
     assert not res.converged.all()
     assert torch.equal(res.converged, true_res <= 1e-10 * res.eigenvalues.abs())
@@ -237,7 +253,9 @@ def test_non_finite_product_is_reported() -> None:
         return v * dt * (float("nan") if calls[0] == 4 else 1.0)
 
     op = LambdaOperator(mv, 50, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"non-finite values.*iteration 4.*NaN/inf loss.*fp16 overflow"):
+    with pytest.raises(
+        ValueError, match=r"non-finite values.*iteration 4.*NaN/inf loss.*fp16 overflow"
+    ):
         lanczos(op, k=2, seed=0)
 
 
@@ -270,3 +288,38 @@ def test_lanczos_tridiagonal_stops_at_invariant_subspace() -> None:
     tri = lanczos_tridiagonal(diag_op(d), torch.ones(8, dtype=torch.float64), 8)
     assert tri.iterations == 4
     assert tri.last_beta < 1e-12
+
+
+class _PlainBackend:
+    """Not a SingleDeviceBackend: takes the paths a sharded backend takes (Cholesky QR,
+    Gram-matrix orthonormalization), with every reduction through the protocol."""
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.dot(a.reshape(-1), b.reshape(-1))
+
+    def norm(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(a)
+
+    def inner_rows(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        return A @ B.T
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_generic_backend_path(block_size: int) -> None:
+    eigs = spectrum("separated", 200)
+    m = dense_matrix(eigs, seed=4)
+    res = lanczos(
+        dense_op(m), k=4, tol=1e-9, block_size=block_size, seed=0, backend=_PlainBackend()
+    )
+    np.testing.assert_allclose(res.eigenvalues.numpy(), eigs[:4], rtol=1e-9)
+    assert res.converged.all()
+
+
+def test_progress_bar_can_be_forced(capsys: pytest.CaptureFixture[str]) -> None:
+    lanczos(diag_op(np.linspace(2.0, 1.0, 100)), k=2, tol=1e-6, seed=0, progress=True)
+    assert "lanczos" in capsys.readouterr().err
+    lanczos(diag_op(np.linspace(2.0, 1.0, 100)), k=2, tol=1e-6, seed=0)
+    assert capsys.readouterr().err == ""  # stderr is not a terminal under pytest

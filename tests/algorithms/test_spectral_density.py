@@ -43,8 +43,12 @@ def test_density_close_to_smoothed_truth(kind: str) -> None:
     else:
         d = 1.0 / rng.uniform(0.05, 1.0, n) ** 2 / 100
     op = _reflected_diagonal(d, seed=1)
-    res = spectral_density(op, num_runs=10, lanczos_steps=40, num_grid_points=4000, sigma=0.05, seed=0)
-    truth = gaussian_density(torch.as_tensor(d), torch.full((n,), 1.0 / n, dtype=torch.float64), res.grid, 0.05)
+    res = spectral_density(
+        op, num_runs=10, lanczos_steps=40, num_grid_points=4000, sigma=0.05, seed=0
+    )
+    truth = gaussian_density(
+        torch.as_tensor(d), torch.full((n,), 1.0 / n, dtype=torch.float64), res.grid, 0.05
+    )
     assert _l1(res.density, truth, res.grid) < 0.03
     assert float(torch.trapezoid(res.density, res.grid)) == pytest.approx(1.0, abs=1e-3)
     assert float(res.raw_weights.sum()) == pytest.approx(1.0, abs=1e-12)
@@ -53,7 +57,9 @@ def test_density_close_to_smoothed_truth(kind: str) -> None:
 def test_exact_for_small_operator() -> None:
     """n <= lanczos_steps: each run is exhausted and the nodes are the eigenvalues."""
     eigs = np.array([-2.0, -1.0, 0.5, 1.0, 3.0])
-    res = spectral_density(dense_op(dense_matrix(eigs)), num_runs=3, lanczos_steps=80, seed=0, num_grid_points=500)
+    res = spectral_density(
+        dense_op(dense_matrix(eigs)), num_runs=3, lanczos_steps=80, seed=0, num_grid_points=500
+    )
     nodes = res.raw_eigenvalues.numpy()
     for e in eigs:
         assert np.abs(nodes - e).min() < 1e-10
@@ -68,7 +74,14 @@ def test_runs_go_in_lockstep_blocks() -> None:
     assert op.num_matvecs == 60 and op.passes == 10
     op2 = CountingOp(m)
     # a budget for two bases at a time: three lockstep groups
-    spectral_density(op2, num_runs=6, lanczos_steps=10, seed=0, num_grid_points=100, memory_budget=2 * 10 * 100 * 8)
+    spectral_density(
+        op2,
+        num_runs=6,
+        lanczos_steps=10,
+        seed=0,
+        num_grid_points=100,
+        memory_budget=2 * 10 * 100 * 8,
+    )
     assert op2.passes == 30
 
 
@@ -79,14 +92,18 @@ def test_default_sigma_grid_and_reproducibility() -> None:
     assert torch.equal(a.density, b.density)
     assert a.grid.shape == (300,) and a.sigma > 0
     assert float(a.grid[0]) < 0.0 and float(a.grid[-1]) > 1.0
-    no_reorth = spectral_density(op, num_runs=2, lanczos_steps=20, seed=1, num_grid_points=300, reorthogonalize=False)
+    no_reorth = spectral_density(
+        op, num_runs=2, lanczos_steps=20, seed=1, num_grid_points=300, reorthogonalize=False
+    )
     assert float(torch.trapezoid(no_reorth.density, no_reorth.grid)) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_plot() -> None:
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
-    res = spectral_density(diag_op(np.linspace(0.0, 1.0, 50)), num_runs=2, lanczos_steps=10, seed=0, num_grid_points=50)
+    res = spectral_density(
+        diag_op(np.linspace(0.0, 1.0, 50)), num_runs=2, lanczos_steps=10, seed=0, num_grid_points=50
+    )
     ax = res.plot()
     assert ax.get_yscale() == "log"
 

@@ -17,10 +17,12 @@ def test_unbiased_over_seeds(method: str, distribution: str) -> None:
     eigs = spectrum("indefinite", 60, seed=1)
     m = dense_matrix(eigs, seed=1)
     op = dense_op(m)
-    est = np.array([
-        trace(op, num_matvecs=12, method=method, distribution=distribution, seed=s).estimate  # type: ignore[arg-type]
-        for s in range(300)
-    ])
+    est = np.array(
+        [
+            trace(op, num_matvecs=12, method=method, distribution=distribution, seed=s).estimate  # type: ignore[arg-type]
+            for s in range(300)
+        ]
+    )
     truth = eigs.sum()
     se = est.std(ddof=1) / np.sqrt(len(est))
     assert abs(est.mean() - truth) < 4 * se, (est.mean(), truth, se)
@@ -28,7 +30,9 @@ def test_unbiased_over_seeds(method: str, distribution: str) -> None:
 
 def test_stderr_matches_the_spread_over_seeds() -> None:
     m = dense_matrix(spectrum("indefinite", 50, seed=2), seed=2)
-    results = [hutchinson(dense_op(m), num_samples=40, distribution="gaussian", seed=s) for s in range(200)]
+    results = [
+        hutchinson(dense_op(m), num_samples=40, distribution="gaussian", seed=s) for s in range(200)
+    ]
     spread = np.std([r.estimate for r in results], ddof=1)
     mean_stderr = np.mean([r.stderr for r in results])
     assert mean_stderr == pytest.approx(spread, rel=0.2)
@@ -42,8 +46,18 @@ def test_hutch_plus_plus_beats_hutchinson_on_power_law() -> None:
     truth = d.sum()
     err_h, err_pp = [], []
     for s in range(30):
-        err_h.append(trace(diag_op(d), num_matvecs=60, method="hutchinson", distribution="gaussian", seed=s).estimate - truth)
-        err_pp.append(trace(diag_op(d), num_matvecs=60, method="hutch++", distribution="gaussian", seed=s).estimate - truth)
+        err_h.append(
+            trace(
+                diag_op(d), num_matvecs=60, method="hutchinson", distribution="gaussian", seed=s
+            ).estimate
+            - truth
+        )
+        err_pp.append(
+            trace(
+                diag_op(d), num_matvecs=60, method="hutch++", distribution="gaussian", seed=s
+            ).estimate
+            - truth
+        )
     rms_h, rms_pp = np.sqrt(np.mean(np.square(err_h))), np.sqrt(np.mean(np.square(err_pp)))
     assert rms_pp < rms_h / 10, (rms_pp, rms_h)
 
@@ -91,3 +105,15 @@ def test_float32_operator() -> None:
     d = np.linspace(1.0, 2.0, 1000)
     res = hutchinson(diag_op(d, torch.float32), num_samples=4, seed=0)
     assert res.estimate == pytest.approx(d.sum(), rel=1e-5)  # diagonal + Rademacher: exact
+
+
+def test_generic_backend_low_rank_exact() -> None:
+    from tests.algorithms.test_lanczos import _PlainBackend
+
+    eigs = spectrum(
+        "lowrank", 100
+    )  # rank 20: the Gram-matrix orthonormalization must drop the rest
+    res = hutch_plus_plus(
+        dense_op(dense_matrix(eigs)), num_matvecs=90, seed=0, backend=_PlainBackend()
+    )
+    assert res.estimate == pytest.approx(eigs.sum(), rel=1e-8)
