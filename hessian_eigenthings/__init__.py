@@ -1,5 +1,11 @@
 """hessian-eigenthings: curvature of a model's loss as matrix-free operators."""
 
+# 0.x facade (DESIGN.md §3): `lanczos` and `deflated_power_iteration` are both 0.x and 1.0
+# functions, so the top-level names route by the call (NOTE [routing colliding names] in
+# compat/routing.py); hessian_eigenthings.algorithms has the plain 1.0 ones. The 0.x module
+# hessian_eigenthings.lanczos is loaded before the name `lanczos` is bound, so a later
+# `import hessian_eigenthings.lanczos` finds it loaded and cannot rebind the name to the module.
+import hessian_eigenthings.lanczos as _lanczos_module
 from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import (
     ConvergenceWarning,
@@ -8,16 +14,16 @@ from hessian_eigenthings.algorithms import (
     LanczosTridiag,
     SpectralDensityResult,
     TraceResult,
-    deflated_power_iteration,
     diagonal,
     hutch_plus_plus,
     hutchinson,
-    lanczos,
     lanczos_tridiagonal,
     power_iteration_one,
     spectral_density,
     trace,
 )
+from hessian_eigenthings.compat import HVPOperator, compute_hessian_eigenthings, power_iteration
+from hessian_eigenthings.compat.routing import deflated_power_iteration, lanczos
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
@@ -47,6 +53,8 @@ from hessian_eigenthings.operators import (
     LambdaOperator,
 )
 
+del _lanczos_module
+
 __all__ = [
     "ConvergenceWarning",
     "CurvatureOperator",
@@ -59,6 +67,7 @@ __all__ = [
     "EmpiricalFisherOperator",
     "FSDPHessianOperator",
     "GGNOperator",
+    "HVPOperator",
     "HessianOperator",
     "LambdaOperator",
     "LanczosTridiag",
@@ -66,6 +75,7 @@ __all__ = [
     "SpectralDensityResult",
     "TraceResult",
     "__version__",
+    "compute_hessian_eigenthings",
     "cross_entropy_loss_of_output",
     "deflated_power_iteration",
     "diagonal",
@@ -79,6 +89,7 @@ __all__ = [
     "lanczos",
     "lanczos_tridiagonal",
     "mse_loss_of_output",
+    "power_iteration",
     "power_iteration_one",
     "spectral_density",
     "supervised_forward",

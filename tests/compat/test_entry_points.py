@@ -169,15 +169,37 @@ def test_hvp_operator_fp16_vectors_and_zero_grad() -> None:
     assert all(not p.grad.any() for p in model.parameters())
 
 
-def test_hvp_operator_works_with_every_1x_algorithm() -> None:
-    from hessian_eigenthings import algorithms
+ALGORITHMS = {
+    "lanczos": lambda op: he.algorithms.lanczos(op, k=2, tol=1e-3),
+    "deflated_power_iteration": lambda op: he.algorithms.deflated_power_iteration(op, k=1, max_iter=300, tol=1e-3),
+    "power_iteration_one": lambda op: he.algorithms.power_iteration_one(op, max_iter=300, tol=1e-3),
+    "trace": lambda op: he.algorithms.trace(op, num_matvecs=12, seed=0),
+    "diagonal": lambda op: he.algorithms.diagonal(op, num_matvecs=12, seed=0),
+    "spectral_density": lambda op: he.algorithms.spectral_density(op, num_runs=2, lanczos_steps=8, num_grid_points=50, seed=0),
+}
 
-    model, criterion, data = mlp_problem()
-    op = _hvp(model, data, criterion)
-    assert isinstance(algorithms.lanczos(op, k=2), algorithms.EigenResult)
-    assert isinstance(
-        algorithms.deflated_power_iteration(op, k=1, max_iter=200), algorithms.EigenResult
-    )
+
+class Dense0x(compat.Operator):
+    """A user's 0.x operator: knows only size and apply."""
+
+    def __init__(self, A: torch.Tensor) -> None:
+        super().__init__(A.shape[0])
+        self.A = A
+
+    def apply(self, vec: torch.Tensor) -> torch.Tensor:
+        return self.A @ vec
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("kind", ["HVPOperator", "Operator"])
+def test_0x_operators_work_with_every_1x_algorithm(kind: str, algorithm: str) -> None:
+    if kind == "HVPOperator":
+        model, criterion, data = mlp_problem(batches=1)
+        op: he.CurvatureOperator = _hvp(model, data, criterion)
+    else:
+        with pytest.warns(deprecation.DeprecatedWarning):
+            op = Dense0x(symmetric_matrix(30))
+    ALGORITHMS[algorithm](op)  # must run without error or warning
 
 
 # -- Operator / LambdaOperator ------------------------------------------------------
