@@ -262,8 +262,8 @@ def estimate_memory(
             is per batch: the data loop holds one at a time).
         loss_fn: ``loss_fn(model, batch) -> scalar``; needed to measure on
             CUDA, and makes the CPU count include the loss's saved tensors.
-        operator / method: ``"hessian"`` with ``method="autograd"`` or
-            ``"finite_difference"``, ``"ggn"``, ``"fisher"``.
+        operator: ``"hessian"``, ``"ggn"`` or ``"fisher"``.
+        method: for the Hessian, ``"autograd"`` or ``"finite_difference"``.
         block_size: vectors per product pass (``op @ V`` with ``V (n, k)``).
         microbatch_size: activations are scaled by ``microbatch / batch``.
         krylov_size: vectors of size n the algorithm keeps (Lanczos ``ncv``,
