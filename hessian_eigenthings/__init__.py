@@ -24,6 +24,7 @@ from hessian_eigenthings.algorithms import (
 )
 from hessian_eigenthings.compat import HVPOperator, compute_hessian_eigenthings, power_iteration
 from hessian_eigenthings.compat.routing import deflated_power_iteration, lanczos
+from hessian_eigenthings.interop import from_curvlinops, to_curvlinops
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
@@ -41,6 +42,7 @@ from hessian_eigenthings.loss_fns import (
     tlens_loss,
     tlens_loss_of_output,
 )
+from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
 from hessian_eigenthings.operators import (
     CurvatureOperator,
     DDPEmpiricalFisherOperator,
@@ -71,6 +73,7 @@ __all__ = [
     "HessianOperator",
     "LambdaOperator",
     "LanczosTridiag",
+    "MemoryEstimate",
     "OutputHessianLoss",
     "SpectralDensityResult",
     "TraceResult",
@@ -79,6 +82,8 @@ __all__ = [
     "cross_entropy_loss_of_output",
     "deflated_power_iteration",
     "diagonal",
+    "estimate_memory",
+    "from_curvlinops",
     "hf_lm_forward",
     "hf_lm_loss",
     "hf_lm_loss_of_output",
@@ -99,5 +104,6 @@ __all__ = [
     "tlens_forward",
     "tlens_loss",
     "tlens_loss_of_output",
+    "to_curvlinops",
     "trace",
 ]
