@@ -47,6 +47,16 @@ from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_par
 # --------------------------------------------------------------------------
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
+
+
 class CurvatureOperator(ABC):
     """Symmetric linear operator ``A`` of shape ``(n, n)``, known through products.
 
@@ -101,7 +111,7 @@ class CurvatureOperator(ABC):
                 f"{what} has dtype {x.dtype} but the operator works in {self.dtype}; "
                 f"pass x.to({self.dtype})"
             )
-        if x.device != self.device:
+        if not same_device(x.device, self.device):
             raise ValueError(
                 f"{what} is on {x.device} but the operator is on {self.device}; pass x.to('{self.device}')"
             )

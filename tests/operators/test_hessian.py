@@ -264,3 +264,11 @@ def test_bad_inputs_name_the_fix() -> None:
         HessianOperator("model", data, sup_loss)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fd_eps"):
         HessianOperator(model, data, sup_loss, method="finite_difference", fd_eps=-1.0)
+
+
+def test_device_without_index_accepts_indexed_vectors() -> None:
+    from hessian_eigenthings.operators.base import same_device
+
+    assert same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(torch.device("cpu"), torch.device("meta"))
+    assert same_device(torch.device("cuda"), torch.device("cuda", 0)) or not torch.cuda.is_available()
