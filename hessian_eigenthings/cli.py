@@ -438,16 +438,6 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
     )
 
 
-def _eigen_table(result: EigenResult) -> str:
-    lines = ["    i      eigenvalue   residual  converged"]
-    for i in range(int(result.eigenvalues.shape[0])):
-        lines.append(
-            f"{i:5d}  {float(result.eigenvalues[i]): .6e}   {float(result.residuals[i]):.1e}  "
-            f"{'yes' if bool(result.converged[i]) else 'no'}"
-        )
-    return "\n".join(lines)
-
-
 def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, title: str) -> None:
     import matplotlib
 
@@ -536,7 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matvecs": eig.iterations,
     }
     _log(quiet, f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
-    _log(quiet, _eigen_table(eig))
+    _log(quiet, eig.summary())
 
     tr: TraceResult | None = None
     if args.trace_matvecs:
