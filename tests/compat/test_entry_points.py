@@ -171,11 +171,15 @@ def test_hvp_operator_fp16_vectors_and_zero_grad() -> None:
 
 ALGORITHMS = {
     "lanczos": lambda op: he.algorithms.lanczos(op, k=2, tol=1e-3),
-    "deflated_power_iteration": lambda op: he.algorithms.deflated_power_iteration(op, k=1, max_iter=300, tol=1e-3),
+    "deflated_power_iteration": lambda op: he.algorithms.deflated_power_iteration(
+        op, k=1, max_iter=300, tol=1e-3
+    ),
     "power_iteration_one": lambda op: he.algorithms.power_iteration_one(op, max_iter=300, tol=1e-3),
     "trace": lambda op: he.algorithms.trace(op, num_matvecs=12, seed=0),
     "diagonal": lambda op: he.algorithms.diagonal(op, num_matvecs=12, seed=0),
-    "spectral_density": lambda op: he.algorithms.spectral_density(op, num_runs=2, lanczos_steps=8, num_grid_points=50, seed=0),
+    "spectral_density": lambda op: he.algorithms.spectral_density(
+        op, num_runs=2, lanczos_steps=8, num_grid_points=50, seed=0
+    ),
 }
 
 

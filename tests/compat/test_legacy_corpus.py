@@ -8,6 +8,7 @@ and data.
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
 import subprocess
@@ -129,6 +130,17 @@ def _deprecated_name(message: str) -> str:
     return match.group(1)
 
 
+def _user_env() -> dict[str, str]:
+    """The environment of a user's shell: Python's default warning filters, this checkout importable."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PYTEST_CURRENT_TEST")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_runs_unchanged_and_warns_at_its_own_lines(script: str) -> None:
     path = CORPUS / script
@@ -138,7 +150,7 @@ def test_runs_unchanged_and_warns_at_its_own_lines(script: str) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env=_user_env(),
     )
     assert proc.returncode == 0, proc.stderr
     found = [m.groupdict() for line in proc.stderr.splitlines() if (m := WARNING_LINE.match(line))]

@@ -29,7 +29,7 @@ class DuckOperator:
     size = 30
 
     def apply(self, vec: torch.Tensor) -> torch.Tensor:
-        return A @ vec
+        return A.to(vec.device) @ vec
 
 
 def new_op() -> LambdaOperator:
@@ -38,7 +38,8 @@ def new_op() -> LambdaOperator:
 
 def old_op() -> LambdaOperator0x:
     with pytest.warns(deprecation.DeprecatedWarning):
-        return LambdaOperator0x(lambda v: A @ v, 30)
+        # 0.x use_gpu=True puts vectors on CUDA when there is one
+        return LambdaOperator0x(lambda v: A.to(v.device) @ v, 30)
 
 
 def hvp_op() -> HVPOperator:
