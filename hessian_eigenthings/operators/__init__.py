@@ -1,6 +1,10 @@
 """Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher."""
 
-from hessian_eigenthings.operators.base import CurvatureOperator, DataCurvatureOperator, LambdaOperator
+from hessian_eigenthings.operators.base import (
+    CurvatureOperator,
+    DataCurvatureOperator,
+    LambdaOperator,
+)
 from hessian_eigenthings.operators.distributed import (
     DataParallelMixin,
     DDPEmpiricalFisherOperator,
