@@ -21,7 +21,7 @@ from hessian_eigenthings.algorithms.result import (
     TraceResult,
 )
 from hessian_eigenthings.algorithms.spectral_density import spectral_density
-from hessian_eigenthings.algorithms.trace import hutch_plus_plus, hutchinson, trace
+from hessian_eigenthings.algorithms.trace import hutch_plus_plus, hutchinson, trace, xtrace
 
 __all__ = [
     "ConvergenceWarning",
@@ -41,4 +41,5 @@ __all__ = [
     "power_iteration_one",
     "spectral_density",
     "trace",
+    "xtrace",
 ]

@@ -28,6 +28,34 @@ def check_operator(op: Any) -> CurvatureOperator:
     return op
 
 
+def global_size(op: CurvatureOperator) -> int:
+    """Length of the whole vector: ``op.global_size`` for a sharded operator, else ``op.size``.
+
+    Caps that depend on the matrix dimension (``k``, ``ncv``, Krylov depth,
+    sketch sizes) use it; vectors stay local (``op.size``).
+    """
+    return int(getattr(op, "global_size", op.size))
+
+
+def apply_blocks(
+    op: CurvatureOperator, X: torch.Tensor, block_size: int | None, bar: object
+) -> torch.Tensor:
+    """``A`` applied to the rows of ``X (b, n)``: one ``op @ V`` per block of ``block_size``
+    rows (all rows in one block when ``None``), ticking the progress bar."""
+    b = X.shape[0]
+    step = b if block_size is None else block_size
+    if step < 1:
+        raise ValueError(f"block_size must be >= 1, got {step}")
+    if 0 < b <= step:
+        out = apply_rows(op, X)
+    else:
+        out = torch.empty_like(X)
+        for i in range(0, b, step):
+            out[i : i + step] = apply_rows(op, X[i : i + step])
+    bar.update(b)  # type: ignore[attr-defined]
+    return out
+
+
 def check_k(k: int, n: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
