@@ -41,6 +41,7 @@ from hessian_eigenthings.algorithms._common import (
     apply_rows,
     check_k,
     check_operator,
+    global_size,
     make_generator,
     non_finite_error,
     orthonormalize_rows,
@@ -184,7 +185,8 @@ def lanczos(
     """
     op = check_operator(op)
     backend = default_backend(backend)
-    n = op.size
+    n = global_size(op)  # caps (k, ncv, exhaustion) use the whole length
+    n_local = op.size  # vectors are this rank's shard
     check_k(k, n)
     if which not in ("LM", "LA", "SA"):
         raise ValueError(f"which must be 'LM', 'LA' or 'SA', got {which!r}")
@@ -220,21 +222,27 @@ def lanczos(
     gen = make_generator(seed, backend)
 
     m = ncv
-    V = torch.empty(m + b, n, dtype=wd, device=device)
+    V = torch.empty(m + b, n_local, dtype=wd, device=device)
     T = np.zeros((m + b, m + b))
 
     if v0 is not None:
         if not isinstance(v0, torch.Tensor):
             raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
-        X0 = v0.reshape(-1, n).to(device=device, dtype=wd)
+        if v0.numel() % n_local:
+            raise ValueError(
+                f"v0 must have shape ({n_local},) or ({b}, {n_local}) for block_size={b}, "
+                f"got {tuple(v0.shape)}"
+            )
+        X0 = v0.reshape(-1, n_local).to(device=device, dtype=wd)
         if X0.shape[0] != b:
             raise ValueError(
-                f"v0 must have shape ({n},) or ({b}, {n}) for block_size={b}, got {tuple(v0.shape)}"
+                f"v0 must have shape ({n_local},) or ({b}, {n_local}) for block_size={b}, "
+                f"got {tuple(v0.shape)}"
             )
         if not bool(torch.isfinite(X0).all()):
             raise ValueError("v0 has non-finite entries")
     else:
-        X0 = random_rows(b, n, gen, device=device, dtype=wd)
+        X0 = random_rows(b, n_local, gen, device=device, dtype=wd)
     Q0 = orthonormalize_rows(X0, backend)
     if Q0.shape[0] < b:
         raise ValueError(
@@ -392,12 +400,13 @@ def _fresh_block(
     """Orthonormal rows ``Q (b, n)`` spanning ``W``'s numerically nonzero part,
     completed by random directions orthogonal to ``basis``; ``W = Rᵀ Q``.
 
-    Returns ``exhausted=True`` when the basis already spans the whole space.
+    Returns ``exhausted=True`` when the basis already spans the whole space
+    (``n`` is the global length; vectors may be local shards).
     """
     J = basis.shape[0]
     if J + b > n:
         return W, np.zeros((b, b)), True
-    Z = random_rows(b, n, gen, device=W.device, dtype=W.dtype)
+    Z = random_rows(b, W.shape[1], gen, device=W.device, dtype=W.dtype)
     for _ in range(2):
         Z = Z - backend.inner_rows(Z, basis) @ basis
     Qw = orthonormalize_rows(W, backend, rtol=math.sqrt(float(torch.finfo(W.dtype).eps)))
@@ -430,7 +439,7 @@ def lanczos_tridiagonal(
     op = check_operator(op)
     if not isinstance(v0, torch.Tensor):
         raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
-    if v0.shape != (op.size,):
+    if v0.shape != (op.size,):  # local shard
         raise ValueError(f"v0 must have shape ({op.size},), got {tuple(v0.shape)}")
     runs = tridiagonal_runs(
         op,
@@ -466,7 +475,7 @@ def tridiagonal_runs(
         raise ValueError(f"max_iter must be a positive int, got {steps!r}")
     n = op.size
     r = V0.shape[0]
-    steps = min(steps, n)
+    steps = min(steps, global_size(op))
     wd = work_dtype(op, precision)
     eps = max(float(torch.finfo(wd).eps), float(torch.finfo(op.dtype).eps))
     device = op.device

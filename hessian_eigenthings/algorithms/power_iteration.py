@@ -30,6 +30,7 @@ from hessian_eigenthings.algorithms._common import (
     apply_rows,
     check_k,
     check_operator,
+    global_size,
     make_generator,
     non_finite_error,
     progress_bar,
@@ -193,7 +194,7 @@ def deflated_power_iteration(
     op = check_operator(op)
     backend = default_backend(backend)
     n = op.size
-    check_k(k, n)
+    check_k(k, global_size(op))
     _check_common(max_iter, tol, momentum)
     wd = work_dtype(op, precision)
     noise = rounding_level(wd, op.dtype)

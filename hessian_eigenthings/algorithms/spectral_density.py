@@ -24,6 +24,7 @@ import torch
 
 from hessian_eigenthings.algorithms._common import (
     check_operator,
+    global_size,
     make_generator,
     progress_bar,
     random_rows,
@@ -97,8 +98,8 @@ def spectral_density(
         raise ValueError(f"sigma must be > 0 or None, got {sigma}")
     if not grid_padding >= 0:
         raise ValueError(f"grid_padding must be >= 0, got {grid_padding}")
-    n = op.size
-    steps = min(lanczos_steps, n)
+    n = op.size  # local shard length (memory); the Krylov depth is capped by the global one
+    steps = min(lanczos_steps, global_size(op))
     wd = work_dtype(op, precision)
     gen = make_generator(seed, backend)
     itemsize = torch.empty((), dtype=wd).element_size()
