@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from packaging.version import Version
@@ -45,17 +45,51 @@ def compile_supported() -> bool:
     return bool(is_dynamo_supported())
 
 
+def _sdp_switches() -> list[tuple[Callable[[], bool], Callable[[bool], None], bool]] | None:
+    """``(get, set, on under math-only)`` for every SDPA backend switch of this torch.
+
+    ``None`` when a backend has a setter but no getter (its state could not be
+    restored): then :func:`math_sdpa` uses torch's ``sdpa_kernel`` context.
+    """
+    switches = []
+    for name in dir(torch._C):
+        if not name.startswith("_set_sdp_use_"):
+            continue
+        backend = name[len("_set_sdp_use_"):]
+        getter = getattr(torch._C, f"_get_{backend}_sdp_enabled", None)
+        if getter is None:
+            return None
+        switches.append((getter, getattr(torch._C, name), backend == "math"))
+    return switches if any(on for _, _, on in switches) else None
+
+
+_SDP_SWITCHES = _sdp_switches()
+
+
 @contextlib.contextmanager
 def math_sdpa() -> Iterator[None]:
     """Force the math backend of ``scaled_dot_product_attention``.
 
     The flash and memory-efficient SDPA kernels have no double backward; the
-    math backend does. Used for the duration of a second-order product.
+    math backend does. Used for the duration of a second-order product, so it
+    is on the hot path: flipping torch's backend switches directly costs a few
+    microseconds, ``torch.nn.attention.sdpa_kernel`` about twenty (its
+    fallback where a switch cannot be read back).
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if _SDP_SWITCHES is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+        return
+    saved = [get() for get, _, _ in _SDP_SWITCHES]
+    try:
+        for _, set_, on in _SDP_SWITCHES:
+            set_(on)
         yield
+    finally:
+        for (_, set_, _), was in zip(_SDP_SWITCHES, saved, strict=True):
+            set_(was)
 
 
 def foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor], alpha: float = 1.0) -> None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from abc import ABC
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
 
 import torch
 from torch import nn
@@ -294,12 +295,47 @@ def private_buffers(model: nn.Module, modules: Sequence[nn.Module] | None = None
 
 
 @dataclass
+class _Replay:
+    """A recorded product on a kept state, see NOTE [CUDA graphs]."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: Sequence[torch.Tensor | None]
+
+
+@dataclass
 class _CachedGraph:
     raw: tuple[list[Any], tuple[int, ...]]
     versions: tuple[int, ...]
     state: Any
     size: int
     nbytes: int
+    #: block widths that ran eagerly once on this state (warm-up before a capture)
+    warm: set[int] = field(default_factory=set)
+    replays: dict[int, _Replay] = field(default_factory=dict)
+
+
+# NOTE [CUDA graphs]
+# With graph reuse, every product on a kept state is the same backward: the
+# same kernels on the same saved tensors, only the input vectors differ. On
+# CUDA the host side of that backward (autograd's engine visiting thousands
+# of nodes, one launch per kernel) often costs more than the kernels: for a
+# ResNet-18 at batch 128 most of a product is launch overhead. So the second
+# product of a given block width on a kept state records the backward into a
+# CUDA graph, and later products copy their vectors into its static inputs
+# and replay it: the same kernels, without the host work.
+# - All work on a kept state (its forward and first backward, every product)
+#   runs on the operator's own stream, ordered against the caller's stream
+#   on entry and exit. Autograd runs each backward node on the stream of its
+#   forward, and a capture cannot involve the legacy default stream.
+# - The first product of each width runs eagerly: cuDNN autotuning, cuBLAS
+#   workspaces and lazy initialisation happen outside the capture.
+# - A failed capture (an op that syncs with the host or cannot be captured)
+#   turns the feature off for the operator with a warning; products then run
+#   eagerly. Results never depend on it: replay runs the recorded kernels.
+# - A graph reads the state's saved tensors by address, so it lives and dies
+#   with its cache entry (invalidated as in NOTE [graph reuse]); its memory
+#   pool counts against ``graph_memory_budget``.
 
 
 def _leaves(batch: Batch) -> list[Any]:
@@ -354,6 +390,17 @@ def _same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
 Reuse = bool | Literal["auto"]
 
 
+class DataOptions(TypedDict, total=False):
+    """Block, graph-reuse and CUDA-graph options every data operator accepts (``**options``)."""
+
+    max_block_size: int | None
+    block_memory_budget: int | None
+    graph_reuse: Reuse
+    graph_reuse_max_batches: int
+    graph_memory_budget: int | None
+    cuda_graphs: bool
+
+
 class DataCurvatureOperator(CurvatureOperator):
     """Base of curvature operators defined by a model, data and a loss.
 
@@ -370,12 +417,18 @@ class DataCurvatureOperator(CurvatureOperator):
       ``block_memory_budget``: bytes a block pass may add on CUDA (the chunk
       is sized from the measured cost of the first pass).
     - ``graph_reuse``: ``"auto"`` / ``True`` / ``False``, see NOTE [graph reuse].
+      ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``:
+      bytes they may hold on CUDA (default a quarter of the device).
+    - ``cuda_graphs``: replay products on a kept state as CUDA graphs
+      (default ``True``; CUDA only, operators that support it), see NOTE [CUDA graphs].
     """
 
     #: Subclasses set this when ``_apply`` may run several times on one state.
     supports_graph_reuse: bool = False
     #: Subclasses set this when products need a double backward.
     needs_double_backward: bool = True
+    #: Subclasses set this when ``_apply`` on a kept state can be recorded as a CUDA graph.
+    supports_cuda_graphs: bool = False
     #: ``"size"``: batches weighted by their sample count (``Σ bᵢ·Pᵢ / Σ bᵢ``);
     #: ``"uniform"``: every batch weighs the same (the 0.x facade). See NOTE [batch weighting].
     batch_weighting: Literal["size", "uniform"] = "size"
@@ -395,6 +448,7 @@ class DataCurvatureOperator(CurvatureOperator):
         graph_reuse: Reuse = "auto",
         graph_reuse_max_batches: int = 4,
         graph_memory_budget: int | None = None,
+        cuda_graphs: bool = True,
         backend: LinAlgBackend | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -405,6 +459,8 @@ class DataCurvatureOperator(CurvatureOperator):
             raise ValueError(f"max_block_size must be >= 1 or None, got {max_block_size}")
         if graph_reuse not in (True, False, "auto"):
             raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         check_microbatching(model, microbatch_size, microbatch_unsafe)
         self.model = model
         # the module list is walked on every product (modes, buffers): list it once
@@ -423,6 +479,11 @@ class DataCurvatureOperator(CurvatureOperator):
         self.graph_reuse = graph_reuse
         self.graph_reuse_max_batches = graph_reuse_max_batches
         self.graph_memory_budget = graph_memory_budget
+        self.cuda_graphs = cuda_graphs
+        self._stream: Any = None  # the operator's CUDA stream, see NOTE [CUDA graphs]
+        self._graph_pool: Any = None
+        #: products replayed from CUDA graphs, for cost checks
+        self.num_replays = 0
         self.backend = default_backend(backend)
         self._cache: dict[tuple[int, int], _CachedGraph] = {}
         self._cache_bytes = 0
@@ -477,6 +538,11 @@ class DataCurvatureOperator(CurvatureOperator):
             return None
         return entry
 
+    def _graph_budget(self) -> int | None:
+        if self.graph_memory_budget is not None or self.device.type != "cuda":
+            return self.graph_memory_budget
+        return int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
+
     def _build_state(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
         """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
         if self.graph_reuse == "auto" and not self.source.full_dataset:
@@ -485,26 +551,109 @@ class DataCurvatureOperator(CurvatureOperator):
             except TypeError:
                 cycle_len = -1
             if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
-                with private_buffers(self.model, self._modules):
+                with self._own_stream(), private_buffers(self.model, self._modules):
                     return self._prepare(chunk), False
         if len(self._cache) >= self.graph_reuse_max_batches:
-            with private_buffers(self.model, self._modules):
+            with self._own_stream(), private_buffers(self.model, self._modules):
                 return self._prepare(chunk), False
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         versions = self._versions()
         raw_key = _batch_key(raw)
-        with private_buffers(self.model, self._modules):
+        with self._own_stream(), private_buffers(self.model, self._modules):
             state = self._prepare(chunk)
         nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
-        budget = self.graph_memory_budget
-        if budget is None and cuda:
-            budget = int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
+        budget = self._graph_budget()
         if budget is not None and self._cache_bytes + nbytes > budget:
             return state, False
         self._cache[key] = _CachedGraph(raw=raw_key, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
         self._cache_bytes += nbytes
         return state, True
+
+    # -- CUDA graphs, NOTE [CUDA graphs] ---------------------------------------------
+    def _graphs_on(self) -> bool:
+        return self.cuda_graphs and self.supports_cuda_graphs and self.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        """Run the body on the operator's stream, ordered after and before the caller's."""
+        if not self._graphs_on():
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:
+            caller.wait_stream(self._stream)
+
+    def _apply_own_stream(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        """An eager product on a state built on the operator's stream."""
+        if not self._graphs_on():
+            return self._apply(state, vecs, retain)
+        caller = torch.cuda.current_stream(self.device)
+        with self._own_stream():
+            prods = self._apply(state, vecs, retain)
+        for t in prods:
+            if t is not None:  # made on our stream, read on the caller's: keep it until then
+                t.record_stream(caller)
+        return prods
+
+    def _apply_kept(self, entry: _CachedGraph, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """A product on a kept state: eager the first time per width, then replayed."""
+        k = vecs[0].shape[0]
+        if not self._graphs_on():
+            return self._apply(entry.state, vecs, retain=True)
+        replay = entry.replays.get(k)
+        if replay is None and k in entry.warm:
+            with self._own_stream():
+                replay = self._capture(entry, vecs)
+        if replay is None:
+            entry.warm.add(k)
+            return self._apply_own_stream(entry.state, vecs, retain=True)
+        with self._own_stream():
+            _torch_compat.foreach_copy_(replay.inputs, vecs)
+            replay.graph.replay()
+        self.num_replays += 1
+        return replay.outputs
+
+    def _capture(self, entry: _CachedGraph, vecs: list[torch.Tensor]) -> _Replay | None:
+        """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
+        k = vecs[0].shape[0]
+        entry.warm.discard(k)  # one attempt per width and state
+        inputs = [torch.empty_like(v) for v in vecs]
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            graph.capture_begin(pool=self._graph_pool)
+            try:
+                outputs = self._apply(entry.state, inputs, retain=True)
+            finally:
+                graph.capture_end()
+        except Exception as exc:  # any failure: eager products from now on, same results
+            self.cuda_graphs = False
+            warnings.warn(
+                f"{type(self).__name__}: recording the kept backward as a CUDA graph failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); products run "
+                "eagerly. Pass cuda_graphs=False to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        extra = max(0, torch.cuda.memory_reserved(self.device) - before)
+        budget = self._graph_budget()
+        if budget is not None and self._cache_bytes + extra > budget:
+            return None  # the graph and its pool are freed; this width stays eager
+        entry.nbytes += extra
+        self._cache_bytes += extra
+        replay = _Replay(graph=graph, inputs=inputs, outputs=list(outputs))
+        entry.replays[k] = replay
+        return replay
 
     # -- the data loop ----------------------------------------------------------
     def _chunks(self, raw: Batch) -> list[Batch]:
@@ -595,14 +744,18 @@ class DataCurvatureOperator(CurvatureOperator):
                 key = (position, c)
                 entry = self._cached_entry(key, raw)
                 if entry is not None:
-                    yield self._apply(entry.state, vecs, retain=True), self._weight(entry.size, raw)
+                    yield self._apply_kept(entry, vecs), self._weight(entry.size, raw)
                     continue
                 if chunks is None:
                     chunks = self._chunks(raw)
                 chunk = chunks[c]
                 self.num_passes += 1
                 state, kept = self._build_state(key, raw, chunk)
-                yield self._apply(state, vecs, retain=kept), self._weight(batch_size(chunk), raw)
+                if kept:
+                    prods = self._apply_kept(self._cache[key], vecs)
+                else:
+                    prods = self._apply_own_stream(state, vecs, retain=False)
+                yield prods, self._weight(batch_size(chunk), raw)
 
     # NOTE [batch weighting]
     # The default weights each chunk by its samples, so the product is that of

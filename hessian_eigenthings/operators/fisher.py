@@ -26,11 +26,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.protocols import PerSampleLossFn
-from hessian_eigenthings.operators.base import Reuse
+from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.ggn import JvpMethod, _OutputSandwichOperator, _OutputState
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -70,11 +71,7 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
         fd_eps: float | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
-        max_block_size: int | None = None,
-        block_memory_budget: int | None = None,
-        graph_reuse: Reuse = "auto",
-        graph_reuse_max_batches: int = 4,
-        graph_memory_budget: int | None = None,
+        **options: Unpack[DataOptions],
     ) -> None:
         if not callable(per_sample_loss_fn):
             raise TypeError(
@@ -95,12 +92,8 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
             num_batches=num_batches,
             microbatch_size=microbatch_size,
             microbatch_unsafe=microbatch_unsafe,
-            max_block_size=max_block_size,
-            block_memory_budget=block_memory_budget,
-            graph_reuse=graph_reuse,
-            graph_reuse_max_batches=graph_reuse_max_batches,
-            graph_memory_budget=graph_memory_budget,
             backend=backend,
+            **options,
         )
 
     def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:

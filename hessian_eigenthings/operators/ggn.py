@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
@@ -46,7 +47,7 @@ from hessian_eigenthings.kernels import lm_head_ce_ggn
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMForward, HFCausalLMLoss
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, OutputHessianLoss
-from hessian_eigenthings.operators.base import DataCurvatureOperator, Reuse
+from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
 from hessian_eigenthings.operators.hessian import default_fd_eps
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -399,11 +400,7 @@ class GGNOperator(_OutputSandwichOperator):
         lm_head_chunk_rows: int | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
-        max_block_size: int | None = None,
-        block_memory_budget: int | None = None,
-        graph_reuse: Reuse = "auto",
-        graph_reuse_max_batches: int = 4,
-        graph_memory_budget: int | None = None,
+        **options: Unpack[DataOptions],
     ) -> None:
         if chunked_lm_head not in (True, False, "auto"):
             raise ValueError(
@@ -433,12 +430,8 @@ class GGNOperator(_OutputSandwichOperator):
             num_batches=num_batches,
             microbatch_size=microbatch_size,
             microbatch_unsafe=microbatch_unsafe,
-            max_block_size=max_block_size,
-            block_memory_budget=block_memory_budget,
-            graph_reuse=graph_reuse,
-            graph_reuse_max_batches=graph_reuse_max_batches,
-            graph_memory_budget=graph_memory_budget,
             backend=backend,
+            **options,
         )
         self.loss_of_output_fn = loss_of_output_fn
         self.loss_hvp = loss_hvp

@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import DataCurvatureOperator, Reuse
+from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
 from hessian_eigenthings.param_utils import ParamFilter
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -70,7 +71,8 @@ class HessianOperator(DataCurvatureOperator):
     ``HessianOperator(model, dataloader, loss_fn, *, param_filter=None,
     full_dataset=True, num_batches=None, microbatch_size=None,
     microbatch_unsafe=False, method="autograd", fd_eps=None, backend=None)``
-    plus the block and graph-reuse options of :class:`DataCurvatureOperator`.
+    plus the block, graph-reuse and CUDA-graph options of :class:`DataCurvatureOperator`
+    (:class:`~hessian_eigenthings.operators.base.DataOptions`).
     """
 
     def __init__(
@@ -87,11 +89,7 @@ class HessianOperator(DataCurvatureOperator):
         method: Literal["autograd", "finite_difference"] = "autograd",
         fd_eps: float | None = None,
         backend: LinAlgBackend | None = None,
-        max_block_size: int | None = None,
-        block_memory_budget: int | None = None,
-        graph_reuse: Reuse = "auto",
-        graph_reuse_max_batches: int = 4,
-        graph_memory_budget: int | None = None,
+        **options: Unpack[DataOptions],
     ) -> None:
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
@@ -105,12 +103,8 @@ class HessianOperator(DataCurvatureOperator):
             num_batches=num_batches,
             microbatch_size=microbatch_size,
             microbatch_unsafe=microbatch_unsafe,
-            max_block_size=max_block_size,
-            block_memory_budget=block_memory_budget,
-            graph_reuse=graph_reuse,
-            graph_reuse_max_batches=graph_reuse_max_batches,
-            graph_memory_budget=graph_memory_budget,
             backend=backend,
+            **options,
         )
         self.loss_fn = loss_fn
         self.method = method
@@ -119,6 +113,7 @@ class HessianOperator(DataCurvatureOperator):
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
         self.supports_graph_reuse = method == "autograd"
         self.needs_double_backward = method == "autograd"
+        self.supports_cuda_graphs = method == "autograd"
         self._batched_ok: bool | None = None  # is_grads_batched works for this model?
 
     # -- autograd ---------------------------------------------------------------
