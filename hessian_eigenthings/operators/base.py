@@ -222,6 +222,19 @@ class LambdaOperator(CurvatureOperator):
 # --------------------------------------------------------------------------
 
 
+class CallWithModel(nn.Module):
+    """``fn(model, batch)`` as a module, so ``torch.func.functional_call`` can swap the model's parameters."""
+
+    def __init__(self, model: nn.Module, fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.fn(self.model, batch)
+
+
+
 @contextlib.contextmanager
 def preserve_model(
     model: nn.Module,
@@ -482,6 +495,8 @@ class DataCurvatureOperator(CurvatureOperator):
         self.cuda_graphs = cuda_graphs
         self._stream: Any = None  # the operator's CUDA stream, see NOTE [CUDA graphs]
         self._graph_pool: Any = None
+        self._graph_failures: set[int] = set()  # block widths whose capture failed
+        self._in_own_stream = False
         #: products replayed from CUDA graphs, for cost checks
         self.num_replays = 0
         self.backend = default_backend(backend)
@@ -574,6 +589,18 @@ class DataCurvatureOperator(CurvatureOperator):
     def _graphs_on(self) -> bool:
         return self.cuda_graphs and self.supports_cuda_graphs and self.device.type == "cuda"
 
+    def _private_leaves(self) -> list[torch.Tensor] | None:
+        """Leaves standing in for the parameters in a graph that will be recorded, else ``None``.
+
+        They share the parameters' storage and version counters but have
+        their own gradient accumulators: a kept graph built on our stream
+        would otherwise pin the parameters' accumulators to that stream, and
+        the user's own backward passes would then run across streams.
+        """
+        if not self._in_own_stream:
+            return None
+        return [p.detach().requires_grad_(True) for p in self.params]
+
     @contextlib.contextmanager
     def _own_stream(self) -> Iterator[None]:
         """Run the body on the operator's stream, ordered after and before the caller's."""
@@ -584,10 +611,13 @@ class DataCurvatureOperator(CurvatureOperator):
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(caller)
+        outer = self._in_own_stream
+        self._in_own_stream = True
         try:
             with torch.cuda.stream(self._stream):
                 yield
         finally:
+            self._in_own_stream = outer
             caller.wait_stream(self._stream)
 
     def _apply_own_stream(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
@@ -608,7 +638,7 @@ class DataCurvatureOperator(CurvatureOperator):
         if not self._graphs_on():
             return self._apply(entry.state, vecs, retain=True)
         replay = entry.replays.get(k)
-        if replay is None and k in entry.warm:
+        if replay is None and k in entry.warm and k not in self._graph_failures:
             with self._own_stream():
                 replay = self._capture(entry, vecs)
         if replay is None:
@@ -635,15 +665,17 @@ class DataCurvatureOperator(CurvatureOperator):
                 outputs = self._apply(entry.state, inputs, retain=True)
             finally:
                 graph.capture_end()
-        except Exception as exc:  # any failure: eager products from now on, same results
-            self.cuda_graphs = False
-            warnings.warn(
-                f"{type(self).__name__}: recording the kept backward as a CUDA graph failed "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); products run "
-                "eagerly. Pass cuda_graphs=False to skip the attempt.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        except Exception as exc:  # any failure: eager products for this width, same results
+            first = not self._graph_failures
+            self._graph_failures.add(k)
+            if first:
+                warnings.warn(
+                    f"{type(self).__name__}: recording the kept backward as a CUDA graph failed for blocks "
+                    f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "
+                    "products run eagerly. Pass cuda_graphs=False to skip the attempt.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             return None
         extra = max(0, torch.cuda.memory_reserved(self.device) - before)
         budget = self._graph_budget()

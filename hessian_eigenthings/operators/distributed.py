@@ -257,6 +257,8 @@ class DataParallelMixin(DataCurvatureOperator):
                     "replicated model: use FSDPHessianOperator for sharded models"
                 )
             super().__init__(model, *args, **kwargs)
+            # CUDA graphs are not validated across ranks yet: eager products
+            self.supports_cuda_graphs = False
             signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
         except Exception as exc:
             failure = exc

@@ -47,7 +47,7 @@ from hessian_eigenthings.kernels import lm_head_ce_ggn
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMForward, HFCausalLMLoss
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, OutputHessianLoss
-from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
+from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
 from hessian_eigenthings.operators.hessian import default_fd_eps
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -95,18 +95,6 @@ JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
 # Hessian products. On the first batch the model's logits are compared once
 # with lm_head(h): models that post-process the head's output (soft-capping,
 # scaling) keep the generic path. `chunked_lm_head` = "auto" / True / False.
-
-
-class _CallForward(nn.Module):
-    """``forward_fn(model, batch)`` as a module, so ``functional_call`` can swap the model's parameters."""
-
-    def __init__(self, model: nn.Module, forward_fn: ForwardFn) -> None:
-        super().__init__()
-        self.model = model
-        self.forward_fn = forward_fn
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        return self.forward_fn(self.model, batch)
 
 
 @dataclass
@@ -165,7 +153,7 @@ class _OutputSandwichOperator(DataCurvatureOperator):
     def _set_forward(self, forward_fn: ForwardFn) -> None:
         """The function whose Jacobian the operator sandwiches (and its functional wrapper)."""
         self.forward_fn = forward_fn
-        self._call = _CallForward(self.model, forward_fn)
+        self._call = CallWithModel(self.model, forward_fn)
 
     # -- hooks ------------------------------------------------------------------
     def _output(self, batch: Batch) -> torch.Tensor:

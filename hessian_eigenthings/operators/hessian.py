@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
+from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
 from hessian_eigenthings.param_utils import ParamFilter
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -63,6 +63,13 @@ def _scalar_loss(loss: Any) -> torch.Tensor:
             "loss_fn calls the model and that the parameters require grad"
         )
     return loss.reshape(())
+
+
+class _GradState(NamedTuple):
+    """The first-order graph of one batch: ``∇L`` (``None`` where constant) and what it is taken with respect to."""
+
+    grads: list[torch.Tensor | None]
+    inputs: Sequence[torch.Tensor]
 
 
 class HessianOperator(DataCurvatureOperator):
@@ -115,38 +122,48 @@ class HessianOperator(DataCurvatureOperator):
         self.needs_double_backward = method == "autograd"
         self.supports_cuda_graphs = method == "autograd"
         self._batched_ok: bool | None = None  # is_grads_batched works for this model?
+        self._call = CallWithModel(self.model, loss_fn)
+        self._call_names = [f"model.{n}" for n in self.layout.names]
 
     # -- autograd ---------------------------------------------------------------
-    def _prepare(self, batch: Batch) -> list[torch.Tensor | None]:
+    def _prepare(self, batch: Batch) -> _GradState:
         self.num_forwards += 1
-        loss = _scalar_loss(self.loss_fn(self.model, batch))
-        grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
+        leaves = self._private_leaves()
+        if leaves is None:
+            inputs: Sequence[torch.Tensor] = self.params
+            loss = _scalar_loss(self.loss_fn(self.model, batch))
+        else:  # see NOTE [CUDA graphs] in base
+            inputs = leaves
+            named = dict(zip(self._call_names, leaves, strict=True))
+            loss = _scalar_loss(torch.func.functional_call(self._call, named, (batch,)))
+        grads = torch.autograd.grad(loss, inputs, create_graph=True, allow_unused=True)
         # a gradient without graph is constant in θ: its Hessian rows are zero
-        return [g if g is not None and g.requires_grad else None for g in grads]
+        return _GradState([g if g is not None and g.requires_grad else None for g in grads], inputs)
 
     def _apply(
-        self, state: list[torch.Tensor | None], vecs: list[torch.Tensor], retain: bool
+        self, state: _GradState, vecs: list[torch.Tensor], retain: bool
     ) -> Sequence[torch.Tensor | None]:
-        live = [i for i, g in enumerate(state) if g is not None]
+        live = [i for i, g in enumerate(state.grads) if g is not None]
         if not live:
             return [None] * len(self.params)
-        grads: list[torch.Tensor] = [g for g in state if g is not None]
+        grads: list[torch.Tensor] = [g for g in state.grads if g is not None]
+        inputs = state.inputs
         k = vecs[0].shape[0]
         if k == 1:
             hv = torch.autograd.grad(
-                grads, self.params, grad_outputs=[vecs[i][0] for i in live],
+                grads, inputs, grad_outputs=[vecs[i][0] for i in live],
                 retain_graph=retain, allow_unused=True,
             )
             return [None if h is None else h.unsqueeze(0) for h in hv]
         if self._batched_ok is not False:
-            out = self._try_batched(grads, [vecs[i] for i in live], retain)
+            out = self._try_batched(grads, inputs, [vecs[i] for i in live], retain)
             if out is not None:
                 return out
         rows: list[Sequence[torch.Tensor | None]] = []
         for j in range(k):
             rows.append(
                 torch.autograd.grad(
-                    grads, self.params, grad_outputs=[vecs[i][j] for i in live],
+                    grads, inputs, grad_outputs=[vecs[i][j] for i in live],
                     retain_graph=retain or j < k - 1, allow_unused=True,
                 )
             )
@@ -156,7 +173,7 @@ class HessianOperator(DataCurvatureOperator):
         ]
 
     def _try_batched(
-        self, grads: list[torch.Tensor], vecs: list[torch.Tensor], retain: bool
+        self, grads: list[torch.Tensor], inputs: Sequence[torch.Tensor], vecs: list[torch.Tensor], retain: bool
     ) -> Sequence[torch.Tensor | None] | None:
         """k products in one vmapped backward; ``None`` when the model's ops lack batching rules."""
         first = self._batched_ok is None
@@ -165,7 +182,7 @@ class HessianOperator(DataCurvatureOperator):
                 # torch warns (and loops) when an op has no batching rule: treat as unsupported
                 warnings.simplefilter("error", UserWarning)
                 hv = torch.autograd.grad(
-                    grads, self.params, grad_outputs=vecs, is_grads_batched=True,
+                    grads, inputs, grad_outputs=vecs, is_grads_batched=True,
                     retain_graph=retain or first, allow_unused=True,
                 )
         except (RuntimeError, UserWarning, NotImplementedError):

@@ -125,3 +125,36 @@ def test_a_capture_that_fails_warns_and_falls_back() -> None:
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(graphed @ v, expected)
     assert graphed.num_replays == 0 and graphed.cuda_graphs is False
+
+
+def test_private_leaves_give_the_same_products() -> None:
+    """The forward a recorded state is built with (functional_call on stand-in leaves) is the same Hessian."""
+    torch.manual_seed(3)
+    shared = nn.Linear(5, 5)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(5, 2))  # tied layers
+    data = [(torch.randn(7, 5), torch.randint(0, 2, (7,)))]
+    op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()), graph_reuse=False)
+    V = torch.randn(op.size, 3)
+    expected = op @ V
+    op._in_own_stream = True  # what the CUDA path sets while it builds a state to record
+    got = op @ V
+    op._in_own_stream = False
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@cuda
+def test_the_users_own_backward_is_untouched() -> None:
+    """A recorded state must not tie the parameters' gradient accumulators to the operator's stream."""
+    import warnings
+
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=True)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(3):
+        graphed @ v
+    assert graphed.num_replays == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss(model, data[0]).backward()  # the user's training step, on the default stream
+    assert all(p.grad is not None for p in model.parameters())
