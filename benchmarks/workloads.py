@@ -98,3 +98,144 @@ def gpt2(device: str, scale: float = 1.0) -> Workload:
 
 
 WORKLOADS: dict[str, Callable[[str, float], Workload]] = {"mlp": mlp, "resnet18": resnet18, "gpt2": gpt2}
+
+
+# --------------------------------------------------------------------------
+# Parity workloads (benchmarks/harness, `python -m benchmarks run --suite parity`)
+# --------------------------------------------------------------------------
+# Every parity workload is framework-neutral: ``model(X) -> logits (N, C)``,
+# a list of ``(X, y)`` batches and a mean cross-entropy criterion, so the same
+# definition runs against our core, the 0.x facade, a plain-PyTorch baseline,
+# hessian-eigenthings 1.0.0a5 and curvlinops. This module must not import
+# ``hessian_eigenthings``: peer columns import it in a subprocess where that
+# name is another release.
+
+
+@dataclass
+class ParityWorkload:
+    key: str
+    name: str
+    model: nn.Module  # X -> logits (N, C)
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    criterion: nn.Module
+    #: the HuggingFace causal LM inside ``model`` (LM workloads): the core may use its LM helpers
+    lm: nn.Module | None = None
+    note: str = ""
+
+    def loss_fn(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.criterion(model(batch[0]), batch[1])
+
+    @property
+    def num_samples(self) -> int:
+        return sum(int(x.shape[0]) for x, _ in self.batches)
+
+
+class LMLogits(nn.Module):
+    """``input_ids (B, T) -> shifted logits (B·(T-1), V)``: a causal LM as a classifier of next tokens."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids).logits
+        return logits[:, :-1].reshape(-1, logits.shape[-1])
+
+
+class BNConvNet(nn.Module):
+    """A small CIFAR-style CNN with BatchNorm (run in eval mode)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for cin, cout in ((3, 32), (32, 64), (64, 128)):
+            layers += [nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
+def _supervised(key: str, w: Workload, note: str = "") -> ParityWorkload:
+    return ParityWorkload(key, w.name, w.model, [w.batch], nn.CrossEntropyLoss(), note=note)
+
+
+def _lm(key: str, name: str, lm: nn.Module, ids: torch.Tensor, note: str = "") -> ParityWorkload:
+    batch = (ids, ids[:, 1:].reshape(-1))
+    return ParityWorkload(key, name, LMLogits(lm).eval(), [batch], nn.CrossEntropyLoss(), lm=lm, note=note)
+
+
+def parity_mlp(device: str, scale: float = 1.0) -> ParityWorkload:
+    w = mlp(device, scale)
+    return _supervised("mlp", w)
+
+
+def parity_resnet18(device: str, scale: float = 1.0) -> ParityWorkload:
+    return _supervised("resnet18", resnet18(device, scale))
+
+
+def parity_cnn_bn(device: str, scale: float = 1.0) -> ParityWorkload:
+    b = max(4, int(256 * scale))
+    batch = (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,)))
+    model = BNConvNet().to(device).eval()
+    w = Workload("CNN+BatchNorm (eval) 32x32", model, tuple(t.to(device) for t in batch), _ce)
+    return _supervised("cnn_bn", w)
+
+
+def parity_mlp_4batches(device: str, scale: float = 1.0) -> ParityWorkload:
+    """The MLP over a 4-batch dataset (full_dataset products: one pass over all batches)."""
+    b = max(4, int(256 * scale))
+    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    batches = [(torch.randn(b, 784).to(device), torch.randint(0, 10, (b,)).to(device)) for _ in range(4)]
+    return ParityWorkload("mlp_4batches", "MLP 784-1024-1024-10, 4 batches", model.to(device).eval(), batches,
+                          nn.CrossEntropyLoss())
+
+
+def parity_gpt2(device: str, scale: float = 1.0) -> ParityWorkload:
+    w = gpt2(device, scale)
+    assert isinstance(w.batch, dict)
+    note = "" if scale >= 1 else "reduced: 2 layers, 64 tokens"
+    return _lm("gpt2", w.name if scale >= 1 else "GPT-2 style 2L d512 (reduced)", w.model, w.batch["input_ids"], note)
+
+
+def parity_gpt2_large(device: str, scale: float = 1.0) -> ParityWorkload:
+    """GPT-2 small geometry (12 layers, d=768, 12 heads), 4 x 512 tokens. GPU only."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    seq = 512
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    try:
+        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    except (TypeError, ValueError):
+        cfg._attn_implementation = "eager"
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 50257, (max(1, int(4 * min(scale, 1))), seq))
+    return _lm("gpt2_large", "GPT-2 style 12L d768, 4x512", model.to(device).eval(), ids.to(device))
+
+
+def parity_tiny(device: str, scale: float = 1.0) -> ParityWorkload:
+    """A 2-batch toy MLP for smoke tests (not in the default list)."""
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 5))
+    batches = [(torch.randn(16, 12).to(device), torch.randint(0, 5, (16,)).to(device)) for _ in range(2)]
+    return ParityWorkload("tiny", "tiny MLP 12-16-5, 2 batches", model.to(device).eval(), batches, nn.CrossEntropyLoss())
+
+
+PARITY_WORKLOADS: dict[str, Callable[[str, float], ParityWorkload]] = {
+    "tiny": parity_tiny,
+    "mlp": parity_mlp,
+    "resnet18": parity_resnet18,
+    "gpt2": parity_gpt2,
+    "cnn_bn": parity_cnn_bn,
+    "mlp_4batches": parity_mlp_4batches,
+    "gpt2_large": parity_gpt2_large,
+}
+#: workloads skipped on the CPU (too large for a shared CPU run)
+GPU_ONLY = {"gpt2_large"}
+
+
+def build_parity(key: str, device: str, scale: float = 1.0, seed: int = 0) -> ParityWorkload:
+    """The workload ``key``, built identically in every process (seeded, built on the CPU then moved)."""
+    torch.manual_seed(seed)
+    return PARITY_WORKLOADS[key](device, scale)
