@@ -80,7 +80,11 @@ class _ApplyAdapter(CurvatureOperator):
                 f"{type(self.obj).__name__}.apply must return a torch.Tensor, got {type(out).__name__}"
             )
         self._device, self._dtype = out.device, out.dtype
-        return out.reshape(v.shape).to(device=v.device, dtype=v.dtype)
+        if out.shape != v.shape:
+            out = out.reshape(v.shape)
+        if out.dtype != v.dtype or out.device != v.device:
+            out = out.to(device=v.device, dtype=v.dtype)
+        return out
 
 
 class _CastOperator(CurvatureOperator):

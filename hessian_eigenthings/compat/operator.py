@@ -76,7 +76,12 @@ class Operator(CurvatureOperator):
             )
         if not self._learned:
             self._device, self._dtype, self._learned = out.device, out.dtype, True
-        return out.reshape(v.shape).to(device=v.device, dtype=v.dtype)
+        # per product: skip the no-op reshape and cast (a few microseconds each on a small operator)
+        if out.shape != v.shape:
+            out = out.reshape(v.shape)
+        if out.dtype != v.dtype or out.device != v.device:
+            out = out.to(device=v.device, dtype=v.dtype)
+        return out
 
 
 class LambdaOperator(Operator):
