@@ -307,6 +307,10 @@ def private_buffers(model: nn.Module, modules: Sequence[nn.Module] | None = None
 # `graph_memory_budget` bytes measured when each graph is built.
 
 
+# a failed capture is undone by restoring the CUDA generator (torch >= 2.4 can)
+_RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "clone_state")
+
+
 @dataclass
 class _Replay:
     """A recorded product on a kept state, see NOTE [CUDA graphs]."""
@@ -497,6 +501,7 @@ class DataCurvatureOperator(CurvatureOperator):
         self._graph_pool: Any = None
         self._graph_failures: set[int] = set()  # block widths whose capture failed
         self._in_own_stream = False
+        self._graph_warned = False
         #: products replayed from CUDA graphs, for cost checks
         self.num_replays = 0
         self.backend = default_backend(backend)
@@ -587,7 +592,7 @@ class DataCurvatureOperator(CurvatureOperator):
 
     # -- CUDA graphs, NOTE [CUDA graphs] ---------------------------------------------
     def _graphs_on(self) -> bool:
-        return self.cuda_graphs and self.supports_cuda_graphs and self.device.type == "cuda"
+        return self.cuda_graphs and self.supports_cuda_graphs and self.device.type == "cuda" and _RNG_RESTORABLE
 
     def _private_leaves(self) -> list[torch.Tensor] | None:
         """Leaves standing in for the parameters in a graph that will be recorded, else ``None``.
@@ -659,6 +664,9 @@ class DataCurvatureOperator(CurvatureOperator):
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved(self.device)
+        # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
+        rng = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        rng_state = rng.clone_state()
         try:
             graph.capture_begin(pool=self._graph_pool)
             try:
@@ -666,9 +674,10 @@ class DataCurvatureOperator(CurvatureOperator):
             finally:
                 graph.capture_end()
         except Exception as exc:  # any failure: eager products for this width, same results
-            first = not self._graph_failures
+            rng.graphsafe_set_state(rng_state)
             self._graph_failures.add(k)
-            if first:
+            if not self._graph_warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
+                self._graph_warned = True  # once per operator; out of memory: quietly eager
                 warnings.warn(
                     f"{type(self).__name__}: recording the kept backward as a CUDA graph failed for blocks "
                     f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "

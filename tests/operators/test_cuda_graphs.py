@@ -123,8 +123,9 @@ def test_a_capture_that_fails_warns_and_falls_back() -> None:
     with pytest.warns(RuntimeWarning, match="CUDA graph"):
         got = graphed @ v
     torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(graphed @ v, expected)
-    assert graphed.num_replays == 0 and graphed.cuda_graphs is False
+    torch.testing.assert_close(graphed @ v, expected)  # no second attempt, no second warning
+    assert graphed.num_replays == 0
+    torch.randn(3, device="cuda")  # the failed capture left the random generator usable
 
 
 def test_private_leaves_give_the_same_products() -> None:
