@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib.util
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from packaging.version import Version
@@ -106,3 +107,21 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     if not dst:
         return
     torch._foreach_copy_(dst, src)
+
+
+def fully_shard() -> Any:
+    """FSDP2's ``fully_shard``: public in ``torch.distributed.fsdp`` from torch 2.6,
+    under ``torch.distributed._composable.fsdp`` on 2.4 and 2.5."""
+    if Version("2.6") <= TORCH_VERSION:
+        from torch.distributed.fsdp import fully_shard as public
+
+        return public
+    from torch.distributed._composable.fsdp import fully_shard as private  # type: ignore[attr-defined]
+
+    return private
+
+
+def fsdp2_runs_on_cpu() -> bool:
+    """Whether FSDP2 can shard a CPU model (gloo): from torch 2.6. On 2.4 its
+    first forward creates CUDA streams unconditionally."""
+    return Version("2.6") <= TORCH_VERSION

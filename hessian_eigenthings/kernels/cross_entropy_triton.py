@@ -42,7 +42,9 @@ registers, leaving the register file to the kept head and to loads in
 flight. Lanes are combined once per row.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: triton 3.0's interpreter
+# (TRITON_INTERPRET=1, the torch 2.4 line) recognizes constexpr parameters
+# only by evaluated ``tl.constexpr`` annotations, not by strings.
 
 import functools
 import math

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hessian_eigenthings.operators.distributed as hd
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.operators import HessianOperator
 
@@ -301,7 +302,9 @@ FSDP_ALL = [make_batches(s, seed=10 + r) for r, s in enumerate(FSDP_SIZES)]
 
 
 def _sharded_mlp() -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+    if not _torch_compat.fsdp2_runs_on_cpu():
+        raise RuntimeError(f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})")
+    fully_shard = _torch_compat.fully_shard()  # moved to torch.distributed.fsdp in 2.6
 
     model = mlp()
     fully_shard(model[0])
