@@ -167,15 +167,16 @@ def lanczos(
             operator to ``b`` vectors in one ``op @ V`` pass. Measured on
             top-10 problems (``benchmarks/bench_block_solvers.py``, see
             ``benchmarks/RESULTS.md``): ``b = 4`` / ``8`` spend 1.3-2.2x the
-            products of ``b = 1`` and 2-4x fewer passes (2.5-3x the products
-            when the wanted eigenvalues border a dense bulk). Use ``b = 4``
-            (or ``8``) when a pass over ``b`` vectors costs little more than
-            one product *and* passes dominate the vector arithmetic: model
+            products of ``b = 1`` and 2-4x fewer passes. Use ``b = 4`` or
+            ``8`` when a pass over ``b`` vectors costs little more than one
+            product *and* passes dominate the vector arithmetic: model
             Hessians on a GPU, where a block rides on one forward/backward
-            (1.2-2.6x faster there). Keep ``b = 1`` when a block costs about
-            ``b`` products (diagonal or sparse operators, small models on a
-            CPU) or the wanted eigenvalues sit at the edge of a dense bulk.
-            A block also finds exactly repeated eigenvalues (multiplicity up
+            (``b = 8`` was 1.2-2.6x faster there). Keep ``b = 1`` when a
+            block costs about ``b`` products (diagonal or sparse operators,
+            small models on a CPU). When the wanted eigenvalues border a
+            dense bulk, blocks need 2.4-3x the products: ``b = 8`` still won
+            when passes dominated, ``b = 4`` did not; give ``b = 8`` a larger
+            ``max_iter``. A block also finds exactly repeated eigenvalues (multiplicity up
             to ``b``), which ``b = 1`` separates only through rounding. When
             ``ncv + b > n`` it falls back to ``b = 1``.
         v0: start vector ``(n,)`` or start block ``(b, n)``; random otherwise.
