@@ -20,7 +20,7 @@ One basis ``Q = orth(Y)`` serves all ``s`` projections (see NOTE
 
 Cost: ``num_matvecs`` products in blocks through ``op.matmat``; memory
 ``O((block_size + num_matvecs/3) · n)`` plus three running sums of length n
-(Diag++), ``O(3 num_matvecs · n)`` (XDiag).
+(Diag++), about ``4 · num_matvecs · n`` numbers at the peak (XDiag).
 """
 
 from __future__ import annotations

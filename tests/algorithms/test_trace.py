@@ -137,7 +137,7 @@ def test_xtrace_stderr_is_the_size_of_the_spread() -> None:
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
 def test_xtrace_exact_below_half_the_budget(distribution: str) -> None:
-    eigs = spectrum("lowrank", 100)  # rank 20 < 48 / 2 + ... probes
+    eigs = spectrum("lowrank", 100)  # rank 20, below both probe counts (22 and 30)
     for budget in (44, 60):  # 22 and 30 probes
         op = dense_op(dense_matrix(eigs))
         res = trace(op, num_matvecs=budget, method="xtrace", distribution=distribution, seed=0)  # type: ignore[arg-type]
