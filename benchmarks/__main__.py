@@ -4,7 +4,7 @@
         [--repeats R] [--warmup W] [--workloads a,b] [--columns c,d] [--out DIR] [--peers DIR]
     python -m benchmarks peers download DIR             # pip download --no-deps (network)
     python -m benchmarks peers install DIR --target T   # offline: pip --no-index --no-deps --target T/<peer>
-    python -m benchmarks report DIR [DIR ...] --out DIR # merge runs (parity.json) into one table
+    python -m benchmarks report DIR [DIR ...] --out DIR # merge runs, later wins cell by cell
 
 Workloads: mlp, resnet18, gpt2, cnn_bn, mlp_4batches, gpt2_large (GPU only).
 Columns: core, core-noreuse, facade, baseline-0x (this process, interleaved);
@@ -55,14 +55,11 @@ def _peers(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from benchmarks.harness.report import merge, to_markdown
     from benchmarks.harness.suite import write
 
-    docs = [json.loads((Path(d) / "parity.json").read_text()) for d in args.dirs]
-    merged = dict(docs[0])
-    merged["results"] = [r for d in docs for r in d["results"]]
-    merged["command"] = " ; ".join(d.get("command", "") for d in docs)
+    merged = merge([json.loads((Path(d) / "parity.json").read_text()) for d in args.dirs])
     write(merged, Path(args.out), final=True)
-    from benchmarks.harness.report import to_markdown
 
     print(to_markdown(merged))
     return 0

@@ -125,6 +125,12 @@ class ParityWorkload:
     def loss_fn(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.criterion(model(batch[0]), batch[1])
 
+    def per_sample_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """``(N,)`` losses, one per sample of the batch (per sequence on LMs: mean over its tokens)."""
+        x, y = batch
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        return losses.view(x.shape[0], -1).mean(1)
+
     @property
     def num_samples(self) -> int:
         return sum(int(x.shape[0]) for x, _ in self.batches)

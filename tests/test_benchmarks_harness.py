@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 pytest.importorskip("scipy")
 
 from benchmarks.harness.adapters import IN_PROCESS  # noqa: E402
-from benchmarks.harness.report import derived, to_markdown  # noqa: E402
+from benchmarks.harness.report import derived, merge, to_markdown  # noqa: E402
 from benchmarks.harness.runner import SUITES  # noqa: E402
 from benchmarks.harness.suite import run  # noqa: E402
 
@@ -56,3 +56,5 @@ def test_parity_suite_tiny_cpu(tmp_path: Path) -> None:
     d = derived(data["results"][0])
     assert _finite(d["facade_over_core"]) and _finite(d["speedup_vs_fastest_peer"])
     assert "| tiny MLP" in to_markdown(data)
+    both = merge([data, data])  # `python -m benchmarks report A B`: one row per workload
+    assert len(both["results"]) == 1 and set(both["results"][0]["columns"]) == set(res["columns"])

@@ -19,8 +19,8 @@ class CoreAdapter(Adapter):
     ``hf_lm_forward``, ``hf_lm_loss_of_output``) on the causal LM itself with
     ``{"input_ids": ...}`` batches, as a user of 1.0 would (option
     ``core_lm_loss="generic"`` uses the shared ``model(X) -> logits`` form
-    instead). The empirical Fisher always uses the shared form (per-token
-    losses on LMs, as the peers).
+    instead). The empirical Fisher always uses the shared form, with one
+    loss per sequence on LMs (``ParityWorkload.per_sample_loss``).
     """
 
     column = "core"
@@ -57,8 +57,8 @@ class CoreAdapter(Adapter):
                 op = he.GGNOperator(w.model, list(w.batches), he.supervised_forward,
                                     he.supervised_loss_of_output(w.criterion), graph_reuse=self.reuse)
         elif kind == "fisher":
-            op = he.EmpiricalFisherOperator(w.model, list(w.batches), he.supervised_per_sample_loss(w.criterion),
-                                            graph_reuse=self.reuse)
+            per_sample = w.per_sample_loss if w.lm is not None else he.supervised_per_sample_loss(w.criterion)
+            op = he.EmpiricalFisherOperator(w.model, list(w.batches), per_sample, graph_reuse=self.reuse)
         else:
             raise KeyError(kind)
         self._ops[kind] = op

@@ -70,6 +70,8 @@ class A5Adapter(Adapter):
                 op = a5.GGNOperator(w.model, list(w.batches), a5.supervised_forward,
                                     a5.supervised_loss_of_output(w.criterion))
         elif kind == "fisher":
+            if w.lm is not None:
+                raise NotImplementedError("1.0.0a5's Fisher vmaps single samples of (X, y); LM targets are per token")
             op = a5.EmpiricalFisherOperator(w.model, list(w.batches), a5.supervised_per_sample_loss(w.criterion))
         else:
             raise KeyError(kind)

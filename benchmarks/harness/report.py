@@ -216,3 +216,38 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document from several runs (e.g. a products run and an algorithms run).
+
+    Workloads are matched by key; a later run wins cell by cell (and for the
+    gradients and column metadata it brings), so list runs oldest first.
+    """
+    merged = dict(docs[0])
+    merged["results"] = []
+    by_key: dict[str, dict[str, Any]] = {}
+    for d in docs:
+        for r in d["results"]:
+            old = by_key.get(r["workload"])
+            if old is None or old.get("skipped"):
+                fresh = {**r, "columns": {c: {**v, "cells": dict(v.get("cells", {}))}
+                                          for c, v in r.get("columns", {}).items()}}
+                by_key[r["workload"]] = fresh
+                merged["results"].append(fresh)
+                if old is not None:
+                    merged["results"].remove(old)
+                continue
+            if r.get("skipped"):
+                continue
+            if "gradient" in r:
+                old["gradient"] = r["gradient"]
+            for col, v in r.get("columns", {}).items():
+                tgt = old["columns"].setdefault(col, {"cells": {}})
+                tgt.update({k: x for k, x in v.items() if k != "cells"})
+                tgt["cells"].update(v.get("cells", {}))
+    merged["columns"] = list(dict.fromkeys(c for d in docs for c in d.get("columns", [])))
+    merged["tasks"] = list(dict.fromkeys(t for d in docs for t in d.get("tasks", [])))
+    merged["suite"] = "+".join(dict.fromkeys(str(d.get("suite")) for d in docs))
+    merged["command"] = " ; ".join(d.get("command", "") for d in docs if d.get("command"))
+    return merged
