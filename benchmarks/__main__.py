@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
               algo_repeats=args.algo_repeats, eig_k=args.eig_k, eig_tol=args.eig_tol,
               trace_matvecs=args.trace_matvecs, slq_runs=args.slq_runs, slq_steps=args.slq_steps,
               core_lm_loss=args.core_lm_loss, cudnn_benchmark=args.cudnn_benchmark,
-              peer_timeout=args.peer_timeout, out=args.out, command=command, debug=args.debug)
+              peer_timeout=args.peer_timeout, cell_budget_s=args.cell_budget, out=args.out, command=command, debug=args.debug)
     from benchmarks.harness.report import to_markdown
 
     print(to_markdown(doc))
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cudnn-benchmark", action="store_true")
     r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     r.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer worker")
+    r.add_argument("--cell-budget", type=float, default=60.0,
+                   help="a product slower than this (s) is timed once and not repeated")
     r.add_argument("--debug", action="store_true", help="print tracebacks of failing cells")
     p = sub.add_parser("peers", help="download / install the peer wheels")
     p.add_argument("action", choices=("download", "install"))

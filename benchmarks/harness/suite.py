@@ -39,6 +39,7 @@ def run(
     core_lm_loss: str = "hf",
     cudnn_benchmark: bool = False,
     peer_timeout: float = 1800.0,
+    cell_budget_s: float = 60.0,
     out: str | None = None,
     command: str = "",
     debug: bool = False,
@@ -54,6 +55,7 @@ def run(
         "repeats": repeats, "warmup": warmup, "algo_repeats": algo_repeats, "eig_k": eig_k,
         "eig_tol": eig_tol, "trace_matvecs": trace_matvecs, "slq_runs": slq_runs, "slq_steps": slq_steps,
         "options": {"core_lm_loss": core_lm_loss}, "debug": debug,
+        "cell_budget_s": cell_budget_s,
     }
     doc: dict[str, Any] = {
         "suite": suite, "command": command, "env": env_info(dev), "scale": scale, "tasks": list(tasks),
