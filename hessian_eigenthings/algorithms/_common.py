@@ -43,9 +43,9 @@ def apply_blocks(
     """``A`` applied to the rows of ``X (b, n)``: one ``op @ V`` per block of ``block_size``
     rows (all rows in one block when ``None``), ticking the progress bar."""
     b = X.shape[0]
-    step = b if block_size is None else block_size
-    if step < 1:
-        raise ValueError(f"block_size must be >= 1, got {step}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    step = max(b, 1) if block_size is None else block_size
     if 0 < b <= step:
         out = apply_rows(op, X)
     else:
