@@ -33,7 +33,11 @@ def _count_matvecs(op: Any) -> list[int]:
 
 
 class A5Adapter(Adapter):
-    """hessian-eigenthings 1.0.0a5: one vector per product, no graph reuse, no blocks (a loop)."""
+    """hessian-eigenthings 1.0.0a5: one vector per product, no graph reuse, no blocks (a loop).
+
+    LM workloads use its HuggingFace helpers, whose batches carry ``labels``
+    (``model(**batch).loss``, the same shifted mean cross-entropy).
+    """
 
     column = "a5"
 
@@ -58,13 +62,13 @@ class A5Adapter(Adapter):
         if kind == "hessian":
             if self.lm_helpers:
                 assert w.lm is not None
-                op = a5.HessianOperator(w.lm, [{"input_ids": x} for x, _ in w.batches], a5.hf_lm_loss())
+                op = a5.HessianOperator(w.lm, [{"input_ids": x, "labels": x} for x, _ in w.batches], a5.hf_lm_loss())
             else:
                 op = a5.HessianOperator(w.model, list(w.batches), a5.supervised_loss(w.criterion))
         elif kind == "ggn":
             if self.lm_helpers:
                 assert w.lm is not None
-                op = a5.GGNOperator(w.lm, [{"input_ids": x} for x, _ in w.batches], a5.hf_lm_forward(),
+                op = a5.GGNOperator(w.lm, [{"input_ids": x, "labels": x} for x, _ in w.batches], a5.hf_lm_forward(),
                                     a5.hf_lm_loss_of_output())
             else:
                 op = a5.GGNOperator(w.model, list(w.batches), a5.supervised_forward,

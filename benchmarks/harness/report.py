@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.adapters import LABELS, PEERS
+from benchmarks.harness.adapters import IN_PROCESS, LABELS, PEERS
 
 PEER_COLUMNS = ("baseline-0x", *PEERS)  # what the core is compared against (the facade is ours)
 
@@ -240,8 +240,8 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             if r.get("skipped"):
                 continue
-            if "gradient" in r:
-                old["gradient"] = r["gradient"]
+            if "gradient" in r and any(c in IN_PROCESS for c in r.get("columns", {})):
+                old["gradient"] = r["gradient"]  # the unit of the in-process columns it brings
             for col, v in r.get("columns", {}).items():
                 tgt = old["columns"].setdefault(col, {"cells": {}})
                 tgt.update({k: x for k, x in v.items() if k != "cells"})
