@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
+from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.compat._deprecations import warn_deprecated
 from hessian_eigenthings.compat._translate import check_bool, check_int, requested_device
 from hessian_eigenthings.compat.operator import Operator
@@ -33,12 +35,58 @@ from hessian_eigenthings.operators.hessian import HessianOperator
 
 Criterion = Callable[[Any, Any], torch.Tensor]
 
+
+def _microbatch_size(dataloader: Iterable[Any], chunk: int) -> int | None:
+    """``microbatch_size`` for ``max_possible_gpu_samples=chunk``: ``None`` when no batch can exceed it.
+
+    Nothing to split then, and the core skips its microbatch bookkeeping (a
+    batch-size probe per batch and product: ~2-3% of a product of a tiny
+    model). Decided when it is known up front: a torch ``DataLoader`` yields
+    at most ``batch_size`` samples per batch, and a list or tuple of batches
+    is inspected once. Anything else keeps the chunk size.
+    """
+    if isinstance(dataloader, DataLoader):
+        size = dataloader.batch_size
+        return None if isinstance(size, int) and size <= chunk else chunk
+    if isinstance(dataloader, (list, tuple)):
+        try:
+            largest = max((batch_size(b) for b in dataloader), default=chunk + 1)
+        except (TypeError, ValueError):
+            return chunk  # the core raises its own error on such a batch
+        return None if largest <= chunk else chunk
+    return chunk
+
 # NOTE [0.x batch weighting]
 # 0.x averaged the per-batch Hessians with equal weights, (1/B) Σ H_i; the 1.0
 # core weights by batch size, Σ b_i H_i / Σ b_i. The two agree when every batch
 # has the same size and differ when the last one is short. The facade keeps the
 # 0.x average through the core's batch_weighting="uniform" (the weighting is
 # the core's job: the facade only selects it).
+# When the batches are known to have one size (a list or tuple of batches, a
+# DataLoader whose last batch is full or dropped) the two averages are the
+# same and the facade selects the core's default: then it is exactly the
+# HessianOperator a 1.0 user writes, and skips a batch-size probe per batch
+# and product that the uniform weighting needs.
+
+
+def _equal_batches(dataloader: Iterable[Any]) -> bool:
+    """Whether every batch of ``dataloader`` is known up front to have the same size."""
+    if isinstance(dataloader, DataLoader):
+        size = dataloader.batch_size
+        if not isinstance(size, int) or isinstance(dataloader.dataset, IterableDataset):
+            return False
+        if dataloader.drop_last:
+            return True
+        try:
+            return len(dataloader.dataset) % size == 0  # type: ignore[arg-type]
+        except TypeError:
+            return False
+    if isinstance(dataloader, (list, tuple)):
+        try:
+            return len({batch_size(b) for b in dataloader}) == 1
+        except (TypeError, ValueError):
+            return False
+    return False
 
 
 class _HVPOperator(HessianOperator):
@@ -71,11 +119,12 @@ class _HVPOperator(HessianOperator):
             dataloader,
             supervised_loss(criterion),
             full_dataset=check_bool("full_dataset", full_dataset),
-            microbatch_size=chunk,
+            microbatch_size=_microbatch_size(dataloader, chunk),
             # 0.x split BatchNorm batches too; 1.0 asks for consent, which 0.x code cannot give
             microbatch_unsafe=True,
         )
-        self.batch_weighting = "uniform"  # See NOTE [0.x batch weighting]
+        # See NOTE [0.x batch weighting]
+        self.batch_weighting = "size" if _equal_batches(dataloader) else "uniform"
         # the 0.x attributes, for code that reads them
         self.dataloader = dataloader
         self.criterion = criterion
