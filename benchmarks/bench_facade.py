@@ -257,7 +257,12 @@ def fp16_hvp(device: torch.device) -> Pair:
         seed = _seed_like_facade()
         op = HessianOperator(model, data, supervised_loss(criterion))
         half = LambdaOperator(
-            lambda v: op.matvec(v.to(op.dtype)).to(torch.float16), op.size, op.device, torch.float16
+            lambda v: op.matvec(v.to(op.dtype)).to(torch.float16),
+            op.size,
+            op.device,
+            torch.float16,
+            # a block stays one pass (one batched backward per batch), as through the facade
+            matmat_fn=lambda V: op.matmat(V.T.to(op.dtype)).T.to(torch.float16),
         )
         return _quiet(
             lambda: algorithms.deflated_power_iteration(
