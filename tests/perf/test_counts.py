@@ -18,10 +18,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from hessian_eigenthings import algorithms, compat
 from hessian_eigenthings.loss_fns import (
@@ -352,3 +354,56 @@ def test_facade_operator_blocks_are_one_pass() -> None:
         op = compat.HVPOperator(model, batches(1), CE, use_gpu=False)
     assert _products(op, model, 2, k=4) == [(1, 2), (0, 1)]
     assert op.num_matvecs == 8
+
+
+def _batch_size_probes(op: DataCurvatureOperator, count: int) -> list[int]:
+    """Calls of ``batching.batch_size`` by the data loop, per product (after a warm-up product)."""
+    from hessian_eigenthings.operators import base
+
+    real = base.batch_size
+    calls = [0]
+
+    def probe(batch: Any) -> int:
+        calls[0] += 1
+        return real(batch)
+
+    g = torch.Generator().manual_seed(0)
+    op.matvec(torch.randn(op.size, generator=g))
+    out = []
+    with mock.patch.object(base, "batch_size", probe):
+        for _ in range(count):
+            calls[0] = 0
+            op.matvec(torch.randn(op.size, generator=g))
+            out.append(calls[0])
+    return out
+
+
+@pytest.mark.parametrize("full_dataset", [True, False])
+@pytest.mark.parametrize("loader", ["list", "DataLoader"])
+def test_facade_data_loop_does_the_core_bookkeeping(full_dataset: bool, loader: str) -> None:
+    # equal batches: the facade's operator IS the core's (size weighting = 0.x's average, no
+    # microbatch path when no batch exceeds max_possible_gpu_samples): the same Python work per
+    # product, not just the same passes
+    data: Any = batches(3)
+    if loader == "DataLoader":
+        x = torch.cat([b[0] for b in data])
+        y = torch.cat([b[1] for b in data])
+        data = DataLoader(TensorDataset(x, y), batch_size=32)
+    model = mlp()
+    with pytest.warns(DeprecationWarning):
+        facade = compat.HVPOperator(model, data, CE, use_gpu=False, full_dataset=full_dataset)
+    core = _hessian(model, data, full_dataset=full_dataset)
+    assert _batch_size_probes(facade, 3) == _batch_size_probes(core, 3)
+
+
+def test_facade_short_last_batch_pays_one_probe_per_batch() -> None:
+    # a short last batch: the facade keeps 0.x's per-batch average (batch_weighting="uniform"),
+    # which reads each batch's size once per product; nothing else is added
+    data = batches(2) + batches(1, size=5, seed=2)
+    model = mlp()
+    with pytest.warns(DeprecationWarning):
+        facade = compat.HVPOperator(model, data, CE, use_gpu=False)
+    core = _hessian(model, data)
+    assert facade.batch_weighting == "uniform"
+    f, c = _batch_size_probes(facade, 2), _batch_size_probes(core, 2)
+    assert [a - b for a, b in zip(f, c, strict=True)] == [3, 3]
