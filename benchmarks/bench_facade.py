@@ -14,6 +14,10 @@ median. On the CPU both wall time and this thread's CPU time are recorded
 count waiting for a core on a shared machine). Products (operator rows
 computed) are counted on a separate, untimed run of each side.
 
+With ``--device cuda`` the models, data and matrices go to the GPU, and
+calls that pass ``use_gpu=False`` (their script keeps tensors on the CPU)
+pass ``use_gpu=True``, the 0.x way to run them there.
+
 Second part: the facade's ``lanczos`` against ``scipy.sparse.linalg.eigsh``
 on the same operator (``op.to_scipy()``: a host round trip per product, as
 0.x did), same ``k``, ``tol`` and ``ncv``; wall times and the largest
