@@ -508,6 +508,8 @@ class DataCurvatureOperator(CurvatureOperator):
         self._cache: dict[tuple[int, int], _CachedGraph] = {}
         self._cache_bytes = 0
         self._per_vector_bytes: float | None = None
+        #: widest block that fit after an out-of-memory retry (NOTE [block out of memory])
+        self._oom_block_limit: int | None = None
         #: passes over the data (one per batch chunk) and forward passes, for cost checks
         self.num_passes = 0
         self.num_forwards = 0
@@ -705,6 +707,8 @@ class DataCurvatureOperator(CurvatureOperator):
 
     def _block_limit(self, k: int) -> int:
         limit = self.max_block_size or k
+        if self._oom_block_limit is not None:
+            limit = min(limit, self._oom_block_limit)
         if self.block_memory_budget is not None and self._per_vector_bytes:
             limit = min(limit, max(1, int(self.block_memory_budget // self._per_vector_bytes)))
         elif self.block_memory_budget is not None:
@@ -721,7 +725,16 @@ class DataCurvatureOperator(CurvatureOperator):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 base = torch.cuda.memory_allocated(self.device)
-            self._pass(V[start:stop], out[start:stop])
+            try:
+                self._pass(V[start:stop], out[start:stop])
+            except torch.cuda.OutOfMemoryError:
+                # NOTE [block out of memory]: a block too wide for the device is retried in
+                # halves (each chunk's rows of ``out`` are written whole by its own pass).
+                # Not when a pass moves the data on (full_dataset=False), nor for one vector.
+                if stop - start == 1 or not self.source.full_dataset:
+                    raise
+                self._oom_block_limit = max(1, (stop - start) // 2)
+                continue
             if cuda:
                 peak = torch.cuda.max_memory_allocated(self.device) - base
                 self._per_vector_bytes = max(self._per_vector_bytes or 0.0, peak / (stop - start))

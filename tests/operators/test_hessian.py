@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hessian_eigenthings.loss_fns import supervised_loss
 from hessian_eigenthings.operators import HessianOperator
 from hessian_eigenthings.param_utils import match_names, select_parameters
 from hessian_eigenthings.testing import dense_hessian
@@ -272,3 +273,30 @@ def test_device_without_index_accepts_indexed_vectors() -> None:
     assert same_device(torch.device("cpu"), torch.device("cpu"))
     assert not same_device(torch.device("cpu"), torch.device("meta"))
     assert same_device(torch.device("cuda"), torch.device("cuda", 0)) or not torch.cuda.is_available()
+
+
+def test_a_block_that_runs_out_of_memory_is_retried_in_halves() -> None:
+    """NOTE [block out of memory]: same product, narrower passes, the limit is remembered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+
+    widths: list[int] = []
+
+    class Tight(HessianOperator):
+        def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+            widths.append(V.shape[0])
+            if V.shape[0] > 3:
+                raise torch.cuda.OutOfMemoryError("simulated")
+            super()._pass(V, out)
+
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    op = Tight(model, data, loss)
+    V = torch.randn(op.size, 10)
+    expected = HessianOperator(model, data, loss) @ V
+    torch.testing.assert_close(op @ V, expected)
+    assert widths == [10, 5, 2, 2, 2, 2, 2]
+    assert op._oom_block_limit == 2
+    cycling = Tight(model, data, loss, full_dataset=False)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cycling @ V  # a retry would take the next batch: the error reaches the caller
