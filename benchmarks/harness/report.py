@@ -113,6 +113,13 @@ def to_markdown(doc: dict[str, Any]) -> str:
     if doc.get("command"):
         lines += [f"Command: `{doc['command']}`", ""]
     cols = [c for c in doc.get("columns", []) if c]
+    versions: dict[str, str] = {}
+    for res in doc["results"]:
+        for c, v in res.get("columns", {}).items():
+            if v.get("version") and c not in versions:
+                versions[c] = str(v["version"]).split(" (/")[0].split(" (from")[0]
+    if versions:
+        lines += ["Columns: " + "; ".join(f"{LABELS.get(c, c)} = {_esc(versions[c])}" for c in cols if c in versions), ""]
     head = ["workload", "params", "gradient ms", *[f"HVP ms {LABELS.get(c, c)}" for c in cols],
             "core × gradient", "core speedup vs fastest peer (abs / by gradient)", "no-reuse speedup vs fastest peer",
             "facade / core", "peak MiB core / no-reuse / 0.x-style"]
