@@ -368,9 +368,17 @@ def lanczos(
     thresh_t = torch.clamp(tol * lam.abs(), min=noise * anorm)
     converged = res <= thresh_t
     if not bool(converged.all()):
+        hint = "raise max_iter or ncv, or loosen tol"
+        if residuals == "exact" and bool((torch.from_numpy(est[want].copy()) <= thresh_t).all()):
+            hint = (
+                "the Ritz estimates met tol but the recomputed residuals did not, so the products are "
+                "not consistent at that level: on CUDA, TF32 matmuls and convolutions "
+                "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) limit float32 "
+                "products to about 1e-3, and half-precision products likewise; loosen tol or turn TF32 off"
+            )
         warnings.warn(
             f"lanczos: {int(converged.sum())} of {k} eigenpairs converged to tol={tol:g} within "
-            f"{products} products; raise max_iter or ncv, or loosen tol",
+            f"{products} products; {hint}",
             ConvergenceWarning,
             stacklevel=2,
         )

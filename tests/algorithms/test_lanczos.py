@@ -323,3 +323,29 @@ def test_progress_bar_can_be_forced(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lanczos" in capsys.readouterr().err
     lanczos(diag_op(np.linspace(2.0, 1.0, 100)), k=2, tol=1e-6, seed=0)
     assert capsys.readouterr().err == ""  # stderr is not a terminal under pytest
+
+
+def test_noisy_products_are_named_as_the_cause() -> None:
+    """Ritz estimates converge, exact residuals cannot (products noisy at 1e-3, as TF32 makes them)."""
+    import warnings
+
+    from hessian_eigenthings.algorithms.result import ConvergenceWarning
+    from hessian_eigenthings.operators import LambdaOperator
+
+    gen = torch.Generator().manual_seed(0)
+    n = 300
+    Q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    A = (Q * (torch.linspace(0, 1, n, dtype=torch.float64) ** 4 * 10)) @ Q.T
+
+    def noisy(v: torch.Tensor) -> torch.Tensor:
+        out = A @ v
+        noise = torch.randn(out.shape, dtype=out.dtype, generator=gen)
+        return out + 1e-3 * out.norm(dim=0, keepdim=True) * noise / out.shape[0] ** 0.5
+
+    op = LambdaOperator(noisy, n, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = lanczos(op, k=5, tol=1e-6, seed=0)
+    assert not res.converged.any()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert len(messages) == 1 and "TF32" in messages[0] and "Ritz estimates met tol" in messages[0]
