@@ -353,6 +353,11 @@ class _CachedGraph:
 # - A graph reads the state's saved tensors by address, so it lives and dies
 #   with its cache entry (invalidated as in NOTE [graph reuse]); its memory
 #   pool counts against ``graph_memory_budget``.
+# - Memory cannot be returned to the device during a capture, and a capture
+#   that runs out of memory can leave torch's caching allocator broken (seen
+#   on a 12-layer GPT-2 with blocks of 8). So a width is recorded only when
+#   (k + 1) times the kept state fits the budget and the free device memory
+#   after emptying the cache; otherwise it stays eager.
 
 
 def _leaves(batch: Batch) -> list[Any]:
@@ -661,6 +666,16 @@ class DataCurvatureOperator(CurvatureOperator):
         """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
         k = vecs[0].shape[0]
         entry.warm.discard(k)  # one attempt per width and state
+        # Memory is never freed back to the device during a capture, and a capture that runs
+        # out of memory can leave the caching allocator unusable: capture only with room for
+        # the recording's pool, conservatively (k + 1) times the kept state, within the budget.
+        need = (k + 1) * entry.nbytes
+        budget = self._graph_budget()
+        if budget is not None and self._cache_bytes + need > budget:
+            return None
+        torch.cuda.empty_cache()
+        if torch.cuda.mem_get_info(self.device)[0] < need:
+            return None
         inputs = [torch.empty_like(v) for v in vecs]
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
@@ -689,7 +704,6 @@ class DataCurvatureOperator(CurvatureOperator):
                 )
             return None
         extra = max(0, torch.cuda.memory_reserved(self.device) - before)
-        budget = self._graph_budget()
         if budget is not None and self._cache_bytes + extra > budget:
             return None  # the graph and its pool are freed; this width stays eager
         entry.nbytes += extra
