@@ -161,6 +161,17 @@ def row_dots(backend: LinAlgBackend, A: torch.Tensor, B: torch.Tensor) -> torch.
     return backend.all_reduce_sum((A * B).sum(dim=1))
 
 
+# LAPACK / cuSOLVER index a matrix with 32-bit integers: a (b, n) block of an
+# LM-sized operator (b = 33 probes, n = 124 M) is past that, and cuSOLVER's QR
+# then asks for "more than 1 EB" of workspace. Such blocks take the Gram path.
+HOUSEHOLDER_MAX_NUMEL = 2**31 - 1
+
+
+def householder_ok(W: torch.Tensor, backend: LinAlgBackend) -> bool:
+    """Whether ``W (b, n)`` can go through ``torch.linalg.qr`` (one device, 32-bit indexable)."""
+    return isinstance(backend, SingleDeviceBackend) and W.numel() <= HOUSEHOLDER_MAX_NUMEL
+
+
 def orthonormalize_rows(
     W: torch.Tensor, backend: LinAlgBackend, rtol: float | None = None
 ) -> torch.Tensor:
@@ -168,13 +179,14 @@ def orthonormalize_rows(
 
     Single device: Householder QR; when its diagonal shows a (near) rank
     deficiency, which QR without pivoting cannot place, an SVD decides the
-    rank instead. Other backends: Gram-matrix orthonormalization (eigh of the
+    rank instead. Other backends, and blocks past 32-bit indexing
+    (``HOUSEHOLDER_MAX_NUMEL``): Gram-matrix orthonormalization (eigh of the
     ``(b, b)`` Gram matrix, a reduction the backend can do), applied twice so
     the result is orthonormal to working precision.
     """
     eps = torch.finfo(W.dtype).eps
     rtol = rtol if rtol is not None else 1e3 * eps
-    if isinstance(backend, SingleDeviceBackend):
+    if householder_ok(W, backend):
         Q, R = torch.linalg.qr(W.T)
         d = R.diagonal().abs()
         if Q.shape[1] == W.shape[0] and bool(

@@ -42,6 +42,7 @@ from hessian_eigenthings.algorithms._common import (
     check_k,
     check_operator,
     global_size,
+    householder_ok,
     make_generator,
     non_finite_error,
     orthonormalize_rows,
@@ -52,7 +53,7 @@ from hessian_eigenthings.algorithms._common import (
     work_dtype,
 )
 from hessian_eigenthings.algorithms.result import ConvergenceWarning, EigenResult, LanczosTridiag
-from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 Which = Literal["LM", "LA", "SA"]
@@ -105,15 +106,15 @@ def check_symmetry(
 def _block_qr(W: torch.Tensor, backend: LinAlgBackend) -> tuple[torch.Tensor, torch.Tensor]:
     """``W (b, n) = Rᵀ Q`` with orthonormal rows ``Q``; no host sync.
 
-    Single device: Householder QR. Other backends: Cholesky QR twice through
-    the backend's Gram matrix. A rank-deficient block shows up as a tiny or
+    Single device: Householder QR. Other backends, and blocks past 32-bit
+    indexing: Cholesky QR twice through the backend's Gram matrix. A rank-deficient block shows up as a tiny or
     non-finite diagonal of ``R``, which the caller checks on the host.
     """
     b = W.shape[0]
     if b == 1:
         beta = row_dots(backend, W, W).sqrt()
         return W / beta.clamp_min(torch.finfo(W.dtype).tiny), beta.view(1, 1)
-    if isinstance(backend, SingleDeviceBackend):
+    if householder_ok(W, backend):
         Qc, R = torch.linalg.qr(W.T)
         return Qc.T, R
     Q = W

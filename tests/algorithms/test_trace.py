@@ -207,3 +207,24 @@ def test_xtrace_zero_and_exactly_sparse_operators() -> None:
     assert res.estimate == pytest.approx(6.0, abs=1e-12)
     res_d = diagonal(diag_op(d), num_matvecs=20, method="xdiag", seed=0)
     np.testing.assert_allclose(res_d.estimate.numpy(), d, atol=1e-12)
+
+
+def test_blocks_past_32bit_indexing_take_the_gram_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LM-sized sketches cannot go through LAPACK/cuSOLVER QR; the Gram path gives the same estimate."""
+    import hessian_eigenthings.algorithms._common as common
+    from hessian_eigenthings.algorithms import trace
+    from hessian_eigenthings.operators import LambdaOperator
+
+    gen = torch.Generator().manual_seed(0)
+    n = 120
+    Q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    A = (Q * (1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 2)) @ Q.T
+    op = LambdaOperator(lambda v: A @ v, n, dtype=torch.float64)
+    expected = trace(op, num_matvecs=30, method="hutch++", seed=3)
+    calls: list[int] = []
+    real_qr = torch.linalg.qr
+    monkeypatch.setattr(common, "HOUSEHOLDER_MAX_NUMEL", 100)  # every sketch is "too large" now
+    monkeypatch.setattr(torch.linalg, "qr", lambda *a, **k: calls.append(1) or real_qr(*a, **k))
+    got = trace(op, num_matvecs=30, method="hutch++", seed=3)
+    assert not calls  # no Householder QR on a block past the limit
+    assert got.estimate == pytest.approx(expected.estimate, rel=1e-10)
