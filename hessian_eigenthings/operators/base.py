@@ -329,6 +329,8 @@ class _CachedGraph:
     nbytes: int
     #: block widths that ran eagerly once on this state (warm-up before a capture)
     warm: set[int] = field(default_factory=set)
+    #: block widths whose recording was attempted (one attempt per width and state)
+    attempted: set[int] = field(default_factory=set)
     replays: dict[int, _Replay] = field(default_factory=dict)
 
 
@@ -650,7 +652,7 @@ class DataCurvatureOperator(CurvatureOperator):
         if not self._graphs_on():
             return self._apply(entry.state, vecs, retain=True)
         replay = entry.replays.get(k)
-        if replay is None and k in entry.warm and k not in self._graph_failures:
+        if replay is None and k in entry.warm and k not in entry.attempted and k not in self._graph_failures:
             with self._own_stream():
                 replay = self._capture(entry, vecs)
         if replay is None:
@@ -665,7 +667,7 @@ class DataCurvatureOperator(CurvatureOperator):
     def _capture(self, entry: _CachedGraph, vecs: list[torch.Tensor]) -> _Replay | None:
         """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
         k = vecs[0].shape[0]
-        entry.warm.discard(k)  # one attempt per width and state
+        entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
         # Memory is never freed back to the device during a capture, and a capture that runs
         # out of memory can leave the caching allocator unusable: capture only with room for
         # the recording's pool, conservatively (k + 1) times the kept state, within the budget.
