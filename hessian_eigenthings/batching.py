@@ -9,7 +9,7 @@ and ``__getitem__``). Its size is the leading dimension of its first tensor
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,16 +73,25 @@ def to_device(batch: Batch, device: torch.device | str) -> Batch:
     return batch
 
 
-def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
+def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """The batch with every tensor ``t`` replaced by ``fn(t)``; other leaves kept.
+
+    Mappings come back as ``dict`` (a ``BatchEncoding`` too), namedtuples,
+    tuples and lists as their own type.
+    """
     if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == size else batch
+        return fn(batch)
     if _is_mapping(batch):
-        return {k: _slice(batch[k], start, stop, size) for k in batch.keys()}
+        return {k: map_tensors(batch[k], fn) for k in batch.keys()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_slice(b, start, stop, size) for b in batch))
+        return type(batch)(*(map_tensors(b, fn) for b in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(b, start, stop, size) for b in batch)
+        return type(batch)(map_tensors(b, fn) for b in batch)
     return batch
+
+
+def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
+    return map_tensors(batch, lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == size else t)
 
 
 def split_batch(batch: Batch, microbatch_size: int) -> list[Batch]:

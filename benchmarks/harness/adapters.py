@@ -63,6 +63,10 @@ class Adapter:
     def version(self) -> str:
         return ""
 
+    def held_mib(self) -> float:
+        """Memory the column holds between Hessian products (kept graphs, CUDA-graph pools); nan if unknown."""
+        return float("nan")
+
     def hvp(self, v: torch.Tensor) -> Closure:
         raise NotImplementedError("no Hessian product")
 

@@ -64,6 +64,9 @@ class CoreAdapter(Adapter):
         self._ops[kind] = op
         return op
 
+    def held_mib(self) -> float:
+        return self.op("hessian").held_bytes / 2**20 if "hessian" in self._ops else float("nan")
+
     def hvp(self, v: torch.Tensor) -> Closure:
         op = self.op("hessian")
         return lambda: op @ v

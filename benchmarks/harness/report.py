@@ -40,6 +40,13 @@ def _bad(cell: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _peak(cell: dict[str, Any]) -> str:
+    """Peak MiB of a product cell, with what the operator holds between products when known."""
+    peak = _f(_num(cell.get("peak_mib")), 2)
+    held = cell.get("held_mib")
+    return f"{peak} (+ {_f(_num(held), 2)})" if isinstance(held, (int, float)) and held > 0 else peak
+
+
 def _f(x: float, digits: int = 3) -> str:
     if not math.isfinite(x):
         return "–"
@@ -122,14 +129,14 @@ def to_markdown(doc: dict[str, Any]) -> str:
         lines += ["Columns: " + "; ".join(f"{LABELS.get(c, c)} = {_esc(versions[c])}" for c in cols if c in versions), ""]
     head = ["workload", "params", "gradient ms", *[f"HVP ms {LABELS.get(c, c)}" for c in cols],
             "core × gradient", "core speedup vs fastest peer (abs / by gradient)", "no-reuse speedup vs fastest peer",
-            "facade / core", "peak MiB core / no-reuse / 0.x-style"]
+            "facade / core", "peak MiB (+ held) core / no-reuse / 0.x-style"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in doc["results"]:
         if res.get("skipped"):
             lines.append(f"| {res['name']} | skipped: {res['skipped']} |" + " |" * (len(head) - 2))
             continue
         d = derived(res)
-        pk = [_f(_num(res["columns"].get(c, {}).get("cells", {}).get("hvp", {}).get("peak_mib")), 2)
+        pk = [_peak(res["columns"].get(c, {}).get("cells", {}).get("hvp", {}))
               for c in ("core", "core-noreuse", "baseline-0x")]
         row = [res["name"], f"{res['params'] / 1e6:.2f} M", _f(grad_ms(res, "core")),
                *[_hvp_cell(res, c) for c in cols], _f(d["core_x_gradient"]),
@@ -143,7 +150,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
         "repeats cannot interleave with ours: their '× gradient' uses the gradient measured in their own "
         "process, 'by gradient' speedups compare those ratios, 'abs' compares milliseconds across processes. "
         "Peak = max allocated during one call minus allocated before (CUDA only; '–' on CPU). A graph kept "
-        "by graph reuse is allocated before the call and so not in its peak. Relative errors: fixed entries "
+        "by graph reuse and the pools of CUDA-graph recordings are allocated before the call and so not in its "
+        "peak: they are the '+ held' figure (bytes the operator holds between products). Relative errors: fixed entries "
         "(≤ 2^20) of each product against the core's.",
         "",
     ]
@@ -152,7 +160,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
             continue
         lines += [f"### {res['name']} ({res['params'] / 1e6:.2f} M params, {res['batches']} batch(es), "
                   f"{res['samples']} samples{'; ' + res['note'] if res.get('note') else ''})", ""]
-        head2 = ["column", "gradient ms", "HVP ms", "× gradient", "peak MiB", "rel err", "block-8 ms/vector (× grad)",
+        head2 = ["column", "gradient ms", "HVP ms", "× gradient", "peak MiB (+ held)", "rel err", "block-8 ms/vector (× grad)",
                  "GGN ms", "Fisher ms", "top-10 eigs", "Hutch++ trace", "SLQ"]
         lines += ["| " + " | ".join(head2) + " |", "|" + "---|" * len(head2)]
         for col in cols:
@@ -173,7 +181,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
                 return _bad(cell) or _f(_num(cell.get("ms") if cell else None))
 
             row = [LABELS.get(col, col) + (" (subprocess)" if c.get("subprocess") else ""), _f(g),
-                   bad or _f(hv), _f(hv / g), _f(_num(hvp.get("peak_mib")) if hvp else float("nan"), 2),
+                   bad or _f(hv), _f(hv / g), _peak(hvp) if hvp else "–",
                    f"{rel:.1e}" if math.isfinite(rel) else "–", blk_s, prod("ggn"), prod("fisher"),
                    _algo(cells.get("eigs")), _algo(cells.get("trace")), _algo(cells.get("slq"))]
             lines.append("| " + " | ".join(row) + " |")

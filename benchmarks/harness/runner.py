@@ -141,6 +141,10 @@ def measure(
             cell = _cell_from(times[(task, col)], peaks[(task, col)])
         if task == "block8" and "ms" in cell:
             cell["ms_per_vector"] = cell["ms"] / BLOCK
+        if task == "hvp" and "ms" in cell:
+            held = adapters[col].held_mib()
+            if held == held:
+                cell["held_mib"] = held
         out["columns"][col]["cells"][task] = cell
     # ---- correctness probes (one more call each) --------------------------------
     for (task, col), fn in closures.items():

@@ -21,6 +21,7 @@ copy of the result into a flat buffer; no ``torch.cat``, no host sync.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 from abc import ABC
@@ -37,6 +38,7 @@ from hessian_eigenthings.batching import (
     BatchSource,
     batch_size,
     check_microbatching,
+    map_tensors,
     split_batch,
     to_device,
 )
@@ -334,6 +336,19 @@ class _CachedGraph:
     replays: dict[int, _Replay] = field(default_factory=dict)
 
 
+@dataclass
+class _RecordedProduct:
+    """A whole product recorded for one batch signature, see NOTE [recorded products]."""
+
+    #: storage addresses of the model's parameters and buffers the graph reads
+    pointers: tuple[int, ...]
+    #: the static batch the recording reads, and its tensors in ``_leaves`` order
+    batch: Batch
+    batch_inputs: list[torch.Tensor]
+    replay: _Replay
+    nbytes: int
+
+
 # NOTE [CUDA graphs]
 # With graph reuse, every product on a kept state is the same backward: the
 # same kernels on the same saved tensors, only the input vectors differ. On
@@ -360,6 +375,28 @@ class _CachedGraph:
 #   on a 12-layer GPT-2 with blocks of 8). So a width is recorded only when
 #   (k + 1) times the kept state fits the budget and the free device memory
 #   after emptying the cache; otherwise it stays eager.
+
+# NOTE [recorded products]
+# A product without a kept state (graph_reuse=False, more batches than the
+# budget keeps, a batch that changes on every product) runs the forward and
+# both backwards. Their host cost is the same as on a kept state, three times
+# over, so such products are recorded too: the whole product, for one batch
+# signature (block width, shapes and dtypes of the batch's tensors, its other
+# leaves, the modules' train/eval modes). Later products with that signature
+# copy their batch tensors and vectors into the recording's static inputs and
+# replay it; a dataloader of equal-shaped batches replays one recording.
+# - The graph reads the parameters and buffers by address: in-place updates
+#   (an optimizer step) are seen by the next replay; a parameter or buffer
+#   given new storage drops the recording (addresses checked per product).
+# - BatchNorm buffers of training modules are copied inside the recording
+#   (``private_buffers``), so the user's buffers stay untouched. Dropout in a
+#   training module draws fresh masks on every replay, as eager products do,
+#   from a different position of the generator's stream.
+# - The first product of a signature runs eagerly and measures the state it
+#   builds; the second records when (k + 2) times that fits the budget and the
+#   free memory. The pool then holds about one product's peak between products
+#   (``cuda_graphs=False`` holds nothing). At most ``graph_reuse_max_batches``
+#   signatures are recorded.
 
 
 def _leaves(batch: Batch) -> list[Any]:
@@ -514,6 +551,13 @@ class DataCurvatureOperator(CurvatureOperator):
         self.backend = default_backend(backend)
         self._cache: dict[tuple[int, int], _CachedGraph] = {}
         self._cache_bytes = 0
+        #: bytes of the last state that did not fit the budget (no keeping until room frees up)
+        self._unkept_bytes = 0
+        # NOTE [recorded products]: recordings by signature, state sizes measured by the
+        # eager first product of each signature, signatures whose recording was attempted
+        self._recorded: dict[tuple[Any, ...], _RecordedProduct] = {}
+        self._warm_products: dict[tuple[Any, ...], int] = {}
+        self._attempted_products: set[tuple[Any, ...]] = set()
         self._per_vector_bytes: float | None = None
         #: widest block that fit after an out-of-memory retry (NOTE [block out of memory])
         self._oom_block_limit: int | None = None
@@ -543,10 +587,18 @@ class DataCurvatureOperator(CurvatureOperator):
     def _reuse_enabled(self) -> bool:
         return self.supports_graph_reuse and self.graph_reuse is not False
 
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held between products: kept graphs and CUDA-graph pools (0 on the CPU)."""
+        return self._cache_bytes
+
     def clear_cache(self) -> None:
-        """Drop kept graphs (they are dropped automatically when stale)."""
+        """Drop kept graphs and recorded products (they are dropped automatically when stale)."""
         self._cache.clear()
+        self._recorded.clear()
+        self._attempted_products.clear()
         self._cache_bytes = 0
+        self._unkept_bytes = 0
 
     def _versions(self) -> tuple[int, ...]:
         # Buffers count only in eval mode: in training mode our own forward moves
@@ -572,19 +624,22 @@ class DataCurvatureOperator(CurvatureOperator):
             return self.graph_memory_budget
         return int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
 
-    def _build_state(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
-        """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
+    def _may_keep(self) -> bool:
+        """Whether the state of the next chunk may be kept (else it is a fresh product)."""
         if self.graph_reuse == "auto" and not self.source.full_dataset:
             try:
                 cycle_len = len(self.source.dataloader)  # type: ignore[arg-type]
             except TypeError:
                 cycle_len = -1
             if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
-                with self._own_stream(), private_buffers(self.model, self._modules):
-                    return self._prepare(chunk), False
+                return False
         if len(self._cache) >= self.graph_reuse_max_batches:
-            with self._own_stream(), private_buffers(self.model, self._modules):
-                return self._prepare(chunk), False
+            return False
+        budget = self._graph_budget()
+        return budget is None or self._cache_bytes + self._unkept_bytes <= budget
+
+    def _build_state(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
+        """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         versions = self._versions()
@@ -594,7 +649,9 @@ class DataCurvatureOperator(CurvatureOperator):
         nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
         budget = self._graph_budget()
         if budget is not None and self._cache_bytes + nbytes > budget:
+            self._unkept_bytes = nbytes
             return state, False
+        self._unkept_bytes = 0
         self._cache[key] = _CachedGraph(raw=raw_key, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
         self._cache_bytes += nbytes
         return state, True
@@ -664,21 +721,27 @@ class DataCurvatureOperator(CurvatureOperator):
         self.num_replays += 1
         return replay.outputs
 
-    def _capture(self, entry: _CachedGraph, vecs: list[torch.Tensor]) -> _Replay | None:
-        """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
-        k = vecs[0].shape[0]
-        entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
-        # Memory is never freed back to the device during a capture, and a capture that runs
-        # out of memory can leave the caching allocator unusable: capture only with room for
-        # the recording's pool, conservatively (k + 1) times the kept state, within the budget.
-        need = (k + 1) * entry.nbytes
+    def _room_for(self, need: int) -> bool:
+        """Whether a recording of about ``need`` bytes fits the budget and the free device memory.
+
+        Memory is never freed back to the device during a capture, and a capture that
+        runs out of memory can leave the caching allocator unusable: check first.
+        """
         budget = self._graph_budget()
         if budget is not None and self._cache_bytes + need > budget:
-            return None
+            return False
         torch.cuda.empty_cache()
-        if torch.cuda.mem_get_info(self.device)[0] < need:
-            return None
-        inputs = [torch.empty_like(v) for v in vecs]
+        return bool(torch.cuda.mem_get_info(self.device)[0] >= need)
+
+    def _record(
+        self, what: str, k: int, fn: Callable[[], Sequence[torch.Tensor | None]]
+    ) -> tuple[Any, list[torch.Tensor | None], int] | None:
+        """Record ``fn()`` as a CUDA graph in the operator's pool.
+
+        Returns ``(graph, outputs, bytes the pool grew by)``, or ``None`` when the
+        capture failed (the operator warns once, unless it ran out of memory) or
+        when the pool outgrew the budget.
+        """
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -689,30 +752,135 @@ class DataCurvatureOperator(CurvatureOperator):
         try:
             graph.capture_begin(pool=self._graph_pool)
             try:
-                outputs = self._apply(entry.state, inputs, retain=True)
+                outputs = fn()
             finally:
                 graph.capture_end()
-        except Exception as exc:  # any failure: eager products for this width, same results
+        except Exception as exc:  # any failure: eager products, same results
             rng.graphsafe_set_state(rng_state)
-            self._graph_failures.add(k)
             if not self._graph_warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
                 self._graph_warned = True  # once per operator; out of memory: quietly eager
                 warnings.warn(
-                    f"{type(self).__name__}: recording the kept backward as a CUDA graph failed for blocks "
+                    f"{type(self).__name__}: recording {what} as a CUDA graph failed for blocks "
                     f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "
                     "products run eagerly. Pass cuda_graphs=False to skip the attempt.",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             return None
         extra = max(0, torch.cuda.memory_reserved(self.device) - before)
+        budget = self._graph_budget()
         if budget is not None and self._cache_bytes + extra > budget:
-            return None  # the graph and its pool are freed; this width stays eager
+            return None  # the graph and its pool are freed
+        return graph, list(outputs), extra
+
+    def _capture(self, entry: _CachedGraph, vecs: list[torch.Tensor]) -> _Replay | None:
+        """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
+        k = vecs[0].shape[0]
+        entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
+        # room for the recording's pool, conservatively (k + 1) times the kept state
+        if not self._room_for((k + 1) * entry.nbytes):
+            return None
+        inputs = [torch.empty_like(v) for v in vecs]
+        recorded = self._record("the kept backward", k, lambda: self._apply(entry.state, inputs, retain=True))
+        if recorded is None:
+            self._graph_failures.add(k)
+            return None
+        graph, outputs, extra = recorded
         entry.nbytes += extra
         self._cache_bytes += extra
-        replay = _Replay(graph=graph, inputs=inputs, outputs=list(outputs))
+        replay = _Replay(graph=graph, inputs=inputs, outputs=outputs)
         entry.replays[k] = replay
         return replay
+
+    # -- recorded products, NOTE [recorded products] ----------------------------
+    def _signature(self, chunk: Batch, k: int) -> tuple[Any, ...] | None:
+        """What a recorded product is keyed by; ``None`` when this chunk cannot be recorded."""
+        sig: list[Any] = [k, torch.is_grad_enabled()]
+        for x in _leaves(chunk):
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad or not same_device(x.device, self.device):
+                    return None
+                sig.append((x.shape, x.dtype))
+            else:
+                try:
+                    hash(x)
+                except TypeError:
+                    return None
+                sig.append(x)
+        sig.append(tuple(m.training for m in self._modules))
+        return tuple(sig)
+
+    def _pointers(self) -> tuple[int, ...]:
+        return tuple(
+            t.data_ptr()
+            for m in self._modules
+            for t in itertools.chain(m._parameters.values(), m._buffers.values())
+            if t is not None
+        )
+
+    def _fresh_product(self, chunk: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """A product without a kept state: eager, or replayed from a recording."""
+        sig = self._signature(chunk, vecs[0].shape[0]) if self._graphs_on() else None
+        if sig is None:
+            with private_buffers(self.model, self._modules):
+                return self._product(chunk, vecs)
+        rec = self._recorded.get(sig)
+        if rec is not None and rec.pointers != self._pointers():
+            del self._recorded[sig]  # new storage under a parameter or buffer: record again
+            self._cache_bytes -= rec.nbytes
+            self._attempted_products.discard(sig)
+            rec = None
+        if rec is None and sig in self._warm_products and sig not in self._attempted_products:
+            with self._own_stream():
+                rec = self._record_product(sig, chunk, vecs)
+        if rec is None:
+            cuda = self.device.type == "cuda"
+            before = torch.cuda.memory_allocated(self.device) if cuda else 0
+            with private_buffers(self.model, self._modules):
+                state = self._prepare(chunk)
+                if sig not in self._warm_products:  # the size of the state, for the room check
+                    self._warm_products[sig] = torch.cuda.memory_allocated(self.device) - before
+                return self._apply(state, vecs, retain=False)
+        with self._own_stream():
+            tensors = [t for t in _leaves(chunk) if isinstance(t, torch.Tensor)]
+            _torch_compat.foreach_copy_(rec.batch_inputs + rec.replay.inputs, tensors + vecs)
+            rec.replay.graph.replay()
+        self.num_replays += 1
+        self.num_forwards += 1
+        return rec.replay.outputs
+
+    def _record_product(
+        self, sig: tuple[Any, ...], chunk: Batch, vecs: list[torch.Tensor]
+    ) -> _RecordedProduct | None:
+        self._attempted_products.add(sig)  # one attempt per signature
+        k = vecs[0].shape[0]
+        if len(self._recorded) >= self.graph_reuse_max_batches:
+            return None
+        if not self._room_for((k + 2) * self._warm_products[sig]):
+            return None
+        static = map_tensors(chunk, torch.empty_like)  # outside the capture: not in its pool
+        inputs = [torch.empty_like(v) for v in vecs]
+
+        def product() -> Sequence[torch.Tensor | None]:
+            with private_buffers(self.model, self._modules):
+                return self._apply(self._prepare(static), inputs, retain=False)
+
+        forwards = self.num_forwards
+        recorded = self._record("the product", k, product)
+        self.num_forwards = forwards  # a capture runs nothing
+        if recorded is None:
+            return None
+        graph, outputs, extra = recorded
+        rec = _RecordedProduct(
+            pointers=self._pointers(),
+            batch=static,
+            batch_inputs=[t for t in _leaves(static) if isinstance(t, torch.Tensor)],
+            replay=_Replay(graph=graph, inputs=inputs, outputs=outputs),
+            nbytes=extra,
+        )
+        self._recorded[sig] = rec
+        self._cache_bytes += extra
+        return rec
 
     # -- the data loop ----------------------------------------------------------
     def _chunks(self, raw: Batch) -> list[Batch]:
@@ -802,9 +970,7 @@ class DataCurvatureOperator(CurvatureOperator):
             if not reuse:
                 for chunk in self._chunks(raw):
                     self.num_passes += 1
-                    with private_buffers(self.model, self._modules):
-                        prods = self._product(chunk, vecs)
-                    yield prods, self._weight(batch_size(chunk), raw)
+                    yield self._fresh_product(chunk, vecs), self._weight(batch_size(chunk), raw)
                 continue
             chunks: list[Batch] | None = None
             n_chunks = 1
@@ -820,6 +986,9 @@ class DataCurvatureOperator(CurvatureOperator):
                     chunks = self._chunks(raw)
                 chunk = chunks[c]
                 self.num_passes += 1
+                if not self._may_keep():
+                    yield self._fresh_product(chunk, vecs), self._weight(batch_size(chunk), raw)
+                    continue
                 state, kept = self._build_state(key, raw, chunk)
                 if kept:
                     prods = self._apply_kept(self._cache[key], vecs)

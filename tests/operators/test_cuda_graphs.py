@@ -159,3 +159,162 @@ def test_the_users_own_backward_is_untouched() -> None:
         warnings.simplefilter("error")
         loss(model, data[0]).backward()  # the user's training step, on the default stream
     assert all(p.grad is not None for p in model.parameters())
+
+
+# -- recorded products without a kept state (NOTE [recorded products]) -----------------
+
+
+def _batches(device: str, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [
+        (torch.randn(b, 3, 8, 8, generator=g).to(device), torch.randint(0, 5, (b,), generator=g).to(device))
+        for b in sizes
+    ]
+
+
+def test_signatures_key_recordings_by_shapes_and_modes() -> None:
+    model, data = _problem("cpu")
+    op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()), graph_reuse=False)
+    a, b = _batches("cpu", [16, 16])
+    assert op._signature(a, 1) == op._signature(b, 1)
+    assert op._signature(a, 1) != op._signature(a, 4)
+    assert op._signature(a, 1) != op._signature(_batches("cpu", [7])[0], 1)
+    assert op._signature({"x": a[0], "tag": {1}}, 1) is None  # an unhashable leaf: never recorded
+    assert op._signature((a[0].requires_grad_(), a[1]), 1) is None
+    before = op._signature(b, 1)
+    model.train()
+    assert op._signature(b, 1) != before
+
+
+@cuda
+@pytest.mark.parametrize("k", [1, 4])
+def test_recorded_products_equal_eager_products(k: int) -> None:
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=False)
+    eager = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for step in range(4):
+        V = torch.randn(graphed.size, k, device="cuda", generator=g).squeeze(-1)
+        torch.testing.assert_close(graphed @ V, eager @ V, rtol=1e-5, atol=1e-6)
+        # the first product runs eagerly, the second records and replays, later ones replay
+        assert graphed.num_replays == step
+    assert graphed.num_forwards == 4 and graphed.num_passes == 4 and eager.num_replays == 0
+    assert graphed._cache_bytes > 0 and not graphed._cache  # a recording, no kept graph
+
+
+@cuda
+def test_one_recording_serves_every_batch_of_its_shape() -> None:
+    model, _ = _problem("cuda")
+    data = _batches("cuda", [16, 16, 16, 9])  # an uneven last batch: a second signature
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=False)
+    eager = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
+    assert len(graphed._recorded) == 2
+    # per product: 4 batches; eager first pass, then 3 + 1 replays (the short batch warms
+    # its own signature in pass 1 and records in pass 2), then 4 replays
+    assert graphed.num_replays == 3 + 1 + 4
+
+
+@cuda
+def test_cycling_batches_replay_with_their_own_contents() -> None:
+    model, _ = _problem("cuda")
+    data = _batches("cuda", [16, 16, 16])
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, full_dataset=False)
+    eager = HessianOperator(model, data, loss, full_dataset=False, cuda_graphs=False)
+    v = torch.randn(graphed.size, device="cuda")
+    results = []
+    for _ in range(6):
+        got = graphed @ v
+        torch.testing.assert_close(got, eager @ v, rtol=1e-5, atol=1e-6)
+        results.append(got)
+    assert graphed.num_replays == 5
+    assert not torch.allclose(results[3], results[4])  # batches differ, so do their products
+
+
+@cuda
+def test_recordings_follow_parameter_updates_and_new_storage() -> None:
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=False)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(3):
+        graphed @ v
+    with torch.no_grad():  # an optimizer step: in place, read by the next replay
+        for p in model.parameters():
+            p.mul_(1.1)
+    expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+    replays = graphed.num_replays
+    torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
+    assert graphed.num_replays == replays + 1
+    first = model[0]
+    first.weight.data = first.weight.data * 0.5  # new storage: the recording is dropped
+    expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+    torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_recorded_products_leave_training_buffers_alone() -> None:
+    model, data = _problem("cuda")
+    model.train()  # BatchNorm in training mode updates running statistics in eager forwards
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    graphed = HessianOperator(model, data, loss, graph_reuse=False)
+    eager = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(4):
+        torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
+    assert graphed.num_replays == 3
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+
+
+@cuda
+def test_a_failed_product_recording_warns_once_and_stays_eager() -> None:
+    model = nn.Linear(6, 1).cuda()
+    x = torch.randn(10, 6, device="cuda")
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return _Square.apply(m(batch)).mean()
+
+    graphed = HessianOperator(model, [x], loss_fn, graph_reuse=False)
+    expected = HessianOperator(model, [x], loss_fn, graph_reuse=False, cuda_graphs=False) @ (
+        v := torch.randn(graphed.size, device="cuda")
+    )
+    torch.testing.assert_close(graphed @ v, expected)
+    with pytest.warns(RuntimeWarning, match="recording the product as a CUDA graph failed"):
+        torch.testing.assert_close(graphed @ v, expected)
+    torch.testing.assert_close(graphed @ v, expected)
+    assert graphed.num_replays == 0 and not graphed._recorded
+    torch.randn(3, device="cuda")
+
+
+@cuda
+def test_no_recording_past_the_memory_budget() -> None:
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    op = HessianOperator(model, data, loss, graph_reuse=False, graph_memory_budget=1)
+    v = torch.randn(op.size, device="cuda")
+    for _ in range(3):
+        op @ v
+    assert op.num_replays == 0 and op._cache_bytes == 0
+
+
+@cuda
+def test_states_past_the_kept_count_are_recorded_products() -> None:
+    model, _ = _problem("cuda")
+    data = _batches("cuda", [16, 16])
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=True, graph_reuse_max_batches=1)
+    eager = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(4):
+        torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
+    assert len(graphed._cache) == 1 and len(graphed._recorded) == 1
+    # batch 1 from its kept graph (replayed from the 3rd product), batch 2 recorded (from the 2nd)
+    assert graphed.num_replays == 2 + 3
