@@ -743,7 +743,9 @@ class DataCurvatureOperator(CurvatureOperator):
         when the pool outgrew the budget.
         """
         graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
+        live = self._recorded or any(entry.replays for entry in self._cache.values())
+        if self._graph_pool is None or not live:
+            # torch releases a pool with its last graph; its handle cannot take another capture
             self._graph_pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved(self.device)
         # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state

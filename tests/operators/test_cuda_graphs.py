@@ -316,5 +316,22 @@ def test_states_past_the_kept_count_are_recorded_products() -> None:
     for _ in range(4):
         torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
     assert len(graphed._cache) == 1 and len(graphed._recorded) == 1
-    # batch 1 from its kept graph (replayed from the 3rd product), batch 2 recorded (from the 2nd)
-    assert graphed.num_replays == 2 + 3
+    # both batches run eagerly in the first product (batch 1 builds its kept graph, batch 2
+    # warms its signature), then both are recorded in the second and replayed from then on
+    assert graphed.num_replays == 3 + 3
+
+
+@cuda
+def test_a_kept_state_is_recorded_again_after_a_parameter_change() -> None:
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=True)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(3):
+        graphed @ v
+    with torch.no_grad():
+        model[0].weight.mul_(0.9)  # the kept state and its recording are dropped
+    expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+    for _ in range(3):  # rebuilt, warmed, recorded into a fresh pool, replayed
+        torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
+    assert graphed.num_replays == 2 + 2
