@@ -145,6 +145,9 @@ class FacadeAdapter(Adapter):
     def version(self) -> str:
         return f"hessian_eigenthings {he.__version__} 0.x facade"
 
+    def held_mib(self) -> float:
+        return self.op.held_bytes / 2**20
+
     def hvp(self, v: torch.Tensor) -> Closure:
         return lambda: self.op.apply(v)
 
