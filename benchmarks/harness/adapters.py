@@ -89,6 +89,21 @@ class Adapter:
         raise NotImplementedError("no spectral density")
 
 
+def check_arpack_size(n: int, k: int) -> None:
+    """Refuse scipy ``eigsh`` where it would crash the process.
+
+    ARPACK keeps an (n, ncv) basis addressed with 32-bit BLAS offsets: past
+    2^31 entries scipy segfaults (seen at 124 M parameters). The cell gets
+    this error instead of the run dying.
+    """
+    ncv = max(2 * k + 1, 20)  # eigsh's default
+    if n * ncv >= 2**31:
+        raise RuntimeError(
+            f"scipy ARPACK cannot run at this size: its basis has n*ncv = {n}*{ncv} >= 2^31 entries "
+            "(32-bit BLAS indexing; it segfaults)"
+        )
+
+
 def gradient_closure(w: ParityWorkload) -> Closure:
     """The unit: one gradient of the mean loss over every batch (plain autograd)."""
     params = [p for p in w.model.parameters() if p.requires_grad]
@@ -152,6 +167,8 @@ class BaselineAdapter(Adapter):
 
     def top_eigs(self, k: int, tol: float) -> Closure:
         from scipy.sparse.linalg import LinearOperator, eigsh
+
+        check_arpack_size(self.n, k)
 
         def run() -> dict[str, Any]:
             count = [0]

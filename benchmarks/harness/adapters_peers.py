@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness.adapters import Adapter, Closure
+from benchmarks.harness.adapters import Adapter, Closure, check_arpack_size
 from benchmarks.workloads import ParityWorkload
 
 A5_VERSION = "1.0.0a5"
@@ -189,6 +189,7 @@ class CurvlinopsAdapter(Adapter):
         from scipy.sparse.linalg import LinearOperator, eigsh
 
         op = self.op("hessian")
+        check_arpack_size(op.shape[0], k)
 
         def run() -> dict[str, Any]:
             sp = op.to_scipy()
