@@ -108,15 +108,29 @@ def run_peer(column: str, pythonpath: str, spec: dict[str, Any], timeout: float,
             env["PYTHONPATH"] = pythonpath
         env["PYTHONNOUSERSITE"] = "1"
         cmd = [sys.executable, "-m", "benchmarks.harness.worker", str(spec_path), str(out_path)]
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-        for line in proc.stdout.splitlines():
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc = -1
+            stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            stderr = f"timed out after {timeout:.0f} s"
+        for line in stdout.splitlines():
             log(f"  [{column}] {line}")
-        if proc.returncode != 0 or not out_path.exists():
-            tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
-            log(f"  [{column}] worker failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
-            raise RuntimeError(f"worker rc {proc.returncode}: {tail}")
+        failed = rc != 0
+        if failed:
+            tail = (stderr.strip().splitlines() or ["?"])[-1][:200]
+            log(f"  [{column}] worker failed (rc {rc}): {stderr[-2000:]}")
+            if not out_path.exists():
+                raise RuntimeError(f"worker rc {rc}: {tail}")
         res: dict[str, Any] = json.loads(out_path.read_text())
         res["probes"] = torch.load(str(out_path) + ".pt")
+        if failed:  # the cells it finished before dying stay; the others say how it died
+            cells = res["columns"].setdefault(column, {}).setdefault("cells", {})
+            for task in spec["tasks"]:
+                if task not in cells:
+                    cells[task] = {"error": f"worker died in this task (rc {rc}): {tail}"}
+            res.pop("partial", None)
         return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

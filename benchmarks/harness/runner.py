@@ -69,6 +69,7 @@ def measure(
     tasks: tuple[str, ...],
     cfg: dict[str, Any],
     log: Callable[[str], None] = print,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Every (column, task) cell of one workload, plus the gradient (the unit) of this process.
 
@@ -157,6 +158,8 @@ def measure(
             out["columns"][col]["cells"][task]["probe_error"] = _err(exc)
     closures.clear()
     # ---- algorithms -------------------------------------------------------------
+    if checkpoint is not None:
+        checkpoint(out)  # a worker that dies later keeps the finished cells
     algo: dict[tuple[str, str], Closure] = {}
     for task in (t for t in tasks if t in ALGO_TASKS):
         for col, ad in adapters.items():
@@ -188,6 +191,8 @@ def measure(
             cell = _cell_from([s.ms for s in samples], [s.peak_mib for s in samples])
             cell.update(samples[-1].out)
             out["columns"][col]["cells"][task] = cell
+        if checkpoint is not None:
+            checkpoint(out)
         log(f"  {task}: " + ", ".join(f"{c} {out['columns'][c]['cells'].get(task, {}).get('ms', float('nan')) / 1e3:.2f}s"
                                        for c in runs))
     algo.clear()

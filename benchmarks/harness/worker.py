@@ -9,8 +9,10 @@ same runner, and writes the result JSON plus ``OUT.json.pt`` (the probes).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 
@@ -29,14 +31,21 @@ def main(argv: list[str]) -> int:
     device = torch.device(spec["device"])
     warnings.simplefilter("ignore")
     w = build_parity(spec["workload"], spec["device"], float(spec["scale"]))
+    def save(res: dict[str, Any], final: bool = False) -> None:
+        """Write what is measured so far: cells finished before a crash survive it."""
+        doc = {k: v for k, v in res.items() if k != "probes"}
+        torch.save(res.get("probes", {}), out_path + ".pt")
+        doc["env"] = env_info(device)
+        doc["sys_path_head"] = sys.path[:3]
+        if not final:
+            doc["partial"] = True
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(out_path + ".tmp", out_path)
+
     res = measure(w, device, [spec["column"]], tuple(spec["tasks"]), spec["cfg"],
-                  log=lambda m: print(m, flush=True))
-    probes = res.pop("probes")
-    torch.save(probes, out_path + ".pt")
-    res["env"] = env_info(device)
-    res["sys_path_head"] = sys.path[:3]
-    with open(out_path, "w") as f:
-        json.dump(res, f)
+                  log=lambda m: print(m, flush=True), checkpoint=save)
+    save(res, final=True)
     return 0
 
 
