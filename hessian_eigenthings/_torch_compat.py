@@ -125,3 +125,27 @@ def fsdp2_runs_on_cpu() -> bool:
     """Whether FSDP2 can shard a CPU model (gloo): from torch 2.6. On 2.4 its
     first forward creates CUDA streams unconditionally."""
     return Version("2.6") <= TORCH_VERSION
+
+
+class CapturableScalars(torch.overrides.TorchFunctionMode):
+    """``torch.tensor(<Python scalar>, device=<cuda>)`` as a fill kernel, for CUDA-graph captures.
+
+    Building a scalar tensor on the GPU copies it from pageable host memory,
+    which a capture refuses ("Cannot copy between CPU and CUDA tensors during
+    CUDA graph capture"). Models do it in their forward (HuggingFace's eager
+    attention mask does). ``torch.full`` writes the same value with a kernel
+    that a graph can record; every other call passes through unchanged.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.tensor and len(args) == 1 and isinstance(args[0], (bool, int, float)):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda" and set(kwargs) <= {"device", "dtype", "requires_grad"}:
+                value = args[0]
+                dtype = kwargs.get("dtype")
+                if dtype is None:
+                    dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.get_default_dtype()
+                out = torch.full((), value, dtype=dtype, device=device)
+                return out.requires_grad_() if kwargs.get("requires_grad") else out
+        return func(*args, **kwargs)

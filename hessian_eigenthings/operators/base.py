@@ -754,7 +754,8 @@ class DataCurvatureOperator(CurvatureOperator):
         try:
             graph.capture_begin(pool=self._graph_pool)
             try:
-                outputs = fn()
+                with _torch_compat.CapturableScalars():
+                    outputs = fn()
             finally:
                 graph.capture_end()
         except Exception as exc:  # any failure: eager products, same results

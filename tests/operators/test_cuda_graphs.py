@@ -335,3 +335,45 @@ def test_a_kept_state_is_recorded_again_after_a_parameter_change() -> None:
     for _ in range(3):  # rebuilt, warmed, recorded into a fresh pool, replayed
         torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
     assert graphed.num_replays == 2 + 2
+
+
+class _ScalarMask(nn.Module):
+    """A forward that builds a scalar tensor on the device, as HuggingFace's eager attention mask does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _cnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        zero = torch.tensor(0.0, device=out.device, dtype=out.dtype)
+        return torch.where(out > -1e9, out, zero)
+
+
+def test_scalar_tensors_pass_through_off_the_gpu() -> None:
+    from hessian_eigenthings._torch_compat import CapturableScalars
+
+    with CapturableScalars():
+        t = torch.tensor(2.5, dtype=torch.float64)
+        u = torch.tensor([1, 2])
+        w = torch.tensor(True, device="cpu")
+    assert t.dtype == torch.float64 and float(t) == 2.5 and u.tolist() == [1, 2] and w.dtype == torch.bool
+
+
+@cuda
+def test_scalar_tensors_built_in_the_forward_are_recorded() -> None:
+    from hessian_eigenthings._torch_compat import CapturableScalars
+
+    with CapturableScalars():
+        for value, dtype in [(0.5, torch.float32), (3, torch.int64), (True, torch.bool)]:
+            t = torch.tensor(value, device="cuda")
+            assert t.dtype == dtype and t.item() == value and t.shape == ()
+    model = _ScalarMask().cuda()
+    _, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=False)
+    eager = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False)
+    v = torch.randn(graphed.size, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
+    assert graphed.num_replays == 2
