@@ -480,8 +480,11 @@ class DataCurvatureOperator(CurvatureOperator):
     - ``graph_reuse``: ``"auto"`` / ``True`` / ``False``, see NOTE [graph reuse].
       ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``:
       bytes they may hold on CUDA (default a quarter of the device).
-    - ``cuda_graphs``: replay products on a kept state as CUDA graphs
-      (default ``True``; CUDA only, operators that support it), see NOTE [CUDA graphs].
+    - ``cuda_graphs``: record products as CUDA graphs and replay them
+      (default ``True``; CUDA only, operators that support it): on a kept
+      state its second backward (NOTE [CUDA graphs]), without one the whole
+      product per batch signature (NOTE [recorded products]). The recordings
+      hold memory between products (``held_bytes``); ``False`` records nothing.
     """
 
     #: Subclasses set this when ``_apply`` may run several times on one state.
