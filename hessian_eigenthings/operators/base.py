@@ -554,6 +554,7 @@ class DataCurvatureOperator(CurvatureOperator):
         self.backend = default_backend(backend)
         self._cache: dict[tuple[int, int], _CachedGraph] = {}
         self._cache_bytes = 0
+        self._default_budget: int | None = None  # a quarter of the device, see _graph_budget
         #: bytes of the last state that did not fit the budget (no keeping until room frees up)
         self._unkept_bytes = 0
         # NOTE [recorded products]: recordings by signature, state sizes measured by the
@@ -625,7 +626,9 @@ class DataCurvatureOperator(CurvatureOperator):
     def _graph_budget(self) -> int | None:
         if self.graph_memory_budget is not None or self.device.type != "cuda":
             return self.graph_memory_budget
-        return int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
+        if self._default_budget is None:  # read once: this is asked on every product without a kept state
+            self._default_budget = int(0.25 * torch.cuda.get_device_properties(self.device).total_memory)
+        return self._default_budget
 
     def _may_keep(self) -> bool:
         """Whether the state of the next chunk may be kept (else it is a fresh product)."""
@@ -799,10 +802,11 @@ class DataCurvatureOperator(CurvatureOperator):
         return replay
 
     # -- recorded products, NOTE [recorded products] ----------------------------
-    def _signature(self, chunk: Batch, k: int) -> tuple[Any, ...] | None:
-        """What a recorded product is keyed by; ``None`` when this chunk cannot be recorded."""
+    def _signature(self, leaves: list[Any], k: int) -> tuple[Any, ...] | None:
+        """What a recorded product is keyed by (``leaves``: ``_leaves`` of the chunk); ``None``
+        when this chunk cannot be recorded."""
         sig: list[Any] = [k, torch.is_grad_enabled()]
-        for x in _leaves(chunk):
+        for x in leaves:
             if isinstance(x, torch.Tensor):
                 if x.requires_grad or not same_device(x.device, self.device):
                     return None
@@ -826,7 +830,8 @@ class DataCurvatureOperator(CurvatureOperator):
 
     def _fresh_product(self, chunk: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         """A product without a kept state: eager, or replayed from a recording."""
-        sig = self._signature(chunk, vecs[0].shape[0]) if self._graphs_on() else None
+        leaves = _leaves(chunk) if self._graphs_on() else []
+        sig = self._signature(leaves, vecs[0].shape[0]) if leaves else None
         if sig is None:
             with private_buffers(self.model, self._modules):
                 return self._product(chunk, vecs)
@@ -848,7 +853,7 @@ class DataCurvatureOperator(CurvatureOperator):
                     self._warm_products[sig] = torch.cuda.memory_allocated(self.device) - before
                 return self._apply(state, vecs, retain=False)
         with self._own_stream():
-            tensors = [t for t in _leaves(chunk) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             _torch_compat.foreach_copy_(rec.batch_inputs + rec.replay.inputs, tensors + vecs)
             rec.replay.graph.replay()
         self.num_replays += 1
