@@ -89,6 +89,29 @@ class Adapter:
         raise NotImplementedError("no spectral density")
 
 
+class OperatorAdapter(Adapter):
+    """A column whose products are ``op(kind) @ x`` for kind ``"hessian"``, ``"ggn"``, ``"fisher"``."""
+
+    def op(self, kind: str) -> Any:
+        raise NotImplementedError(kind)
+
+    def _product(self, kind: str, x: torch.Tensor) -> Closure:
+        op = self.op(kind)  # built now, outside the timed calls
+        return lambda: op @ x
+
+    def hvp(self, v: torch.Tensor) -> Closure:
+        return self._product("hessian", v)
+
+    def block(self, V: torch.Tensor) -> Closure:
+        return self._product("hessian", V)
+
+    def ggn(self, v: torch.Tensor) -> Closure:
+        return self._product("ggn", v)
+
+    def fisher(self, v: torch.Tensor) -> Closure:
+        return self._product("fisher", v)
+
+
 def check_arpack_size(n: int, k: int) -> None:
     """Refuse scipy ``eigsh`` where it would crash the process.
 

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 import hessian_eigenthings as he
-from benchmarks.harness.adapters import Adapter, Closure
+from benchmarks.harness.adapters import Adapter, Closure, OperatorAdapter
 from benchmarks.workloads import ParityWorkload
 
 
-class CoreAdapter(Adapter):
+class CoreAdapter(OperatorAdapter):
     """``HessianOperator`` / ``GGNOperator`` / ``EmpiricalFisherOperator`` and the 1.0 algorithms.
 
     LM workloads use the library's HuggingFace helpers (``hf_lm_loss``,
@@ -66,22 +66,6 @@ class CoreAdapter(Adapter):
 
     def held_mib(self) -> float:
         return self.op("hessian").held_bytes / 2**20 if "hessian" in self._ops else float("nan")
-
-    def hvp(self, v: torch.Tensor) -> Closure:
-        op = self.op("hessian")
-        return lambda: op @ v
-
-    def block(self, V: torch.Tensor) -> Closure:
-        op = self.op("hessian")
-        return lambda: op @ V
-
-    def ggn(self, v: torch.Tensor) -> Closure:
-        op = self.op("ggn")
-        return lambda: op @ v
-
-    def fisher(self, v: torch.Tensor) -> Closure:
-        op = self.op("fisher")
-        return lambda: op @ v
 
     def top_eigs(self, k: int, tol: float) -> Closure:
         op = self.op("hessian")

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness.adapters import Adapter, Closure, check_arpack_size
+from benchmarks.harness.adapters import Adapter, Closure, OperatorAdapter, check_arpack_size
 from benchmarks.workloads import ParityWorkload
 
 A5_VERSION = "1.0.0a5"
@@ -134,7 +134,7 @@ class A5Adapter(Adapter):
         return run
 
 
-class CurvlinopsAdapter(Adapter):
+class CurvlinopsAdapter(OperatorAdapter):
     """curvlinops 3.0.1: ``HessianLinearOperator`` / ``GGNLinearOperator`` / ``EFLinearOperator``.
 
     Blocks are its native ``op @ V``; eigenpairs through ``scipy`` ``eigsh`` on
@@ -168,22 +168,6 @@ class CurvlinopsAdapter(Adapter):
             self._ops[kind] = cls(self.w.model, self.w.criterion, self.params, list(self.w.batches),
                                   progressbar=False, check_deterministic=False, num_data=self.w.num_samples)
         return self._ops[kind]
-
-    def hvp(self, v: torch.Tensor) -> Closure:
-        op = self.op("hessian")
-        return lambda: op @ v
-
-    def block(self, V: torch.Tensor) -> Closure:
-        op = self.op("hessian")
-        return lambda: op @ V
-
-    def ggn(self, v: torch.Tensor) -> Closure:
-        op = self.op("ggn")
-        return lambda: op @ v
-
-    def fisher(self, v: torch.Tensor) -> Closure:
-        op = self.op("fisher")
-        return lambda: op @ v
 
     def top_eigs(self, k: int, tol: float) -> Closure:
         from scipy.sparse.linalg import LinearOperator, eigsh

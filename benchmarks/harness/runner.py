@@ -62,6 +62,23 @@ def _closure(adapter: Adapter, task: str, v: torch.Tensor, V: torch.Tensor, cfg:
     raise KeyError(task)
 
 
+def _closures(
+    adapters: dict[str, Adapter], tasks: list[str], v: torch.Tensor, V: torch.Tensor,
+    cfg: dict[str, Any], out: dict[str, Any],
+) -> dict[tuple[str, str], Closure]:
+    """Closures of every (task, column); a column that cannot do a task gets its reason in the cell."""
+    closures: dict[tuple[str, str], Closure] = {}
+    for task in tasks:
+        for col, ad in adapters.items():
+            try:
+                closures[(task, col)] = _closure(ad, task, v, V, cfg)
+            except NotImplementedError as exc:
+                out["columns"][col]["cells"][task] = {"na": str(exc) or "not supported"}
+            except Exception as exc:
+                out["columns"][col]["cells"][task] = {"error": _err(exc)}
+    return closures
+
+
 def measure(
     w: ParityWorkload,
     device: torch.device,
@@ -98,15 +115,7 @@ def measure(
             for t in tasks:
                 cells[t] = {"error": f"setup: {_err(exc)}"}
     # ---- products, interleaved ------------------------------------------------
-    closures: dict[tuple[str, str], Closure] = {}
-    for task in (t for t in tasks if t in PRODUCT_TASKS):
-        for col, ad in adapters.items():
-            try:
-                closures[(task, col)] = _closure(ad, task, v, V, cfg)
-            except NotImplementedError as exc:
-                out["columns"][col]["cells"][task] = {"na": str(exc) or "not supported"}
-            except Exception as exc:
-                out["columns"][col]["cells"][task] = {"error": _err(exc)}
+    closures = _closures(adapters, [t for t in tasks if t in PRODUCT_TASKS], v, V, cfg, out)
     grad = gradient_closure(w)
     times: dict[Any, list[float]] = {k: [] for k in [*closures, "gradient"]}
     peaks: dict[Any, list[float]] = {k: [] for k in [*closures, "gradient"]}
@@ -160,15 +169,7 @@ def measure(
     # ---- algorithms -------------------------------------------------------------
     if checkpoint is not None:
         checkpoint(out)  # a worker that dies later keeps the finished cells
-    algo: dict[tuple[str, str], Closure] = {}
-    for task in (t for t in tasks if t in ALGO_TASKS):
-        for col, ad in adapters.items():
-            try:
-                algo[(task, col)] = _closure(ad, task, v, V, cfg)
-            except NotImplementedError as exc:
-                out["columns"][col]["cells"][task] = {"na": str(exc) or "not supported"}
-            except Exception as exc:
-                out["columns"][col]["cells"][task] = {"error": _err(exc)}
+    algo = _closures(adapters, [t for t in tasks if t in ALGO_TASKS], v, V, cfg, out)
     for task in (t for t in tasks if t in ALGO_TASKS):
         runs: dict[str, list[Any]] = {}
         for _ in range(int(cfg["algo_repeats"])):
