@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend
+from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 _NON_FINITE_HINT = (
@@ -231,3 +231,15 @@ def rounding_level(work: torch.dtype, op_dtype: torch.dtype) -> float:
     arithmetic allows.
     """
     return 100.0 * float(torch.finfo(work).eps) + 4.0 * float(torch.finfo(op_dtype).eps)
+
+
+def probe_setup(
+    op: Any, backend: LinAlgBackend | None, distribution: str, seed: int | None, precision: torch.dtype | None
+) -> tuple[CurvatureOperator, LinAlgBackend, torch.Generator, torch.dtype]:
+    """What every randomized estimator starts with: the checked operator, the backend,
+    the probe generator and the working dtype (``distribution`` validated)."""
+    op = check_operator(op)
+    backend = default_backend(backend)
+    check_distribution(distribution)
+    return op, backend, make_generator(seed, backend), work_dtype(op, precision)
+

@@ -32,14 +32,11 @@ import torch
 
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
-    check_distribution,
-    check_operator,
     global_size,
-    make_generator,
     non_finite_error,
+    probe_setup,
     progress_bar,
     random_rows,
-    work_dtype,
 )
 from hessian_eigenthings.algorithms.result import DiagonalResult
 from hessian_eigenthings.algorithms.trace import (
@@ -49,7 +46,7 @@ from hessian_eigenthings.algorithms.trace import (
     leave_one_out_sketch,
     sketch_range,
 )
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 __all__ = ["diagonal"]
@@ -83,13 +80,9 @@ def diagonal(
     cost; Hutchinson is best for diagonally dominant operators, where a
     range sketch buys nothing and ``block_size · n`` memory suffices.
     """
-    op = check_operator(op)
-    backend = default_backend(backend)
-    check_distribution(distribution)
     if method not in ("diag++", "xdiag", "hutchinson"):
         raise ValueError(f"method must be 'diag++', 'xdiag' or 'hutchinson', got {method!r}")
-    gen = make_generator(seed, backend)
-    wd = work_dtype(op, precision)
+    op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     if method == "xdiag":
         s = check_exchangeable_budget(num_matvecs, "xdiag")
         return _xdiag(op, s, gen, distribution, block_size, backend, wd, progress)

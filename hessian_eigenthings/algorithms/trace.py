@@ -40,19 +40,16 @@ import torch
 from hessian_eigenthings.algorithms._common import (
     apply_blocks,
     apply_rows,
-    check_distribution,
-    check_operator,
     global_size,
-    make_generator,
     non_finite_error,
     orthonormalize_rows,
+    probe_setup,
     progress_bar,
     random_rows,
     row_dots,
-    work_dtype,
 )
 from hessian_eigenthings.algorithms.result import TraceResult
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 __all__ = ["hutch_plus_plus", "hutchinson", "trace", "xtrace"]
@@ -139,12 +136,8 @@ def hutchinson(
     progress: bool | None = None,
 ) -> TraceResult:
     """Hutchinson's estimate of ``tr(A)`` from ``num_samples`` probes (one product each)."""
-    op = check_operator(op)
-    backend = default_backend(backend)
     _check_count("num_samples", num_samples, 1)
-    check_distribution(distribution)
-    gen = make_generator(seed, backend)
-    wd = work_dtype(op, precision)
+    op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     with progress_bar(num_samples, "hutchinson", progress) as bar:
         vals = _quadratic_forms(
             op,
@@ -178,12 +171,8 @@ def hutch_plus_plus(
     ``tr(QᵀAQ) + zᵢᵀ P A P zᵢ`` per probe (their mean is the estimate; the
     stderr is the probes' conditional standard error given the sketch).
     """
-    op = check_operator(op)
-    backend = default_backend(backend)
     _check_count("num_matvecs", num_matvecs, 3)
-    check_distribution(distribution)
-    gen = make_generator(seed, backend)
-    wd = work_dtype(op, precision)
+    op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     s = num_matvecs // 3
     with progress_bar(num_matvecs, "hutch++", progress) as bar:
         Q = sketch_range(op, s, gen, distribution=distribution, backend=backend, wd=wd, bar=bar)
@@ -322,12 +311,8 @@ def xtrace(
     the basis in one pass). When ``rank(AΩ) < s`` the basis is smaller and
     fewer than ``num_matvecs`` products are spent.
     """
-    op = check_operator(op)
-    backend = default_backend(backend)
     s = check_exchangeable_budget(num_matvecs, "xtrace")
-    check_distribution(distribution)
-    gen = make_generator(seed, backend)
-    wd = work_dtype(op, precision)
+    op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     with progress_bar(num_matvecs, "xtrace", progress) as bar:
         sk = leave_one_out_sketch(
             op,
