@@ -74,18 +74,23 @@ def resnet18(device: str, scale: float = 1.0) -> Workload:
     return Workload("ResNet-18 32x32", ResNet18().to(device).eval(), tuple(t.to(device) for t in batch), _ce)
 
 
-def gpt2(device: str, scale: float = 1.0) -> Workload:
+def _gpt2_lm(layers: int, width: int, heads: int, positions: int) -> nn.Module:
+    """A randomly initialised GPT-2 LM (vocabulary 50257, no dropout) with eager attention."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers = 6 if scale >= 1 else 2
-    seq = 256 if scale >= 1 else 64
-    cfg = GPT2Config(n_layer=layers, n_embd=512, n_head=8, vocab_size=50257, n_positions=max(seq, 256),
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=50257, n_positions=positions,
                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     try:
-        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
-    except (TypeError, ValueError):
+        return GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    except (TypeError, ValueError):  # older transformers
         cfg._attn_implementation = "eager"
-        model = GPT2LMHeadModel(cfg)
+        return GPT2LMHeadModel(cfg)
+
+
+def gpt2(device: str, scale: float = 1.0) -> Workload:
+    layers = 6 if scale >= 1 else 2
+    seq = 256 if scale >= 1 else 64
+    model = _gpt2_lm(layers, 512, 8, max(seq, 256))
     ids = torch.randint(0, 50257, (max(1, int(8 * min(scale, 1))), seq))
 
     def lm_loss(m: nn.Module, batch: Any) -> torch.Tensor:
@@ -208,16 +213,8 @@ def parity_gpt2(device: str, scale: float = 1.0) -> ParityWorkload:
 
 def parity_gpt2_large(device: str, scale: float = 1.0) -> ParityWorkload:
     """GPT-2 small geometry (12 layers, d=768, 12 heads), 4 x 512 tokens. GPU only."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     seq = 512
-    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
-                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-    try:
-        model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
-    except (TypeError, ValueError):
-        cfg._attn_implementation = "eager"
-        model = GPT2LMHeadModel(cfg)
+    model = _gpt2_lm(12, 768, 12, 1024)
     ids = torch.randint(0, 50257, (max(1, int(4 * min(scale, 1))), seq))
     return _lm("gpt2_large", "GPT-2 style 12L d768, 4x512", model.to(device).eval(), ids.to(device))
 
