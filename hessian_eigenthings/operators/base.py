@@ -844,12 +844,12 @@ class DataCurvatureOperator(CurvatureOperator):
         if rec is None and sig in self._warm_products and sig not in self._attempted_products:
             with self._own_stream():
                 rec = self._record_product(sig, chunk, vecs)
-        if rec is None:
-            cuda = self.device.type == "cuda"
-            before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        if rec is None:  # eager; the first product of a signature measures its state for the room check
+            measure = sig not in self._warm_products
+            before = torch.cuda.memory_allocated(self.device) if measure else 0
             with private_buffers(self.model, self._modules):
                 state = self._prepare(chunk)
-                if sig not in self._warm_products:  # the size of the state, for the room check
+                if measure:
                     self._warm_products[sig] = torch.cuda.memory_allocated(self.device) - before
                 return self._apply(state, vecs, retain=False)
         with self._own_stream():
