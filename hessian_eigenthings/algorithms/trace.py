@@ -88,7 +88,8 @@ def _quadratic_forms(
     for b in _blocks(count, block_size):
         Z = random_rows(b, op.size, gen, device=op.device, dtype=wd, distribution=distribution)
         if Q is not None and Q.shape[0]:
-            Z = Z - backend.inner_rows(Z, Q) @ Q
+            # in place: at LM sizes a (b, n) temporary is as large as the basis
+            Z.addmm_(backend.inner_rows(Z, Q), Q, alpha=-1)
         out.append(row_dots(backend, Z, apply_rows(op, Z)))
         bar.update(b)  # type: ignore[attr-defined]
     vals = torch.cat(out).to("cpu", torch.float64)
@@ -182,6 +183,7 @@ def hutch_plus_plus(
             AQ = apply_rows(op, Q)
             bar.update(q)
             low = row_dots(backend, Q, AQ).to("cpu", torch.float64).sum()
+            del AQ  # (q, n): the probes below need the room
         g = num_matvecs - s - q
         if q >= global_size(op):  # the sketch spans everything: the trace is exact
             return TraceResult(estimate=float(low), stderr=0.0, samples=low.reshape(1))

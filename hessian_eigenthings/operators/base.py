@@ -393,9 +393,10 @@ class _RecordedProduct:
 #   training module draws fresh masks on every replay, as eager products do,
 #   from a different position of the generator's stream.
 # - The first product of a signature runs eagerly and measures the state it
-#   builds; the second records when (k + 2) times that fits the budget and the
-#   free memory. The pool then holds about one product's peak between products
-#   (``cuda_graphs=False`` holds nothing). At most ``graph_reuse_max_batches``
+#   builds; the second records when (k + 1) times that (what the pool will
+#   hold, at most) fits the budget and (k + 2) times that is free. The pool
+#   then holds about one product's peak between products (``cuda_graphs=False``
+#   holds nothing). At most ``graph_reuse_max_batches``
 #   signatures are recorded.
 
 
@@ -727,8 +728,9 @@ class DataCurvatureOperator(CurvatureOperator):
         self.num_replays += 1
         return replay.outputs
 
-    def _room_for(self, need: int) -> bool:
-        """Whether a recording of about ``need`` bytes fits the budget and the free device memory.
+    def _room_for(self, need: int, free: int | None = None) -> bool:
+        """Whether a recording that will hold about ``need`` bytes fits the budget, and
+        ``free`` bytes (default ``need``) are free on the device for its capture.
 
         Memory is never freed back to the device during a capture, and a capture that
         runs out of memory can leave the caching allocator unusable: check first.
@@ -737,7 +739,7 @@ class DataCurvatureOperator(CurvatureOperator):
         if budget is not None and self._cache_bytes + need > budget:
             return False
         torch.cuda.empty_cache()
-        return bool(torch.cuda.mem_get_info(self.device)[0] >= need)
+        return bool(torch.cuda.mem_get_info(self.device)[0] >= (need if free is None else free))
 
     def _record(
         self, what: str, k: int, fn: Callable[[], Sequence[torch.Tensor | None]]
@@ -867,7 +869,10 @@ class DataCurvatureOperator(CurvatureOperator):
         k = vecs[0].shape[0]
         if len(self._recorded) >= self.graph_reuse_max_batches:
             return None
-        if not self._room_for((k + 2) * self._warm_products[sig]):
+        state = self._warm_products[sig]
+        # held afterwards: the pool, about one product's peak (the state plus the
+        # backward's temporaries, up to a state per vector); a margin on free memory
+        if not self._room_for((k + 1) * state, free=(k + 2) * state):
             return None
         static = map_tensors(chunk, torch.empty_like)  # outside the capture: not in its pool
         inputs = [torch.empty_like(v) for v in vecs]
