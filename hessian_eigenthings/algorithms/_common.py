@@ -99,6 +99,28 @@ def apply_rows(op: CurvatureOperator, X: torch.Tensor) -> torch.Tensor:
     return out.to(X.dtype)
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes a new tensor can take on a CUDA ``device`` (free, plus what torch's allocator
+    has cached unused); ``None`` elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def rows_that_fit(op: CurvatureOperator, wd: torch.dtype, free: int | None, share: float = 0.5) -> int | None:
+    """How many probe rows of a block fit in ``share`` of ``free`` bytes (``None``: no limit).
+
+    A block of ``b`` probes holds ``b`` rows three times: the probes, the
+    products, and the operator's per-parameter results before they are
+    copied into those. At LM sizes a row is 0.5 GB (124 M float32 entries).
+    """
+    if free is None:
+        return None
+    per_row = op.size * (wd.itemsize + 2 * op.dtype.itemsize)
+    return max(1, int(share * free) // per_row)
+
+
 def make_generator(seed: int | None, backend: LinAlgBackend) -> torch.Generator:
     """A local CPU generator (the global RNG is never touched).
 

@@ -32,11 +32,13 @@ import torch
 
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
+    device_free_bytes,
     global_size,
     non_finite_error,
     probe_setup,
     progress_bar,
     random_rows,
+    rows_that_fit,
 )
 from hessian_eigenthings.algorithms.result import DiagonalResult
 from hessian_eigenthings.algorithms.trace import (
@@ -103,6 +105,7 @@ def diagonal(
                 bar.update(Q.shape[0])
                 spent += Q.shape[0]
                 exact = (Q * AQ).sum(dim=0).to(acc)
+                del AQ  # (q, n): the probes below need the room
             probes = num_matvecs - spent
             if Q.shape[0] >= global_size(op):  # the sketch spans everything: exact
                 return DiagonalResult(
@@ -110,11 +113,12 @@ def diagonal(
                 )
         total = torch.zeros(n, dtype=acc, device=op.device)
         total_sq = torch.zeros(n, dtype=acc, device=op.device)
-        for b in _blocks(probes, block_size):
+        for b in _blocks(probes, block_size, rows_that_fit(op, wd, device_free_bytes(op.device))):
             Z = random_rows(b, n, gen, device=op.device, dtype=wd, distribution=distribution)
             AZ = apply_rows(op, Z)
             if Q is not None and Q.shape[0]:
-                AZ = AZ - backend.inner_rows(AZ, Q) @ Q  # (I - QQᵀ) A z
+                # (I - QQᵀ) A z, one new block (not in place: a user's operator may return its input)
+                AZ = torch.addmm(AZ, backend.inner_rows(AZ, Q), Q, alpha=-1)
             samples = (Z * AZ).to(acc)
             total += samples.sum(dim=0)
             total_sq += (samples * samples).sum(dim=0)

@@ -40,6 +40,7 @@ import torch
 from hessian_eigenthings.algorithms._common import (
     apply_blocks,
     apply_rows,
+    device_free_bytes,
     global_size,
     non_finite_error,
     orthonormalize_rows,
@@ -47,6 +48,7 @@ from hessian_eigenthings.algorithms._common import (
     progress_bar,
     random_rows,
     row_dots,
+    rows_that_fit,
 )
 from hessian_eigenthings.algorithms.result import TraceResult
 from hessian_eigenthings.linalg import LinAlgBackend
@@ -64,8 +66,9 @@ def _check_count(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
-def _blocks(total: int, block_size: int | None) -> list[int]:
-    bs = block_size if block_size is not None else min(total, _DEFAULT_BLOCK)
+def _blocks(total: int, block_size: int | None, fit: int | None = None) -> list[int]:
+    """Block sizes for ``total`` probes: ``block_size``, else up to 32 and at most ``fit``."""
+    bs = block_size if block_size is not None else min(total, _DEFAULT_BLOCK, fit or total)
     if bs < 1:
         raise ValueError(f"block_size must be >= 1, got {bs}")
     return [min(bs, total - s) for s in range(0, total, bs)]
@@ -85,7 +88,7 @@ def _quadratic_forms(
 ) -> torch.Tensor:
     """``zᵢᵀ P A P zᵢ`` for ``count`` probes, ``P = I − QQᵀ`` (or ``I``); float64 on the CPU."""
     out = []
-    for b in _blocks(count, block_size):
+    for b in _blocks(count, block_size, rows_that_fit(op, wd, device_free_bytes(op.device))):
         Z = random_rows(b, op.size, gen, device=op.device, dtype=wd, distribution=distribution)
         if Q is not None and Q.shape[0]:
             # in place: at LM sizes a (b, n) temporary is as large as the basis

@@ -228,3 +228,39 @@ def test_blocks_past_32bit_indexing_take_the_gram_path(monkeypatch: pytest.Monke
     got = trace(op, num_matvecs=30, method="hutch++", seed=3)
     assert not calls  # no Householder QR on a block past the limit
     assert got.estimate == pytest.approx(expected.estimate, rel=1e-10)
+
+
+@pytest.mark.parametrize("method", ["hutchinson", "hutch++"])
+def test_probe_blocks_shrink_to_the_free_device_memory(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At LM sizes 32 probe rows do not fit beside the basis: blocks follow the free memory."""
+    import importlib
+
+    trace_mod = importlib.import_module("hessian_eigenthings.algorithms.trace")  # the name is also a function
+
+    eigs = spectrum("indefinite", 40, seed=3)
+    m = torch.as_tensor(dense_matrix(eigs, seed=3))
+    widths: list[int] = []
+
+    class Recording(CountingOp):
+        def _matmat_rows(self, rows: torch.Tensor) -> torch.Tensor:
+            widths.append(rows.shape[0])
+            return super()._matmat_rows(rows)
+
+    row = 40 * (8 + 2 * 8)  # one probe row held three times, float64
+    monkeypatch.setattr(trace_mod, "device_free_bytes", lambda device: 10 * row)  # room for 5 rows at share 0.5
+    res = trace(Recording(m), num_matvecs=30, method=method, seed=0)  # type: ignore[arg-type]
+    probe_widths = widths if method == "hutchinson" else widths[2:]  # Hutch++: sketch, A·Q, then probes
+    assert probe_widths and max(probe_widths) == 5
+    assert sum(widths) == 30  # the product count does not change
+    full = trace(CountingOp(m), num_matvecs=30, method=method, seed=0)  # type: ignore[arg-type]
+    se = max(res.stderr, full.stderr)
+    assert abs(res.estimate - eigs.sum()) < 5 * se and abs(full.estimate - eigs.sum()) < 5 * se
+
+
+def test_rows_that_fit() -> None:
+    from hessian_eigenthings.algorithms._common import rows_that_fit
+
+    op = CountingOp(torch.zeros(100, 100, dtype=torch.float32))
+    assert rows_that_fit(op, torch.float64, None) is None  # no device limit (CPU)
+    assert rows_that_fit(op, torch.float32, 100 * 12 * 7) == 3  # half of 7 rows of 3 x 4 bytes x 100
+    assert rows_that_fit(op, torch.float32, 1) == 1  # always at least one probe
