@@ -223,7 +223,13 @@ CE = nn.CrossEntropyLoss()
 
 
 def _hessian(model: nn.Module, data: list[Any], **kw: Any) -> DataCurvatureOperator:
-    return HessianOperator(model, data, supervised_loss(CE), **kw)
+    return _vmapped(HessianOperator(model, data, supervised_loss(CE), **kw))
+
+
+def _vmapped(op: Any) -> Any:
+    """Blocks through one vmapped backward, as on an accelerator (NOTE [blocks on the CPU])."""
+    op._batched_ok = None
+    return op
 
 
 def _ggn(model: nn.Module, data: list[Any], **kw: Any) -> DataCurvatureOperator:
@@ -255,7 +261,8 @@ def _products(
 # Hessian (reverse over reverse): per batch one forward, one backward with create_graph
 # (the gradient), one backward of <g, v> (the product) -> (1, 2). With graph reuse the
 # first two are kept: (0, 1). A block of k goes through the second backward batched
-# (is_grads_batched): still (1, 2) per batch, never k times.
+# (is_grads_batched): still (1, 2) per batch, never k times. On the CPU the block's
+# second backward runs once per vector instead (NOTE [blocks on the CPU]).
 @pytest.mark.parametrize("k", [None, 4])
 def test_hessian_passes_per_product(k: int | None) -> None:
     model = mlp()
@@ -263,6 +270,16 @@ def test_hessian_passes_per_product(k: int | None) -> None:
     assert _products(op, model, 3, k) == [(1, 2)] * 3
     assert (op.num_forwards, op.num_passes) == (3, 3)
     assert op.num_matvecs == 3 * (k or 1)
+
+
+def test_hessian_blocks_on_the_cpu_share_the_forward_and_loop_the_second_backward() -> None:
+    model = mlp()
+    op = HessianOperator(model, batches(1), supervised_loss(CE), graph_reuse=False)
+    assert _products(op, model, 2, 4) == [(1, 1 + 4)] * 2
+    V = torch.randn(op.size, 4, generator=torch.Generator().manual_seed(1))
+    looped = op @ V
+    batched = _hessian(model, batches(1), graph_reuse=False) @ V
+    torch.testing.assert_close(looped, batched, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [None, 4])
@@ -351,7 +368,7 @@ def test_facade_apply_costs_what_the_core_matvec_costs(full_dataset: bool) -> No
 def test_facade_operator_blocks_are_one_pass() -> None:
     model = mlp()
     with pytest.warns(DeprecationWarning):
-        op = compat.HVPOperator(model, batches(1), CE, use_gpu=False)
+        op = _vmapped(compat.HVPOperator(model, batches(1), CE, use_gpu=False))
     assert _products(op, model, 2, k=4) == [(1, 2), (0, 1)]
     assert op.num_matvecs == 8
 
