@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
@@ -105,7 +106,7 @@ def device_free_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(free + _torch_compat.cuda_reserved(device) - _torch_compat.cuda_allocated(device))
 
 
 def rows_that_fit(op: CurvatureOperator, wd: torch.dtype, free: int | None, share: float = 0.5) -> int | None:

@@ -648,12 +648,12 @@ class DataCurvatureOperator(CurvatureOperator):
     def _build_state(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
         """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
         cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        before = _torch_compat.cuda_allocated(self.device) if cuda else 0
         versions = self._versions()
         raw_key = _batch_key(raw)
         with self._own_stream(), private_buffers(self.model, self._modules):
             state = self._prepare(chunk)
-        nbytes = (torch.cuda.memory_allocated(self.device) - before) if cuda else 0
+        nbytes = (_torch_compat.cuda_allocated(self.device) - before) if cuda else 0
         budget = self._graph_budget()
         if budget is not None and self._cache_bytes + nbytes > budget:
             self._unkept_bytes = nbytes
@@ -755,7 +755,7 @@ class DataCurvatureOperator(CurvatureOperator):
         if self._graph_pool is None or not live:
             # torch releases a pool with its last graph; its handle cannot take another capture
             self._graph_pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved(self.device)
+        before = _torch_compat.cuda_reserved(self.device)
         # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
         rng = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
         rng_state = rng.clone_state()
@@ -778,7 +778,7 @@ class DataCurvatureOperator(CurvatureOperator):
                     stacklevel=5,
                 )
             return None
-        extra = max(0, torch.cuda.memory_reserved(self.device) - before)
+        extra = max(0, _torch_compat.cuda_reserved(self.device) - before)
         budget = self._graph_budget()
         if budget is not None and self._cache_bytes + extra > budget:
             return None  # the graph and its pool are freed
@@ -848,11 +848,11 @@ class DataCurvatureOperator(CurvatureOperator):
                 rec = self._record_product(sig, chunk, vecs)
         if rec is None:  # eager; the first product of a signature measures its state for the room check
             measure = sig not in self._warm_products
-            before = torch.cuda.memory_allocated(self.device) if measure else 0
+            before = _torch_compat.cuda_allocated(self.device) if measure else 0
             with private_buffers(self.model, self._modules):
                 state = self._prepare(chunk)
                 if measure:
-                    self._warm_products[sig] = torch.cuda.memory_allocated(self.device) - before
+                    self._warm_products[sig] = _torch_compat.cuda_allocated(self.device) - before
                 return self._apply(state, vecs, retain=False)
         with self._own_stream():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -924,7 +924,7 @@ class DataCurvatureOperator(CurvatureOperator):
             cuda = self.device.type == "cuda" and self.block_memory_budget is not None
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
+                base = _torch_compat.cuda_allocated(self.device)
             try:
                 self._pass(V[start:stop], out[start:stop])
             except torch.cuda.OutOfMemoryError:

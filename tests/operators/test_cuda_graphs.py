@@ -350,3 +350,14 @@ def test_scalar_tensors_built_in_the_forward_are_recorded() -> None:
     for _ in range(3):
         torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
     assert graphed.num_replays == 2
+
+
+@cuda
+def test_allocator_readings_match_torch() -> None:
+    from hessian_eigenthings import _torch_compat
+
+    dev = torch.device("cuda")
+    x = torch.empty(3 * 2**20, device=dev)
+    assert _torch_compat.cuda_allocated(dev) == torch.cuda.memory_allocated(dev)
+    assert _torch_compat.cuda_reserved(dev) == torch.cuda.memory_reserved(dev)
+    del x
