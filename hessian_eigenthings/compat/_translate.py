@@ -171,6 +171,23 @@ def as_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return t.detach().cpu().numpy()
 
 
+def sorted_pairs(
+    values: torch.Tensor, vectors: torch.Tensor, *, descending: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs ``(values (k,), vectors (k, n))`` in 0.x order (a stable sort of the values).
+
+    The values are sorted on the host; pairs already in order (the usual case)
+    are returned as they are, without an indexing copy.
+    """
+    host = values.detach().cpu()
+    keys = host.to(torch.float64).numpy()
+    order = np.argsort(-keys if descending else keys, kind="stable")
+    if bool((np.diff(order) > 0).all()):
+        return host, vectors
+    index = torch.from_numpy(order)
+    return host[index], vectors[index.to(vectors.device)]
+
+
 @contextlib.contextmanager
 def core_convergence_warning_off() -> Iterator[None]:
     """Silence the core's ConvergenceWarning: it speaks 1.0 arguments (``max_iter``, the

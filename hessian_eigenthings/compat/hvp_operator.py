@@ -136,7 +136,7 @@ class _HVPOperator(HessianOperator):
             self._dtype = torch.float16
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
-        if V.dtype == self.layout.dtype:
+        if not self.fp16:
             return super()._matmat_rows(V)
         # fp16=True: half vectors in and out, products in the model's dtype
         return super()._matmat_rows(V.to(self.layout.dtype)).to(V.dtype)

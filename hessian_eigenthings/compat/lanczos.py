@@ -34,6 +34,7 @@ from hessian_eigenthings.compat._translate import (
     core_convergence_warning_off,
     init_vector,
     seed_from_global_rng,
+    sorted_pairs,
     warn_unconverged,
 )
 
@@ -140,7 +141,5 @@ def run_lanczos(
         f"max_steps={restarts} restarts with num_lanczos_vectors={ncv} ran out before tol={tol:g} "
         "(0.x raised ArpackNoConvergence); raise max_steps or num_lanczos_vectors",
     )
-    ascending = torch.argsort(result.eigenvalues.cpu(), stable=True)
-    return as_numpy(result.eigenvalues.cpu()[ascending]), as_numpy(
-        result.eigenvectors[ascending.to(result.eigenvectors.device)]
-    )
+    values, vectors = sorted_pairs(result.eigenvalues, result.eigenvectors, descending=False)
+    return as_numpy(values), as_numpy(vectors)

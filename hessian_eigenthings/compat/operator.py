@@ -40,7 +40,7 @@ class Operator(CurvatureOperator):
 
     @property
     def size(self) -> int:
-        return int(self._size)
+        return self._size  # an int: the setter converts
 
     @size.setter
     def size(self, value: int) -> None:
@@ -70,13 +70,17 @@ class Operator(CurvatureOperator):
 
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         out = self.apply(v)
-        if not isinstance(out, torch.Tensor):
+        # per product, the common case first: an output shaped, typed and placed like v
+        # needs no reshape or cast (each check and no-op call costs ~1 us on a small operator)
+        if type(out) is torch.Tensor and out.dtype is v.dtype and out.shape == v.shape:
+            if self._learned and out.device == v.device:
+                return out
+        elif not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}.apply must return a torch.Tensor, got {type(out).__name__}"
             )
         if not self._learned:
             self._device, self._dtype, self._learned = out.device, out.dtype, True
-        # per product: skip the no-op reshape and cast (a few microseconds each on a small operator)
         if out.shape != v.shape:
             out = out.reshape(v.shape)
         if out.dtype != v.dtype or out.device != v.device:

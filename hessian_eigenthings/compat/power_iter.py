@@ -32,6 +32,7 @@ from hessian_eigenthings.compat._translate import (
     core_convergence_warning_off,
     init_vector,
     seed_from_global_rng,
+    sorted_pairs,
 )
 
 # NOTE [0.x power iteration threshold]
@@ -153,9 +154,8 @@ def run_deflated_power_iteration(
         result = core_deflated_power_iteration(
             op, k=k, max_iter=steps, tol=tol, momentum=momentum, seed=seed_from_global_rng()
         )
-    descending = torch.argsort(result.eigenvalues.cpu(), descending=True, stable=True)
-    values = result.eigenvalues.cpu()[descending]
-    vectors = result.eigenvectors[descending.to(result.eigenvectors.device)].to(op.dtype)
+    values, vectors = sorted_pairs(result.eigenvalues, result.eigenvectors, descending=True)
+    vectors = vectors.to(op.dtype)
     if numpy_out:
         return as_numpy(values), as_numpy(vectors)
     return values, vectors

@@ -394,3 +394,19 @@ def test_utils(capsys: pytest.CaptureFixture[str]) -> None:
     assert compat.format_time(3725.0) == "1h2m"
     assert compat.format_time(0.0123) == "12ms"
     assert compat.format_time(90061) == "1D1h"
+
+
+@pytest.mark.parametrize("descending", [True, False])
+def test_sorted_pairs_orders_stably_and_keeps_pairs(descending: bool) -> None:
+    from hessian_eigenthings.compat._translate import sorted_pairs
+
+    values = torch.tensor([2.0, -1.0, 2.0, 5.0], dtype=torch.float64)
+    vectors = torch.arange(4.0).unsqueeze(1).repeat(1, 3)  # row i holds i
+    got_vals, got_vecs = sorted_pairs(values, vectors, descending=descending)
+    order = np.argsort(-values.numpy() if descending else values.numpy(), kind="stable")
+    np.testing.assert_array_equal(got_vals.numpy(), values.numpy()[order])
+    np.testing.assert_array_equal(got_vecs[:, 0].numpy(), order)  # each vector stays with its value
+    in_order = torch.tensor([5.0, 2.0, 1.0]) if descending else torch.tensor([1.0, 2.0, 5.0])
+    vals, vecs = sorted_pairs(in_order, vectors[:3], descending=descending)
+    assert vecs is vectors[:3] or torch.equal(vecs, vectors[:3])
+    np.testing.assert_array_equal(vals.numpy(), in_order.numpy())
