@@ -9,6 +9,7 @@ the types 0.x returned.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -180,11 +181,11 @@ def sorted_pairs(
     are returned as they are, without an indexing copy.
     """
     host = values.detach().cpu()
-    keys = host.to(torch.float64).numpy()
-    order = np.argsort(-keys if descending else keys, kind="stable")
-    if bool((np.diff(order) > 0).all()):
+    keys = host.tolist()  # k numbers: a Python check costs ~1 us, a tensor sort ~10 us
+    pairs = itertools.pairwise(keys)
+    if all(a >= b for a, b in pairs) if descending else all(a <= b for a, b in pairs):
         return host, vectors
-    index = torch.from_numpy(order)
+    index = torch.argsort(host, descending=descending, stable=True)
     return host[index], vectors[index.to(vectors.device)]
 
 

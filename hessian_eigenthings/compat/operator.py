@@ -29,6 +29,7 @@ class Operator(CurvatureOperator):
     _dtype = torch.float32
     _device = torch.device("cpu")
     _learned = False  # device and dtype taken from an output yet?
+    _plain = False  # did apply return a product shaped, typed and placed like its input?
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Operator:
         # __new__ rather than __init__: 0.x subclasses often set self.size without calling super().__init__
@@ -70,17 +71,20 @@ class Operator(CurvatureOperator):
 
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         out = self.apply(v)
-        # per product, the common case first: an output shaped, typed and placed like v
-        # needs no reshape or cast (each check and no-op call costs ~1 us on a small operator)
-        if type(out) is torch.Tensor and out.dtype is v.dtype and out.shape == v.shape:
-            if self._learned and out.device == v.device:
-                return out
-        elif not isinstance(out, torch.Tensor):
+        # Once apply has returned a product like its input (shape, dtype, device), later
+        # inputs of that dtype take its output as it is: the checks cost ~1 us per product,
+        # a few percent of a small operator's product.
+        if self._plain and v.dtype is self._dtype:
+            return out
+        if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}.apply must return a torch.Tensor, got {type(out).__name__}"
             )
         if not self._learned:
             self._device, self._dtype, self._learned = out.device, out.dtype, True
+        if out.shape == v.shape and out.dtype == v.dtype and out.device == v.device:
+            self._plain = out.dtype is self._dtype
+            return out
         if out.shape != v.shape:
             out = out.reshape(v.shape)
         if out.dtype != v.dtype or out.device != v.device:

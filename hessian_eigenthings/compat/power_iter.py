@@ -155,7 +155,8 @@ def run_deflated_power_iteration(
             op, k=k, max_iter=steps, tol=tol, momentum=momentum, seed=seed_from_global_rng()
         )
     values, vectors = sorted_pairs(result.eigenvalues, result.eigenvectors, descending=True)
-    vectors = vectors.to(op.dtype)
+    if vectors.dtype != op.dtype:  # fp16=True: half, as 0.x
+        vectors = vectors.to(op.dtype)
     if numpy_out:
         return as_numpy(values), as_numpy(vectors)
     return values, vectors

@@ -410,3 +410,23 @@ def test_sorted_pairs_orders_stably_and_keeps_pairs(descending: bool) -> None:
     vals, vecs = sorted_pairs(in_order, vectors[:3], descending=descending)
     assert vecs is vectors[:3] or torch.equal(vecs, vectors[:3])
     np.testing.assert_array_equal(vals.numpy(), in_order.numpy())
+
+
+def test_operator_products_keep_the_input_dtype_after_plain_ones() -> None:
+    """After a product shaped and typed like its input, outputs pass through; an input
+    of another dtype is still answered in its own dtype."""
+    m = torch.as_tensor(symmetric_matrix(6, seed=4), dtype=torch.float32)
+
+    class Dense(compat.Operator):
+        def apply(self, vec: torch.Tensor) -> torch.Tensor:
+            return m.to(vec.dtype) @ vec if vec.dtype == torch.float32 else m @ vec.float()
+
+    with pytest.warns(deprecation.DeprecatedWarning):
+        op = Dense(6)
+    v = torch.randn(6)
+    for _ in range(2):
+        torch.testing.assert_close(op.matvec(v), m @ v)
+    v64 = v.double()
+    out = op._matvec(v64)  # apply answers in float32: cast back to the input's dtype
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, (m @ v).double())
