@@ -6,6 +6,8 @@ graphs off; the cost counters say how many products were replayed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -64,11 +66,12 @@ def test_replayed_products_equal_eager_products(k: int) -> None:
     assert graphed.num_forwards == 1 and eager.num_replays == 0
 
 
-@cuda
-def test_parameter_change_invalidates_the_recording() -> None:
+def _recorded_then_stepped(graph_reuse: bool) -> tuple[nn.Module, list[Any], Any, HessianOperator, torch.Tensor, torch.Tensor]:
+    """An operator past its recording, then an in-place update of every parameter (an
+    optimizer step); returns ``(model, data, loss, operator, v, eager product after the step)``."""
     model, data = _problem("cuda")
     loss = supervised_loss(nn.CrossEntropyLoss())
-    graphed = HessianOperator(model, data, loss, graph_reuse=True)
+    graphed = HessianOperator(model, data, loss, graph_reuse=graph_reuse)
     v = torch.randn(graphed.size, device="cuda")
     for _ in range(3):
         graphed @ v
@@ -76,6 +79,12 @@ def test_parameter_change_invalidates_the_recording() -> None:
         for p in model.parameters():
             p.mul_(1.1)
     expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+    return model, data, loss, graphed, v, expected
+
+
+@cuda
+def test_parameter_change_invalidates_the_recording() -> None:
+    _, _, _, graphed, v, expected = _recorded_then_stepped(graph_reuse=True)
     for _ in range(3):  # rebuilt and run eagerly, recorded into a fresh pool, replayed
         torch.testing.assert_close(graphed @ v, expected, rtol=1e-4, atol=1e-5)
     assert graphed.num_forwards == 2 and graphed.num_replays == 2 + 2
@@ -247,16 +256,8 @@ def test_cycling_batches_replay_with_their_own_contents() -> None:
 
 @cuda
 def test_recordings_follow_parameter_updates_and_new_storage() -> None:
-    model, data = _problem("cuda")
-    loss = supervised_loss(nn.CrossEntropyLoss())
-    graphed = HessianOperator(model, data, loss, graph_reuse=False)
-    v = torch.randn(graphed.size, device="cuda")
-    for _ in range(3):
-        graphed @ v
-    with torch.no_grad():  # an optimizer step: in place, read by the next replay
-        for p in model.parameters():
-            p.mul_(1.1)
-    expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+    # the in-place step is read by the next replay
+    model, data, loss, graphed, v, expected = _recorded_then_stepped(graph_reuse=False)
     replays = graphed.num_replays
     torch.testing.assert_close(graphed @ v, expected, rtol=1e-5, atol=1e-6)
     assert graphed.num_replays == replays + 1
