@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import batch_size
 
 __all__ = ["MemoryEstimate", "activation_bytes", "available_memory", "estimate_memory"]
@@ -155,11 +156,16 @@ class MemoryEstimate:
 
 
 def available_memory(device: torch.device | str) -> int | None:
-    """Free bytes on ``device``: ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` on Linux CPUs."""
+    """Bytes a new tensor can take on ``device``.
+
+    CUDA: free device memory (``torch.cuda.mem_get_info``) plus what torch's
+    caching allocator holds unused (reserved minus allocated), which it hands
+    out before asking the device. Linux CPUs: ``MemAvailable``.
+    """
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(free + _torch_compat.cuda_reserved(device) - _torch_compat.cuda_allocated(device))
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as f:

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
+from hessian_eigenthings.memory import available_memory
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 _NON_FINITE_HINT = (
@@ -101,12 +101,9 @@ def apply_rows(op: CurvatureOperator, X: torch.Tensor) -> torch.Tensor:
 
 
 def device_free_bytes(device: torch.device) -> int | None:
-    """Bytes a new tensor can take on a CUDA ``device`` (free, plus what torch's allocator
-    has cached unused); ``None`` elsewhere."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + _torch_compat.cuda_reserved(device) - _torch_compat.cuda_allocated(device))
+    """Bytes a new tensor can take on a CUDA ``device`` (``memory.available_memory``);
+    ``None`` elsewhere: host memory does not limit probe blocks."""
+    return available_memory(device) if device.type == "cuda" else None
 
 
 def rows_that_fit(op: CurvatureOperator, wd: torch.dtype, free: int | None, share: float = 0.5) -> int | None:

@@ -396,8 +396,7 @@ class _RecordedProduct:
 #   builds; the second records when (k + 1) times that (what the pool will
 #   hold, at most) fits the budget and (k + 2) times that is free. The pool
 #   then holds about one product's peak between products (``cuda_graphs=False``
-#   holds nothing). At most ``graph_reuse_max_batches``
-#   signatures are recorded.
+#   holds nothing). At most ``graph_reuse_max_batches`` signatures are recorded.
 
 
 def _leaves(batch: Batch) -> list[Any]:
