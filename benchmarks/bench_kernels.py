@@ -136,6 +136,19 @@ def sweep_configs(quick: bool, sweep: str = "full") -> list[TritonConfig | None]
         return [None, TritonConfig(keep=64, block=128, num_warps=4, programs_per_sm=2)]
     if sweep == "none":
         return [None]
+    if sweep == "split":
+        # NOTE [split rows]: chunk x warps with 8 to 32 columns per thread,
+        # beside the best streaming configs of the earlier sweeps.
+        return [
+            None,
+            TritonConfig(16384, 8192, 32, 2),
+            TritonConfig(4096, 4096, 16, 2),
+        ] + [
+            TritonConfig(chunk=chunk, num_warps=warps)
+            for chunk in (2048, 4096, 8192, 16384, 32768)
+            for warps in (4, 8, 16, 32)
+            if 8 <= chunk // (32 * warps) <= 32
+        ]
     if sweep == "small":
         return [
             None,
@@ -244,11 +257,14 @@ def product_section(
         with_out(lambda o: K.cross_entropy_hvp(logits, u, valid, n, impl="compile", out=o)),
     )
     if TRITON_OK:
-        for cfg in sweep_configs(quick, "none" if sliced else sweep):
+        for cfg in sweep_configs(quick, "none" if sliced and sweep != "split" else sweep):
             c = cfg or default_config(V, dtype)
+            star = "*" if cfg is None else ""
             name = (
-                f"triton{'*' if cfg is None else ''} k{c.keep} b{c.block} w{c.num_warps} "
-                f"p{c.programs_per_sm}{'' if c.reverse else ' fwd'}{f' v{c.vec}' if c.vec else ''}"
+                f"triton{star} split c{c.chunk} w{c.num_warps}"
+                if c.chunk
+                else f"triton{star} k{c.keep} b{c.block} w{c.num_warps} p{c.programs_per_sm}"
+                f"{'' if c.reverse else ' fwd'}{f' v{c.vec}' if c.vec else ''}"
             )
             record(
                 name,
@@ -261,7 +277,7 @@ def product_section(
 
 def threshold_section(quick: bool, deadline: float) -> dict[str, Any]:
     """eager vs fused over the vocabulary size, for AUTO_EAGER_MAX_VOCAB."""
-    vocabs = (64, 512) if quick else (128, 256, 512, 1024, 2048, 4096, 8192)
+    vocabs = (64, 512) if quick else (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     row_counts = (8,) if quick else (512, 8192)
     out: list[dict[str, Any]] = []
     for rows in row_counts:
@@ -281,6 +297,15 @@ def threshold_section(quick: bool, deadline: float) -> dict[str, Any]:
                     )
                 except Exception as e:
                     entry[impl] = f"{type(e).__name__}"
+            if TRITON_OK:
+                # The whole row in one program of the split kernel, one
+                # program per row, 32 columns per thread (NOTE [split rows]).
+                chunk = 1 << max(4, (V - 1).bit_length())
+                cfg = TritonConfig(chunk=chunk, num_warps=min(16, max(1, chunk // 1024)))
+                entry["triton_split"] = bench(
+                    lambda z=z, u=u, cfg=cfg: cross_entropy_hvp_triton(z, u, None, 3.0, config=cfg),
+                    50,
+                )
             out.append(entry)
             print(f"  threshold {entry}", flush=True)
     # Smallest V from which the fused kernel wins at the largest row count
@@ -340,23 +365,27 @@ def kernel_stats() -> list[dict[str, Any]]:
     if not (CUDA and TRITON_OK):
         return []
     try:
-        from hessian_eigenthings.kernels.cross_entropy_triton import _ce_hvp_kernel
+        from hessian_eigenthings.kernels import cross_entropy_triton as ct
 
         stats = []
-        if hasattr(_ce_hvp_kernel, "device_caches"):  # triton >= 3.2
-            caches = [entry[0] for entry in _ce_hvp_kernel.device_caches.values()]
-        else:
-            caches = list(_ce_hvp_kernel.cache.values())
-        for per_device in caches:
-            for key, kern in per_device.items():
-                stats.append(
-                    {
-                        "key": str(key)[-300:],
-                        "n_regs": getattr(kern, "n_regs", None),
-                        "n_spills": getattr(kern, "n_spills", None),
-                        "num_warps": getattr(getattr(kern, "metadata", None), "num_warps", None),
-                    }
-                )
+        for kernel in (ct._ce_hvp_kernel, ct._ce_hvp_split_kernel):
+            if hasattr(kernel, "device_caches"):  # triton >= 3.2
+                caches = [entry[0] for entry in kernel.device_caches.values()]
+            else:
+                caches = list(kernel.cache.values())
+            for per_device in caches:
+                for key, kern in per_device.items():
+                    stats.append(
+                        {
+                            "kernel": kernel.__name__,
+                            "key": str(key)[-300:],
+                            "n_regs": getattr(kern, "n_regs", None),
+                            "n_spills": getattr(kern, "n_spills", None),
+                            "num_warps": getattr(
+                                getattr(kern, "metadata", None), "num_warps", None
+                            ),
+                        }
+                    )
         return stats
     except Exception as e:
         return [{"error": repr(e)}]
@@ -412,11 +441,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"auto threshold (fused = {th['fused']}): suggested {th['suggested_threshold']}",
             "",
         ]
-        lines += ["| rows | V | eager ms | compile ms | triton ms |", "|---|---|---|---|---|"]
+        lines += [
+            "| rows | V | eager ms | compile ms | triton ms | triton split kernel ms |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in th["points"]:
             lines.append(
                 f"| {p['rows']} | {p['V']} | {_fmt(p.get('eager'), '.4f')} | "
-                f"{_fmt(p.get('compile'), '.4f')} | {_fmt(p.get('triton'), '.4f')} |"
+                f"{_fmt(p.get('compile'), '.4f')} | {_fmt(p.get('triton'), '.4f')} | "
+                f"{_fmt(p.get('triton_split'), '.4f')} |"
             )
     loss = report.get("loss")
     if loss:
@@ -451,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, two configs")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop sweeping after this")
-    ap.add_argument("--sweep", choices=["none", "small", "full"], default="full")
+    ap.add_argument("--sweep", choices=["none", "small", "split", "full"], default="full")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s

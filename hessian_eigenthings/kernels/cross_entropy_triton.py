@@ -30,6 +30,32 @@ set ``programs × row bytes``, is a launch parameter, as are ``KEEP``,
 ``BLOCK`` and ``num_warps`` (see :class:`TritonConfig`; the benchmark sweeps
 them).
 
+NOTE [split rows]
+No single multiprocessor holds a long row: at V = 128256 in bfloat16, logits
+and direction are 513 KB, against 256 KB of registers and 228 KB of shared
+memory. Rows longer than ``SINGLE_PASS_MAX_V`` are therefore split into
+chunks of ``chunk`` columns, one program per chunk, each chunk held in
+registers from its one read to its one write (traffic at the floor):
+
+1. A program takes a ticket from a counter (``atomic_add``), which names its
+   row and chunk, loads the chunk, and writes the chunk's ``(m, s, t)`` to a
+   workspace of 12 bytes per chunk.
+2. It counts itself in on the row's counter (release) and spins until all of
+   the row's chunks are in (acquire), reading the counter from L2.
+3. It combines the row's statistics (``s = Σ s_k·exp(m_k − M)``, the same for
+   ``t``), rescales its chunk, and writes the output.
+
+The spin cannot deadlock as long as the device holds ``split`` programs at
+once. Tickets are handed out in order, so every row except the newest has all
+its chunks held by running programs, which finish. Only the newest row can
+wait on programs that have not started, and those start as soon as the
+programs of older rows finish. The host falls back to two launches, one
+writing the statistics and one the output (reading the inputs twice), where
+``split`` exceeds the number of multiprocessors, and always on the Triton
+interpreter, which runs programs one after another. Extra memory: the
+workspace, ``4 + 12·s`` bytes per row, ``s`` being ``split`` rounded up to
+a power of two (0.15% of bfloat16 logits at V = 128256).
+
 NOTE [online statistics]
 The streamed tail is read as a (BLOCK/VEC, VEC) tile, VEC adjacent columns
 being one thread's 16-byte load. Each of the BLOCK/VEC lanes keeps a running
@@ -182,6 +208,102 @@ def _ce_hvp_kernel(
                 )
 
 
+@triton.jit
+def _ce_hvp_split_kernel(
+    z_ptr,
+    u_ptr,
+    out_ptr,
+    valid_ptr,
+    n_ptr,
+    part_ptr,
+    count_ptr,
+    inner,
+    V,
+    split,
+    z_s0,
+    z_s1,
+    z_sv,
+    u_s0,
+    u_s1,
+    u_sv,
+    o_s0,
+    o_s1,
+    o_sv,
+    inv_n,
+    HAS_VALID: tl.constexpr,
+    N_ON_DEVICE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    PHASE: tl.constexpr,
+):
+    # See NOTE [split rows]. PHASE 0: the whole row in this program. 1: write
+    # this chunk's statistics only. 2: combine the statistics, write the
+    # output. 3: 1, wait for the row's other chunks, then 2.
+    if PHASE == 3:  # noqa: SIM108 (constexpr branch)
+        ticket = tl.atomic_add(count_ptr, 1)
+    else:
+        ticket = tl.program_id(0)
+    row = ticket // split
+    part = ticket % split
+    r0 = (row // inner).to(tl.int64)
+    r1 = (row % inner).to(tl.int64)
+    c = part * CHUNK + tl.arange(0, CHUNK)
+    cin = c < V
+    if HAS_VALID:
+        ok = tl.load(valid_ptr + row) != 0
+        cload = c < V * ok.to(tl.int32)  # ignored rows are never read
+    else:
+        cload = cin
+    z = tl.load(z_ptr + r0 * z_s0 + r1 * z_s1 + c * z_sv, mask=cload, other=-float("inf"))
+    u = tl.load(u_ptr + r0 * u_s0 + r1 * u_s1 + c * u_sv, mask=cload, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.max(z.to(tl.float32), axis=0), _MIN)
+    e = tl.exp(z.to(tl.float32) - m)
+    stats = part_ptr + row.to(tl.int64) * (3 * SPLIT_P2)
+    if PHASE != 2:
+        s = tl.sum(e, axis=0)
+        t = tl.sum(e * u, axis=0)
+    if PHASE == 1 or PHASE == 3:
+        tl.store(stats + part, m)
+        tl.store(stats + SPLIT_P2 + part, s)
+        tl.store(stats + 2 * SPLIT_P2 + part, t)
+    if PHASE == 3:
+        # Every thread's stores are ordered before the release that counts
+        # this chunk in; the acquire that sees all of them orders the reads.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + 1 + row, 1, sem="release") + 1
+        while arrived < split:
+            arrived = tl.atomic_add(count_ptr + 1 + row, 0, sem="acquire")
+        tl.debug_barrier()
+    if PHASE >= 2:
+        # ".cg": other multiprocessors wrote these; read them from L2, not a
+        # line this multiprocessor's L1 may hold from a neighbouring row.
+        k = tl.arange(0, SPLIT_P2)
+        kin = k < split
+        pm = tl.load(stats + k, mask=kin, other=_MIN, cache_modifier=".cg")
+        ps = tl.load(stats + SPLIT_P2 + k, mask=kin, other=0.0, cache_modifier=".cg")
+        pt = tl.load(stats + 2 * SPLIT_P2 + k, mask=kin, other=0.0, cache_modifier=".cg")
+        mm = tl.max(pm, axis=0)
+        w = tl.exp(pm - mm)
+        s = tl.sum(ps * w, axis=0)
+        t = tl.sum(pt * w, axis=0)
+        e = e * tl.exp(m - mm)
+    if PHASE != 1:
+        if N_ON_DEVICE:  # noqa: SIM108 (constexpr branch, resolved at compile time)
+            scale = 1.0 / tl.load(n_ptr).to(tl.float32)
+        else:
+            scale = inv_n
+        if HAS_VALID:
+            a = tl.where(ok, scale, 0.0) / tl.where(ok, s, 1.0)
+            b = t / tl.where(ok, s, 1.0)
+        else:
+            a = scale / s
+            b = t / s
+        o = e * a * (u - b)
+        tl.store(
+            out_ptr + r0 * o_s0 + r1 * o_s1 + c * o_sv, o.to(out_ptr.dtype.element_ty), mask=cin
+        )
+
+
 @dataclass(frozen=True)
 class TritonConfig:
     """Launch parameters of the kernel (see NOTE [row on chip]).
@@ -192,6 +314,9 @@ class TritonConfig:
     interpreter: the grid size). ``reverse``: walk the streamed part
     backwards in the second pass. ``vec``: columns per statistics lane
     (0: one 16-byte load, i.e. 4 for float32, 8 for 16-bit inputs).
+    ``chunk``: when set, a row is split into chunks of this many columns, one
+    program each, every chunk held in registers (NOTE [split rows]); ``keep``,
+    ``block``, ``programs_per_sm``, ``reverse`` and ``vec`` are then unused.
     """
 
     keep: int = 4096
@@ -200,9 +325,10 @@ class TritonConfig:
     programs_per_sm: int = 2
     reverse: bool = True
     vec: int = 0
+    chunk: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("keep", "block"):
+        for name in ("keep", "block") + (("chunk",) if self.chunk else ()):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TritonConfig.{name} must be a power of two >= 16, got {v}")
@@ -225,25 +351,27 @@ def _next_pow2(x: int) -> int:
 #: Largest row (in columns) the default config keeps entirely in registers.
 SINGLE_PASS_MAX_V = 16384
 
+#: Columns per program when a longer row is split (NOTE [split rows]).
+SPLIT_CHUNK = 4096
+
 
 def default_config(V: int, dtype: torch.dtype) -> TritonConfig:
-    """Launch parameters chosen from the row length and input width.
+    """Launch parameters chosen from the row length.
 
-    From the sweep of benchmarks/bench_kernels.py on an H200 (see
+    From the sweeps of benchmarks/bench_kernels.py (H100 and H200, see
     benchmarks/RESULTS_kernels.md): rows up to 16384 columns are kept whole
-    (about 1.05× the bandwidth floor); longer float32 rows do best with the
-    largest kept head and deep blocks; 16-bit rows of LM vocabularies with a
-    small head and two programs per multiprocessor (the re-read then hits
-    L2), very long ones like float32.
+    by one program (about 1.05–1.09× the bandwidth floor); longer rows are
+    split into 4096-column chunks, one 4-warp program each (32 columns per
+    thread), which reads every input once: 1.03× (float32, V = 50304) to
+    1.27× (bfloat16) the floor on an H100, where the best streaming
+    configuration was 1.22–1.40×.
     """
     if V <= SINGLE_PASS_MAX_V:
         keep = _next_pow2(V)
         return TritonConfig(
             keep=keep, block=16, num_warps=min(32, max(1, keep // 512)), programs_per_sm=4
         )
-    if dtype == torch.float32 or V > 65536:
-        return TritonConfig(keep=16384, block=8192, num_warps=32, programs_per_sm=2)
-    return TritonConfig(keep=4096, block=4096, num_warps=16, programs_per_sm=2)
+    return TritonConfig(chunk=SPLIT_CHUNK, num_warps=4)
 
 
 @functools.lru_cache(maxsize=16)
@@ -339,6 +467,11 @@ def cross_entropy_hvp_triton(
     else:
         programs = min(rows, cfg.programs_per_sm)
     dummy = logits  # placeholder pointer for absent optional arguments
+    if cfg.chunk:
+        _launch_split(logits, u, target, valid_flat, n_dev, inv_n, rows, V, inner, layout[1], cfg)
+        if target is not out:
+            out.copy_(target.reshape(out.shape))
+        return out
     _ce_hvp_kernel[(programs,)](
         logits,
         u,
@@ -370,3 +503,63 @@ def cross_entropy_hvp_triton(
     if target is not out:
         out.copy_(target.reshape(out.shape))
     return out
+
+
+def _launch_split(
+    logits: torch.Tensor,
+    u: torch.Tensor,
+    out: torch.Tensor,
+    valid_flat: torch.Tensor | None,
+    n_dev: torch.Tensor | None,
+    inv_n: float,
+    rows: int,
+    V: int,
+    inner: int,
+    strides: list[tuple[int, int, int]],
+    cfg: TritonConfig,
+) -> None:
+    """Rows split into ``cfg.chunk``-column chunks, one program each (NOTE [split rows])."""
+    chunk = min(cfg.chunk, _next_pow2(V))
+    split = -(-V // chunk)
+    split_p2 = 1 << (split - 1).bit_length()
+    if rows * split >= 2**31:
+        raise ValueError(f"{rows} rows of {split} chunks exceed the kernel's int32 row index")
+    (z0, z1, zv), (u0, u1, uv), (o0, o1, ov) = strides
+    dev = logits.device
+    partials = torch.empty(rows * 3 * split_p2 if split > 1 else 1, dtype=torch.float32, device=dev)
+    fused = split == 1 or (logits.is_cuda and split <= _num_sms(dev.index or 0))
+    counts = (
+        torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+        if split > 1 and fused
+        else partials  # unused
+    )
+    phases = ((0,) if split == 1 else (3,)) if fused else (1, 2)
+    for phase in phases:
+        _ce_hvp_split_kernel[(rows * split,)](
+            logits,
+            u,
+            out,
+            valid_flat if valid_flat is not None else logits,
+            n_dev if n_dev is not None else logits,
+            partials,
+            counts,
+            inner,
+            V,
+            split,
+            z0,
+            z1,
+            zv,
+            u0,
+            u1,
+            uv,
+            o0,
+            o1,
+            ov,
+            inv_n,
+            HAS_VALID=valid_flat is not None,
+            N_ON_DEVICE=n_dev is not None,
+            CHUNK=chunk,
+            SPLIT_P2=split_p2,
+            PHASE=phase,
+            num_warps=cfg.num_warps,
+        )

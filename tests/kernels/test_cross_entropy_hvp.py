@@ -161,8 +161,10 @@ def test_triton_matches_reference(shape, dtype, masked):
         dict(keep=2048, block=16, num_warps=4),  # whole row kept (single pass)
         dict(keep=16, block=64, vec=1),  # one statistics lane per column
         dict(keep=32, block=128, vec=32),
+        dict(chunk=64, num_warps=1),  # 17 chunks per row
+        dict(chunk=2048, num_warps=4),  # one chunk: the whole row
     ],
-    ids=["stream16", "forward-order", "single-pass", "vec1", "vec32"],
+    ids=["stream16", "forward-order", "single-pass", "vec1", "vec32", "split17", "split1"],
 )
 def test_triton_configs(config):
     from hessian_eigenthings.kernels.cross_entropy_triton import (
@@ -173,6 +175,54 @@ def test_triton_configs(config):
     z, u, valid = _inputs((5, 3, 1025), torch.float32, masked=True)
     out = cross_entropy_hvp_triton(z, u, valid, None, config=TritonConfig(**config))
     assert_matches(out, _ref64(z, u, valid), torch.float32)
+
+
+@needs_triton
+def test_triton_split_rows_beyond_resident_programs():
+    # 257 chunks per row: more than any device holds at once, so the host
+    # takes the two-launch path (see NOTE [split rows]); rows still match.
+    from hessian_eigenthings.kernels.cross_entropy_triton import (
+        TritonConfig,
+        cross_entropy_hvp_triton,
+    )
+
+    z, u, valid = _inputs((3, 4099), torch.bfloat16, masked=True)
+    out = torch.full(z.shape, float("nan"), dtype=z.dtype, device=DEVICE)
+    cross_entropy_hvp_triton(z, u, valid, None, out=out, config=TritonConfig(chunk=16))
+    assert_matches(out, _ref64(z, u, valid), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cross-program wait runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_split_rows_on_device(dtype):
+    # Thousands of rows of 13 chunks in flight at once: every chunk written,
+    # equal to the reference, bitwise the same on every run (the statistics
+    # are combined in chunk order, not in order of arrival), and the only
+    # extra memory is the workspace of NOTE [split rows].
+    from hessian_eigenthings.kernels.cross_entropy_triton import SPLIT_CHUNK
+
+    rows, V = 3000, 50257
+    split_p2 = 16
+    assert split_p2 >= -(-V // SPLIT_CHUNK)
+    z, u, valid = _inputs((rows, V), dtype, masked=True)
+    expected = _ref64(z, u, valid)
+    outs = []
+    for _ in range(3):
+        out = torch.full(z.shape, float("nan"), dtype=dtype, device=DEVICE)
+        cross_entropy_hvp(z, u, valid, impl="triton", out=out)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert_matches(outs[0], expected, dtype)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    cross_entropy_hvp(z, u, valid, impl="triton", out=u)
+    torch.cuda.synchronize()
+    workspace = rows * (4 + 12 * split_p2) + 4
+    assert (
+        torch.cuda.max_memory_allocated() - base <= workspace + 3 * 512
+    )  # rounding per allocation
 
 
 @needs_triton
