@@ -131,54 +131,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep_configs(quick: bool, sweep: str = "full") -> list[TritonConfig | None]:
-    """None = the default config for the shape; then the sweep."""
+    """None = the default config for the shape; then chunk x warps with 8 to
+    32 columns per thread (NOTE [split rows])."""
     if quick:
-        return [None, TritonConfig(keep=64, block=128, num_warps=4, programs_per_sm=2)]
+        return [None, TritonConfig(chunk=64, num_warps=1)]
     if sweep == "none":
         return [None]
-    if sweep == "split":
-        # NOTE [split rows]: chunk x warps with 8 to 32 columns per thread,
-        # beside the best streaming configs of the earlier sweeps.
-        return [
-            None,
-            TritonConfig(16384, 8192, 32, 2),
-            TritonConfig(4096, 4096, 16, 2),
-        ] + [
-            TritonConfig(chunk=chunk, num_warps=warps)
-            for chunk in (2048, 4096, 8192, 16384, 32768)
-            for warps in (4, 8, 16, 32)
-            if 8 <= chunk // (32 * warps) <= 32
-        ]
-    if sweep == "small":
-        return [
-            None,
-            TritonConfig(16384, 8192, 32, 2),
-            TritonConfig(4096, 4096, 16, 2),
-            TritonConfig(8192, 4096, 16, 2),
-            TritonConfig(4096, 8192, 32, 2),
-            TritonConfig(2048, 4096, 16, 2),
-            TritonConfig(2048, 2048, 8, 4),
-            TritonConfig(4096, 4096, 16, 3),
-            TritonConfig(8192, 8192, 32, 2),
-            TritonConfig(16384, 8192, 32, 2, vec=16),
-        ]
-    out: list[TritonConfig | None] = [None]
-    for keep in (4096, 8192, 16384):
-        for block in (2048, 4096, 8192):
-            for warps in (16, 32):
-                for pps in (1, 2):
-                    out.append(TritonConfig(keep, block, warps, pps, True))
-    # Small register footprint, several programs per multiprocessor.
-    out += [
-        TritonConfig(2048, 2048, 8, 4, True),
-        TritonConfig(4096, 2048, 8, 3, True),
-        TritonConfig(4096, 4096, 8, 4, True),
-        TritonConfig(8192, 4096, 16, 1, False),  # forward second pass
-        TritonConfig(16, 4096, 16, 1, True),  # nothing kept: two plain passes
-        TritonConfig(16384, 4096, 16, 1, True, vec=1),  # one lane per column
-        TritonConfig(16384, 4096, 16, 1, True, vec=16),
+    return [None] + [
+        TritonConfig(chunk=chunk, num_warps=warps)
+        for chunk in (2048, 4096, 8192, 16384, 32768)
+        for warps in (2, 4, 8, 16, 32)
+        if 8 <= chunk // (32 * warps) <= 32
     ]
-    return out
 
 
 def product_section(
@@ -257,15 +221,9 @@ def product_section(
         with_out(lambda o: K.cross_entropy_hvp(logits, u, valid, n, impl="compile", out=o)),
     )
     if TRITON_OK:
-        for cfg in sweep_configs(quick, "none" if sliced and sweep != "split" else sweep):
-            c = cfg or default_config(V, dtype)
-            star = "*" if cfg is None else ""
-            name = (
-                f"triton{star} split c{c.chunk} w{c.num_warps}"
-                if c.chunk
-                else f"triton{star} k{c.keep} b{c.block} w{c.num_warps} p{c.programs_per_sm}"
-                f"{'' if c.reverse else ' fwd'}{f' v{c.vec}' if c.vec else ''}"
-            )
+        for cfg in sweep_configs(quick, "none" if sliced else sweep):
+            c = cfg or default_config(V)
+            name = f"triton{'*' if cfg is None else ''} c{c.chunk} w{c.num_warps}"
             record(
                 name,
                 with_out(
@@ -297,15 +255,6 @@ def threshold_section(quick: bool, deadline: float) -> dict[str, Any]:
                     )
                 except Exception as e:
                     entry[impl] = f"{type(e).__name__}"
-            if TRITON_OK:
-                # The whole row in one program of the split kernel, one
-                # program per row, 32 columns per thread (NOTE [split rows]).
-                chunk = 1 << max(4, (V - 1).bit_length())
-                cfg = TritonConfig(chunk=chunk, num_warps=min(16, max(1, chunk // 1024)))
-                entry["triton_split"] = bench(
-                    lambda z=z, u=u, cfg=cfg: cross_entropy_hvp_triton(z, u, None, 3.0, config=cfg),
-                    50,
-                )
             out.append(entry)
             print(f"  threshold {entry}", flush=True)
     # Smallest V from which the fused kernel wins at the largest row count
@@ -368,24 +317,21 @@ def kernel_stats() -> list[dict[str, Any]]:
         from hessian_eigenthings.kernels import cross_entropy_triton as ct
 
         stats = []
-        for kernel in (ct._ce_hvp_kernel, ct._ce_hvp_split_kernel):
-            if hasattr(kernel, "device_caches"):  # triton >= 3.2
-                caches = [entry[0] for entry in kernel.device_caches.values()]
-            else:
-                caches = list(kernel.cache.values())
-            for per_device in caches:
-                for key, kern in per_device.items():
-                    stats.append(
-                        {
-                            "kernel": kernel.__name__,
-                            "key": str(key)[-300:],
-                            "n_regs": getattr(kern, "n_regs", None),
-                            "n_spills": getattr(kern, "n_spills", None),
-                            "num_warps": getattr(
-                                getattr(kern, "metadata", None), "num_warps", None
-                            ),
-                        }
-                    )
+        kernel = ct._ce_hvp_kernel
+        if hasattr(kernel, "device_caches"):  # triton >= 3.2
+            caches = [entry[0] for entry in kernel.device_caches.values()]
+        else:
+            caches = list(kernel.cache.values())
+        for per_device in caches:
+            for key, kern in per_device.items():
+                stats.append(
+                    {
+                        "key": str(key)[-300:],
+                        "n_regs": getattr(kern, "n_regs", None),
+                        "n_spills": getattr(kern, "n_spills", None),
+                        "num_warps": getattr(getattr(kern, "metadata", None), "num_warps", None),
+                    }
+                )
         return stats
     except Exception as e:
         return [{"error": repr(e)}]
@@ -441,15 +387,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"auto threshold (fused = {th['fused']}): suggested {th['suggested_threshold']}",
             "",
         ]
-        lines += [
-            "| rows | V | eager ms | compile ms | triton ms | triton split kernel ms |",
-            "|---|---|---|---|---|---|",
-        ]
+        lines += ["| rows | V | eager ms | compile ms | triton ms |", "|---|---|---|---|---|"]
         for p in th["points"]:
             lines.append(
                 f"| {p['rows']} | {p['V']} | {_fmt(p.get('eager'), '.4f')} | "
-                f"{_fmt(p.get('compile'), '.4f')} | {_fmt(p.get('triton'), '.4f')} | "
-                f"{_fmt(p.get('triton_split'), '.4f')} |"
+                f"{_fmt(p.get('compile'), '.4f')} | {_fmt(p.get('triton'), '.4f')} |"
             )
     loss = report.get("loss")
     if loss:
@@ -484,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, two configs")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop sweeping after this")
-    ap.add_argument("--sweep", choices=["none", "small", "split", "full"], default="full")
+    ap.add_argument("--sweep", choices=["none", "full"], default="full")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s

@@ -6,44 +6,27 @@ Row-wise, with ``p = softmax(z)``::
     out = exp(z − M) / s · (u − t / s) · valid / n,
     M = max z,  s = Σ exp(z − M),  t = Σ exp(z − M) · u
 
-so one pass over ``(z, u)`` gives the three statistics and a second pass
-writes ``out``. Cost: ``(read z + read u) · passes + write out``.
-
-NOTE [row on chip]
-Two streaming passes move 5 row-lengths of bytes against a floor of 3 (read
-z, read u, write out): ~1.67× the floor. Each program therefore splits its row
-in two parts:
-
-* a *kept* head of ``KEEP`` columns (a power of two), loaded once into
-  registers, used for the statistics and again, without a second read, for
-  the output. When ``V <= KEEP`` the whole row is kept: one read of each
-  input, one write (the single-pass variant).
-* a *streamed* tail in blocks of ``BLOCK`` columns, read for the statistics
-  and read again for the output. The second pass walks the tail backwards, so
-  the blocks it re-reads first are the ones read last (still in L2), and the
-  first pass loads with ``evict_last`` while the second pass and the stores
-  use ``evict_first`` so the output does not push the row out of L2.
-
-Programs are persistent (``grid = programs``, each loops over rows with
-stride ``grid``): the number of rows in flight, and with it the L2 working
-set ``programs × row bytes``, is a launch parameter, as are ``KEEP``,
-``BLOCK`` and ``num_warps`` (see :class:`TritonConfig`; the benchmark sweeps
-them).
+The floor is one read of ``z``, one read of ``u`` and one write of ``out``.
+Streaming a row twice (statistics, then output) moves 5 row-lengths instead
+of 3, about 1.67× the floor, so every program holds its columns in
+registers from their one read to their one write.
 
 NOTE [split rows]
 No single multiprocessor holds a long row: at V = 128256 in bfloat16, logits
 and direction are 513 KB, against 256 KB of registers and 228 KB of shared
-memory. Rows longer than ``SINGLE_PASS_MAX_V`` are therefore split into
-chunks of ``chunk`` columns, one program per chunk, each chunk held in
-registers from its one read to its one write (traffic at the floor):
+memory. A row is therefore split into ``split = ⌈V / chunk⌉`` chunks of
+``chunk`` columns (a power of two), one program per chunk. Rows up to
+``SINGLE_PASS_MAX_V`` columns are one chunk, and their program needs nobody
+else. For longer rows:
 
 1. A program takes a ticket from a counter (``atomic_add``), which names its
    row and chunk, loads the chunk, and writes the chunk's ``(m, s, t)`` to a
-   workspace of 12 bytes per chunk.
+   workspace.
 2. It counts itself in on the row's counter (release) and spins until all of
-   the row's chunks are in (acquire), reading the counter from L2.
-3. It combines the row's statistics (``s = Σ s_k·exp(m_k − M)``, the same for
-   ``t``), rescales its chunk, and writes the output.
+   the row's chunks are in (acquire).
+3. It combines the row's statistics in chunk order (``s = Σ s_k·exp(m_k −
+   M)``, the same for ``t``; bitwise reproducible), rescales its chunk, and
+   writes the output.
 
 The spin cannot deadlock as long as the device holds ``split`` programs at
 once. Tickets are handed out in order, so every row except the newest has all
@@ -52,20 +35,16 @@ wait on programs that have not started, and those start as soon as the
 programs of older rows finish. The host falls back to two launches, one
 writing the statistics and one the output (reading the inputs twice), where
 ``split`` exceeds the number of multiprocessors, and always on the Triton
-interpreter, which runs programs one after another. Extra memory: the
-workspace, ``4 + 12·s`` bytes per row, ``s`` being ``split`` rounded up to
-a power of two (0.15% of bfloat16 logits at V = 128256).
+interpreter, which runs programs one after another.
 
-NOTE [online statistics]
-The streamed tail is read as a (BLOCK/VEC, VEC) tile, VEC adjacent columns
-being one thread's 16-byte load. Each of the BLOCK/VEC lanes keeps a running
-``(m, s, t)``: a block raises ``m`` to the max of its VEC values (a
-thread-local reduction), rescales ``s`` and ``t`` by ``exp(m_old − m)`` and
-adds ``Σ exp(z − m)`` and ``Σ exp(z − m)·u``. The loop has no cross-thread
-reduction (no barrier: warps stream independently), costs ``1 + 1/VEC``
-exponentials per element, and holds 3 statistics per VEC columns in
-registers, leaving the register file to the kept head and to loads in
-flight. Lanes are combined once per row.
+Extra memory: the workspace, ``4 + 12·s`` bytes per row, ``s`` being
+``split`` rounded up to a power of two (0.15% of bfloat16 logits at
+V = 128256), and none for rows of one chunk.
+
+An earlier version kept one program per row, a head of the row in registers
+and the rest streamed twice with L2 eviction hints; it sat at 1.22–1.59× the
+floor on long rows where this one reaches 1.03–1.27×
+(benchmarks/RESULTS_kernels.md).
 """
 
 # No ``from __future__ import annotations`` here: triton 3.0's interpreter
@@ -88,128 +67,6 @@ _MIN = tl.constexpr(-3.0e38)
 
 @triton.jit
 def _ce_hvp_kernel(
-    z_ptr,
-    u_ptr,
-    out_ptr,
-    valid_ptr,
-    n_ptr,
-    n_rows,
-    inner,
-    V,
-    z_s0,
-    z_s1,
-    z_sv,
-    u_s0,
-    u_s1,
-    u_sv,
-    o_s0,
-    o_s1,
-    o_sv,
-    inv_n,
-    HAS_VALID: tl.constexpr,
-    N_ON_DEVICE: tl.constexpr,
-    KEEP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STREAM: tl.constexpr,
-    REVERSE: tl.constexpr,
-    VEC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if N_ON_DEVICE:  # noqa: SIM108 (constexpr branch, resolved at compile time)
-        scale = 1.0 / tl.load(n_ptr).to(tl.float32)
-    else:
-        scale = inv_n
-    kc = tl.arange(0, KEEP)
-    bc = tl.arange(0, BLOCK)
-    for row in range(pid, n_rows, nprog):
-        # Rows are (outer, inner) pairs so sliced logits (e.g. ``z[:, :-1]``)
-        # need no copy; int64 offsets because B·T·V exceeds 2**31.
-        r0 = (row // inner).to(tl.int64)
-        r1 = (row % inner).to(tl.int64)
-        z_row = z_ptr + r0 * z_s0 + r1 * z_s1
-        u_row = u_ptr + r0 * u_s0 + r1 * u_s1
-        o_row = out_ptr + r0 * o_s0 + r1 * o_s1
-        kin = kc < V
-        if HAS_VALID:
-            # Ignored rows are never read (masked loads move no bytes): their
-            # load limit is 0 columns instead of V.
-            ok = tl.load(valid_ptr + row) != 0
-            vlim = V * ok.to(tl.int32)
-        else:
-            vlim = V
-        kload = kc < vlim
-        zk = tl.load(z_row + kc * z_sv, mask=kload, other=-float("inf")).to(tl.float32)
-        uk = tl.load(u_row + kc * u_sv, mask=kload, other=0.0).to(tl.float32)
-        m = tl.maximum(tl.max(zk, axis=0), _MIN)
-        ek = tl.exp(zk - m)
-        s = tl.sum(ek, axis=0)
-        t = tl.sum(ek * uk, axis=0)
-        if STREAM:
-            # See NOTE [online statistics]: per-lane (m, s, t) over groups of
-            # VEC adjacent columns (one thread's vector load).
-            gi = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-            mv = tl.full([BLOCK // VEC], _MIN, tl.float32)
-            sv = tl.zeros([BLOCK // VEC], tl.float32)
-            tv = tl.zeros([BLOCK // VEC], tl.float32)
-            for start in range(KEEP, V, BLOCK):
-                c = start + gi
-                cload = c < vlim
-                z = tl.load(
-                    z_row + c * z_sv, mask=cload, other=-float("inf"), eviction_policy="evict_last"
-                ).to(tl.float32)
-                u = tl.load(
-                    u_row + c * u_sv, mask=cload, other=0.0, eviction_policy="evict_last"
-                ).to(tl.float32)
-                mn = tl.maximum(mv, tl.max(z, axis=1))
-                e = tl.exp(z - mn[:, None])
-                alpha = tl.exp(mv - mn)
-                sv = sv * alpha + tl.sum(e, axis=1)
-                tv = tv * alpha + tl.sum(e * u, axis=1)
-                mv = mn
-            mt = tl.max(mv, axis=0)
-            mm = tl.maximum(m, mt)
-            wt = tl.exp(mv - mm)
-            wk = tl.exp(m - mm)
-            s = s * wk + tl.sum(sv * wt, axis=0)
-            t = t * wk + tl.sum(tv * wt, axis=0)
-            m = mm
-        if HAS_VALID:
-            # s and t are 0 on ignored rows: a is 0, b is 0/1, the output 0.
-            a = tl.where(ok, scale, 0.0) / tl.where(ok, s, 1.0)
-            b = t / tl.where(ok, s, 1.0)
-        else:
-            a = scale / s
-            b = t / s
-        ok_out = tl.exp(zk - m) * a * (uk - b)
-        tl.store(o_row + kc * o_sv, ok_out.to(out_ptr.dtype.element_ty), mask=kin)
-        if STREAM:
-            nblk = tl.cdiv(V - KEEP, BLOCK)
-            for i in range(0, nblk):
-                if REVERSE:  # noqa: SIM108
-                    blk = nblk - 1 - i
-                else:
-                    blk = i
-                c = KEEP + blk * BLOCK + bc
-                cin = c < V
-                cload = c < vlim
-                z = tl.load(
-                    z_row + c * z_sv, mask=cload, other=-float("inf"), eviction_policy="evict_first"
-                ).to(tl.float32)
-                u = tl.load(
-                    u_row + c * u_sv, mask=cload, other=0.0, eviction_policy="evict_first"
-                ).to(tl.float32)
-                o = tl.exp(z - m) * a * (u - b)
-                tl.store(
-                    o_row + c * o_sv,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=cin,
-                    eviction_policy="evict_first",
-                )
-
-
-@triton.jit
-def _ce_hvp_split_kernel(
     z_ptr,
     u_ptr,
     out_ptr,
@@ -306,71 +163,48 @@ def _ce_hvp_split_kernel(
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Launch parameters of the kernel (see NOTE [row on chip]).
+    """Launch parameters of the kernel (NOTE [split rows]).
 
-    ``keep``: columns held in registers (power of two, >= 16); rows with
-    ``V <= keep`` are read once. ``block``: streamed block (power of two).
-    ``programs_per_sm``: persistent programs per multiprocessor (on the
-    interpreter: the grid size). ``reverse``: walk the streamed part
-    backwards in the second pass. ``vec``: columns per statistics lane
-    (0: one 16-byte load, i.e. 4 for float32, 8 for 16-bit inputs).
-    ``chunk``: when set, a row is split into chunks of this many columns, one
-    program each, every chunk held in registers (NOTE [split rows]); ``keep``,
-    ``block``, ``programs_per_sm``, ``reverse`` and ``vec`` are then unused.
+    ``chunk``: columns per program, a power of two >= 16; a row of ``V``
+    columns takes ``⌈V / chunk⌉`` programs (one when ``V <= chunk``).
+    ``num_warps``: warps per program.
     """
 
-    keep: int = 4096
-    block: int = 2048
-    num_warps: int = 8
-    programs_per_sm: int = 2
-    reverse: bool = True
-    vec: int = 0
-    chunk: int = 0
+    chunk: int = 4096
+    num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("keep", "block") + (("chunk",) if self.chunk else ()):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"TritonConfig.{name} must be a power of two >= 16, got {v}")
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"TritonConfig.chunk must be a power of two >= 16, got {self.chunk}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(
                 f"TritonConfig.num_warps must be a power of two <= 32, got {self.num_warps}"
             )
-        if self.vec < 0 or self.vec & (self.vec - 1) or self.vec > self.block:
-            raise ValueError(
-                f"TritonConfig.vec must be 0 or a power of two <= block, got {self.vec}"
-            )
-        if self.programs_per_sm < 1:
-            raise ValueError("TritonConfig.programs_per_sm must be >= 1")
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(4, (x - 1).bit_length())
 
 
-#: Largest row (in columns) the default config keeps entirely in registers.
+#: Longest row (in columns) that one program holds whole by default.
 SINGLE_PASS_MAX_V = 16384
 
 #: Columns per program when a longer row is split (NOTE [split rows]).
 SPLIT_CHUNK = 4096
 
 
-def default_config(V: int, dtype: torch.dtype) -> TritonConfig:
+def default_config(V: int) -> TritonConfig:
     """Launch parameters chosen from the row length.
 
-    From the sweeps of benchmarks/bench_kernels.py (H100 and H200, see
-    benchmarks/RESULTS_kernels.md): rows up to 16384 columns are kept whole
-    by one program (about 1.05–1.09× the bandwidth floor); longer rows are
-    split into 4096-column chunks, one 4-warp program each (32 columns per
-    thread), which reads every input once: 1.03× (float32, V = 50304) to
-    1.27× (bfloat16) the floor on an H100, where the best streaming
-    configuration was 1.22–1.40×.
+    From the sweeps of benchmarks/bench_kernels.py on an H100 (see
+    benchmarks/RESULTS_kernels.md): 32 columns per thread was the best point
+    at every row length. Rows up to 16384 columns are one program each;
+    longer rows are split into 4096-column chunks of 4 warps, 1.03× (float32,
+    V = 50304) to 1.26× (bfloat16) the bandwidth floor.
     """
     if V <= SINGLE_PASS_MAX_V:
-        keep = _next_pow2(V)
-        return TritonConfig(
-            keep=keep, block=16, num_warps=min(32, max(1, keep // 512)), programs_per_sm=4
-        )
+        chunk = _next_pow2(V)
+        return TritonConfig(chunk=chunk, num_warps=min(16, max(1, chunk // 1024)))
     return TritonConfig(chunk=SPLIT_CHUNK, num_warps=4)
 
 
@@ -436,7 +270,7 @@ def cross_entropy_hvp_triton(
     rows = logits.numel() // V if V else 0
     if rows == 0 or V == 0:
         return out
-    cfg = config if config is not None else default_config(V, logits.dtype)
+    cfg = config if config is not None else default_config(V)
 
     target = out
     layout = _row_layout(logits, u, out)
@@ -447,7 +281,7 @@ def cross_entropy_hvp_triton(
         target = torch.empty((rows, V), dtype=out.dtype, device=out.device)
         layout = _row_layout(logits, u, target)
         assert layout is not None
-    inner, ((z0, z1, zv), (u0, u1, uv), (o0, o1, ov)) = layout
+    inner, strides = layout
 
     valid_flat = valid.reshape(rows).view(torch.uint8) if valid is not None else None
     n_dev: torch.Tensor | None = None
@@ -462,50 +296,13 @@ def cross_entropy_hvp_triton(
     else:
         inv_n = 1.0 / float(n) if n != 0 else math.inf
 
-    if logits.is_cuda:
-        programs = min(rows, _num_sms(logits.device.index or 0) * cfg.programs_per_sm)
-    else:
-        programs = min(rows, cfg.programs_per_sm)
-    dummy = logits  # placeholder pointer for absent optional arguments
-    if cfg.chunk:
-        _launch_split(logits, u, target, valid_flat, n_dev, inv_n, rows, V, inner, layout[1], cfg)
-        if target is not out:
-            out.copy_(target.reshape(out.shape))
-        return out
-    _ce_hvp_kernel[(programs,)](
-        logits,
-        u,
-        target,
-        valid_flat if valid_flat is not None else dummy,
-        n_dev if n_dev is not None else dummy,
-        rows,
-        inner,
-        V,
-        z0,
-        z1,
-        zv,
-        u0,
-        u1,
-        uv,
-        o0,
-        o1,
-        ov,
-        inv_n,
-        HAS_VALID=valid_flat is not None,
-        N_ON_DEVICE=n_dev is not None,
-        KEEP=cfg.keep,
-        BLOCK=cfg.block,
-        STREAM=cfg.keep < V,
-        REVERSE=cfg.reverse,
-        VEC=cfg.vec if cfg.vec else max(1, 16 // logits.element_size()),
-        num_warps=cfg.num_warps,
-    )
+    _launch(logits, u, target, valid_flat, n_dev, inv_n, rows, V, inner, strides, cfg)
     if target is not out:
         out.copy_(target.reshape(out.shape))
     return out
 
 
-def _launch_split(
+def _launch(
     logits: torch.Tensor,
     u: torch.Tensor,
     out: torch.Tensor,
@@ -518,7 +315,7 @@ def _launch_split(
     strides: list[tuple[int, int, int]],
     cfg: TritonConfig,
 ) -> None:
-    """Rows split into ``cfg.chunk``-column chunks, one program each (NOTE [split rows])."""
+    """Rows in ``cfg.chunk``-column chunks, one program each (NOTE [split rows])."""
     chunk = min(cfg.chunk, _next_pow2(V))
     split = -(-V // chunk)
     split_p2 = 1 << (split - 1).bit_length()
@@ -526,16 +323,19 @@ def _launch_split(
         raise ValueError(f"{rows} rows of {split} chunks exceed the kernel's int32 row index")
     (z0, z1, zv), (u0, u1, uv), (o0, o1, ov) = strides
     dev = logits.device
-    partials = torch.empty(rows * 3 * split_p2 if split > 1 else 1, dtype=torch.float32, device=dev)
-    fused = split == 1 or (logits.is_cuda and split <= _num_sms(dev.index or 0))
-    counts = (
-        torch.zeros(rows + 1, dtype=torch.int32, device=dev)
-        if split > 1 and fused
-        else partials  # unused
-    )
-    phases = ((0,) if split == 1 else (3,)) if fused else (1, 2)
+    # Placeholder pointers stand in for what a launch does not use.
+    partials = counts = logits
+    if split == 1:
+        phases: tuple[int, ...] = (0,)
+    else:
+        partials = torch.empty(rows * 3 * split_p2, dtype=torch.float32, device=dev)
+        if logits.is_cuda and split <= _num_sms(dev.index or 0):
+            counts = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+            phases = (3,)
+        else:
+            phases = (1, 2)
     for phase in phases:
-        _ce_hvp_split_kernel[(rows * split,)](
+        _ce_hvp_kernel[(rows * split,)](
             logits,
             u,
             out,
