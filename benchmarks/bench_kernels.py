@@ -4,7 +4,7 @@
 
 On CUDA, for the ANCHORS.md shapes: measured copy bandwidth (bytes read +
 written), floor = (read logits + read u + write out) / bandwidth, time of
-eager / compile / every Triton config of a small sweep (median of
+eager / compile / every Triton config of a chunk x warps sweep (median of
 ``triton.testing.do_bench``), ratio to the floor, relative error against the
 float32 reference, extra peak memory (``out=None`` and ``out=u``); a
 vocabulary sweep for the ``auto`` threshold; the fused loss's double backward
@@ -314,14 +314,13 @@ def kernel_stats() -> list[dict[str, Any]]:
     if not (CUDA and TRITON_OK):
         return []
     try:
-        from hessian_eigenthings.kernels import cross_entropy_triton as ct
+        from hessian_eigenthings.kernels.cross_entropy_triton import _ce_hvp_kernel
 
         stats = []
-        kernel = ct._ce_hvp_kernel
-        if hasattr(kernel, "device_caches"):  # triton >= 3.2
-            caches = [entry[0] for entry in kernel.device_caches.values()]
+        if hasattr(_ce_hvp_kernel, "device_caches"):  # triton >= 3.2
+            caches = [entry[0] for entry in _ce_hvp_kernel.device_caches.values()]
         else:
-            caches = list(kernel.cache.values())
+            caches = list(_ce_hvp_kernel.cache.values())
         for per_device in caches:
             for key, kern in per_device.items():
                 stats.append(

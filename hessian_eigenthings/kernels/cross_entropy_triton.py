@@ -102,13 +102,15 @@ def _ce_hvp_kernel(
         ticket = tl.program_id(0)
     row = ticket // split
     part = ticket % split
+    # Rows are (outer, inner) pairs so sliced logits (e.g. ``z[:, :-1]``) need
+    # no copy; int64 offsets because B·T·V exceeds 2**31.
     r0 = (row // inner).to(tl.int64)
     r1 = (row % inner).to(tl.int64)
     c = part * CHUNK + tl.arange(0, CHUNK)
     cin = c < V
     if HAS_VALID:
         ok = tl.load(valid_ptr + row) != 0
-        cload = c < V * ok.to(tl.int32)  # ignored rows are never read
+        cload = c < V * ok.to(tl.int32)  # ignored rows are never read (masked loads move no bytes)
     else:
         cload = cin
     z = tl.load(z_ptr + r0 * z_s0 + r1 * z_s1 + c * z_sv, mask=cload, other=-float("inf"))
@@ -150,6 +152,7 @@ def _ce_hvp_kernel(
         else:
             scale = inv_n
         if HAS_VALID:
+            # s and t are 0 on ignored rows: a is 0, b is 0/1, the output 0.
             a = tl.where(ok, scale, 0.0) / tl.where(ok, s, 1.0)
             b = t / tl.where(ok, s, 1.0)
         else:
