@@ -169,3 +169,61 @@ class CapturableScalars(torch.overrides.TorchFunctionMode):
                 out = torch.full((), value, dtype=dtype, device=device)
                 return out.requires_grad_() if kwargs.get("requires_grad") else out
         return func(*args, **kwargs)
+
+
+def make_fx_real(fn: Callable[..., Any], *, data_dependent_ok: bool) -> Callable[..., Any]:
+    """``make_fx`` in real tracing mode; ``data_dependent_ok`` lets the traced Python read
+    tensor values (``.item()``), baking them into the graph (NOTE [tangent split])."""
+    import inspect
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if "_error_on_data_dependent_ops" in inspect.signature(make_fx).parameters:
+        return make_fx(fn, tracing_mode="real", _error_on_data_dependent_ops=not data_dependent_ok)
+    return make_fx(fn, tracing_mode="real")
+
+
+@functools.lru_cache(maxsize=1)
+def inductor_backend() -> Callable[..., Any]:
+    """Inductor as a dynamo backend callable ``(graph_module, example_inputs) -> compiled``.
+
+    Inductor's first import defines TorchScript modules through deprecated
+    ``torch.jit`` APIs, which warn; it is imported here once, quietly.
+    """
+    import warnings
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\..*deprecated")
+        import torch._inductor.compile_fx  # noqa: F401
+
+    return lookup_backend("inductor")  # type: ignore[no-any-return]
+
+
+def tracing() -> bool:
+    """Whether the code runs under ``make_fx`` or ``torch.compile`` tracing (kernels that
+    launch outside torch's dispatcher must not run then)."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def load_forward_ad_decompositions() -> None:
+    """Import torch's forward-mode decompositions once per process.
+
+    Their first use compiles them with the deprecated ``torch.jit.script``,
+    which warns: torch's own business, not the user's. Loading them here,
+    once, keeps later products free of warning filters.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
+        try:
+            from torch._decomp import decompositions_for_jvp  # noqa: F401
+        except ImportError:  # a torch without them: nothing to preload
+            pass

@@ -30,6 +30,8 @@ def resolve(impl: str, logits: torch.Tensor, u: torch.Tensor) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
+    if _torch_compat.tracing():
+        return "eager"  # traced by a product engine: the formula, which inductor fuses itself
     if logits.dtype == torch.float64 or u.dtype == torch.float64:
         return "eager"  # the fused kernels accumulate in float32
     if logits.shape[-1] < AUTO_EAGER_MAX_VOCAB:

@@ -43,6 +43,8 @@ from hessian_eigenthings.batching import (
     to_device,
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.operators.engines import ENGINES, EngineName, EngineSelector
+from hessian_eigenthings.operators.precision import Precision, check_precision, product_precision
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 # --------------------------------------------------------------------------
@@ -145,6 +147,10 @@ class CurvatureOperator(ABC):
         out = self._matmat_rows(V.T.contiguous())
         self.num_matvecs += V.shape[1]
         return out.T
+
+    def expect_products(self, n: int) -> None:
+        """Declare that about ``n`` products are coming (algorithms call this with their budget);
+        operators that choose how to run their products use it. No-op by default."""
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.dim() == 2:
@@ -460,6 +466,8 @@ class DataOptions(TypedDict, total=False):
     graph_reuse_max_batches: int
     graph_memory_budget: int | None
     cuda_graphs: bool
+    engine: EngineName
+    precision: Precision
 
 
 class DataCurvatureOperator(CurvatureOperator):
@@ -513,6 +521,8 @@ class DataCurvatureOperator(CurvatureOperator):
         graph_reuse_max_batches: int = 4,
         graph_memory_budget: int | None = None,
         cuda_graphs: bool = True,
+        engine: EngineName = "auto",
+        precision: Precision = "fp32",
         backend: LinAlgBackend | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -568,6 +578,45 @@ class DataCurvatureOperator(CurvatureOperator):
         #: passes over the data (one per batch chunk) and forward passes, for cost checks
         self.num_passes = 0
         self.num_forwards = 0
+        self.precision = check_precision(precision)
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self._engine_name = engine
+
+    @property
+    def _engines(self) -> EngineSelector:
+        # built on first use: subclasses finish their own setup after this base's __init__
+        sel = self.__dict__.get("_engine_selector")
+        if sel is None:
+            sel = self.__dict__["_engine_selector"] = EngineSelector(self, self._engine_name)
+        return sel
+
+    #: Subclasses set this when they define ``functional_product`` (engines other than autograd).
+    supports_functional: bool = False
+
+    def functional_unsupported_reason(self) -> str:
+        return f"{type(self).__name__} defines no functional product"
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The per-batch product for one direction as a pure function (see ``operators.engines``)."""
+        raise NotImplementedError
+
+    @property
+    def engine(self) -> str:
+        """The engine running products now (``"auto"`` resolves to one after its measurement)."""
+        return self._engines.active
+
+    @property
+    def engine_report(self) -> dict[str, Any]:
+        """The engine, ``auto``'s choice with its timings, traces and compilations."""
+        return self._engines.report()
+
+    def expect_products(self, n: int) -> None:
+        """Declare how many products are coming (algorithms pass their budget): ``engine="auto"``
+        traces or compiles only when that many products pay for it."""
+        self._engines.expect(n)
 
     # -- hooks for subclasses -------------------------------------------------
     def _prepare(self, batch: Batch) -> Any:
@@ -585,7 +634,7 @@ class DataCurvatureOperator(CurvatureOperator):
 
     def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         """A product without a reusable state (e.g. finite differences)."""
-        return self._apply(self._prepare(batch), vecs, retain=False)
+        return self._engines.apply(self._engines.prepare(batch), vecs, retain=False)
 
     # -- graph reuse ----------------------------------------------------------
     def _reuse_enabled(self) -> bool:
@@ -651,7 +700,7 @@ class DataCurvatureOperator(CurvatureOperator):
         versions = self._versions()
         raw_key = _batch_key(raw)
         with self._own_stream(), private_buffers(self.model, self._modules):
-            state = self._prepare(chunk)
+            state = self._engines.prepare(chunk)
         nbytes = (_torch_compat.cuda_allocated(self.device) - before) if cuda else 0
         budget = self._graph_budget()
         if budget is not None and self._cache_bytes + nbytes > budget:
@@ -700,10 +749,10 @@ class DataCurvatureOperator(CurvatureOperator):
     def _apply_own_stream(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
         """An eager product on a state built on the operator's stream."""
         if not self._graphs_on():
-            return self._apply(state, vecs, retain)
+            return self._engines.apply(state, vecs, retain)
         caller = torch.cuda.current_stream(self.device)
         with self._own_stream():
-            prods = self._apply(state, vecs, retain)
+            prods = self._engines.apply(state, vecs, retain)
         for t in prods:
             if t is not None:  # made on our stream, read on the caller's: keep it until then
                 t.record_stream(caller)
@@ -713,7 +762,7 @@ class DataCurvatureOperator(CurvatureOperator):
         """A product on a kept state: eager the first time per width, then replayed."""
         k = vecs[0].shape[0]
         if not self._graphs_on():
-            return self._apply(entry.state, vecs, retain=True)
+            return self._engines.apply(entry.state, vecs, retain=True)
         replay = entry.replays.get(k)
         if replay is None and k in entry.warm and k not in entry.attempted and k not in self._graph_failures:
             with self._own_stream():
@@ -791,7 +840,7 @@ class DataCurvatureOperator(CurvatureOperator):
         if not self._room_for((k + 1) * entry.nbytes):
             return None
         inputs = [torch.empty_like(v) for v in vecs]
-        recorded = self._record("the kept backward", k, lambda: self._apply(entry.state, inputs, retain=True))
+        recorded = self._record("the kept backward", k, lambda: self._engines.apply(entry.state, inputs, retain=True))
         if recorded is None:
             self._graph_failures.add(k)
             return None
@@ -849,10 +898,10 @@ class DataCurvatureOperator(CurvatureOperator):
             measure = sig not in self._warm_products
             before = _torch_compat.cuda_allocated(self.device) if measure else 0
             with private_buffers(self.model, self._modules):
-                state = self._prepare(chunk)
+                state = self._engines.prepare(chunk)
                 if measure:
                     self._warm_products[sig] = _torch_compat.cuda_allocated(self.device) - before
-                return self._apply(state, vecs, retain=False)
+                return self._engines.apply(state, vecs, retain=False)
         with self._own_stream():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             _torch_compat.foreach_copy_(rec.batch_inputs + rec.replay.inputs, tensors + vecs)
@@ -878,7 +927,7 @@ class DataCurvatureOperator(CurvatureOperator):
 
         def product() -> Sequence[torch.Tensor | None]:
             with private_buffers(self.model, self._modules):
-                return self._apply(self._prepare(static), inputs, retain=False)
+                return self._engines.apply(self._engines.prepare(static), inputs, retain=False)
 
         forwards = self.num_forwards
         recorded = self._record("the product", k, product)
@@ -918,27 +967,36 @@ class DataCurvatureOperator(CurvatureOperator):
         k = V.shape[0]
         out = self.layout.empty(k)
         start = 0
-        while start < k:
-            stop = min(k, start + self._block_limit(k - start))
-            cuda = self.device.type == "cuda" and self.block_memory_budget is not None
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = _torch_compat.cuda_allocated(self.device)
-            try:
-                self._pass(V[start:stop], out[start:stop])
-            except torch.cuda.OutOfMemoryError:
-                # NOTE [block out of memory]: a block too wide for the device is retried in
-                # halves (each chunk's rows of ``out`` are written whole by its own pass).
-                # Not when a pass moves the data on (full_dataset=False), nor for one vector.
-                if stop - start == 1 or not self.source.full_dataset:
-                    raise
-                self._oom_block_limit = max(1, (stop - start) // 2)
-                continue
-            if cuda:
-                peak = torch.cuda.max_memory_allocated(self.device) - base
-                self._per_vector_bytes = max(self._per_vector_bytes or 0.0, peak / (stop - start))
-            start = stop
+        with product_precision(self.precision):
+            first = self._block_limit(k)
+            if self._engines.before_block(V[:first], out[:first]):
+                start = first
+            while start < k:
+                start = self._block_step(V, out, start)
         return out
+
+    def _block_step(self, V: torch.Tensor, out: torch.Tensor, start: int) -> int:
+        """One pass for rows ``start:`` (as many as the block limit allows); returns the next start."""
+        k = V.shape[0]
+        stop = min(k, start + self._block_limit(k - start))
+        cuda = self.device.type == "cuda" and self.block_memory_budget is not None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = _torch_compat.cuda_allocated(self.device)
+        try:
+            self._pass(V[start:stop], out[start:stop])
+        except torch.cuda.OutOfMemoryError:
+            # NOTE [block out of memory]: a block too wide for the device is retried in
+            # halves (each chunk's rows of ``out`` are written whole by its own pass).
+            # Not when a pass moves the data on (full_dataset=False), nor for one vector.
+            if stop - start == 1 or not self.source.full_dataset:
+                raise
+            self._oom_block_limit = max(1, (stop - start) // 2)
+            return start
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+            self._per_vector_bytes = max(self._per_vector_bytes or 0.0, peak / (stop - start))
+        return stop
 
     def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
         """One pass over the data for the row block ``V`` (k, n), written into ``out``.
@@ -951,7 +1009,8 @@ class DataCurvatureOperator(CurvatureOperator):
         out_views = self.layout.split_rows(out)
         count = 0
         total = 0.0
-        with preserve_model(self.model, self.params, double_backward=self.needs_double_backward, modules=self._modules):
+        math_sdpa = self.needs_double_backward or self._engines.traced
+        with preserve_model(self.model, self.params, double_backward=math_sdpa, modules=self._modules):
             for prods, size in self._contributions(vecs):
                 pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
                 if count == 0:

@@ -135,6 +135,30 @@ class HessianOperator(DataCurvatureOperator):
         self._batched_ok: bool | None = False if self.device.type == "cpu" else None
         self._call = CallWithModel(self.model, loss_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
+        self.supports_functional = method == "autograd"
+        self._engines  # noqa: B018 - validates engine= against the method now, not at the first product
+
+    def functional_unsupported_reason(self) -> str:
+        return "method='finite_difference' runs ordinary gradients, not a traced product"
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``H v`` by forward-over-reverse: ``jvp(grad(loss))`` (see ``operators.engines``)."""
+        names = list(self.layout.names)
+        fixed = {f"model.{n}": t for n, t in state.items() if n not in set(names)}
+
+        def loss(selected: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            full = dict(fixed)
+            full.update(zip(self._call_names, selected, strict=True))
+            value = torch.func.functional_call(self._call, full, (batch,))
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError("loss_fn must return a scalar (mean loss over the batch)")
+            return value.reshape(())
+
+        primal = tuple(state[n] for n in names)
+        _, hv = torch.func.jvp(torch.func.grad(loss), (primal,), (tuple(tangent),))
+        return list(hv)
 
     # -- autograd ---------------------------------------------------------------
     def _prepare(self, batch: Batch) -> _GradState:

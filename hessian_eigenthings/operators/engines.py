@@ -1,0 +1,736 @@
+"""Product engines: how a curvature's per-batch product runs (DESIGN §6).
+
+A curvature is defined once, as a pure function of (parameters as a dict of
+tensors, batch, one tangent dict) returning the product as a dict
+(``functional_product`` on the operator). How that function runs is the
+engine's business:
+
+- ``"autograd"``: the operator's own reverse-mode code (kept first-order
+  graphs, CUDA-graph replay); the fallback for what ``torch.func`` cannot trace.
+- ``"functional"``: the product traced once per batch signature into an aten
+  graph and split (NOTE [tangent split]) into the part that reads only
+  parameters and data — run once per kept batch, its results kept — and the
+  part that reads the direction, run per product. A product on a kept batch is
+  the tangent work only. Blocks of k directions go through ``vmap`` of the
+  tangent part.
+- ``"compiled"``: the same split, with the tangent part compiled by inductor
+  (NOTE [compile policy]).
+- ``"auto"``: chosen per operator from measurement (:class:`AutoChoice`).
+
+Cost: tracing is host work (about a second per thousand graph nodes),
+paid once per batch signature; a kept batch costs the primal part once
+(forward, plus the backward for the Hessian); each product then costs the
+tangent part. Kept state is about the activations the tangent part reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings.batching import Batch
+
+EngineName = Literal["auto", "autograd", "functional", "compiled"]
+ENGINES: tuple[str, ...] = ("auto", "autograd", "functional", "compiled")
+
+
+class CompileFallbackWarning(RuntimeWarning):
+    """Compiling a product failed (or kept recompiling); products run on the functional engine."""
+
+
+class EngineUnsupportedError(ValueError):
+    """The chosen engine cannot run this model or batch; the message names the alternative."""
+
+
+class FunctionalCurvature(Protocol):
+    """What an engine needs from an operator."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The per-batch product for one direction, a pure function of ``state``
+        (every parameter and buffer of the model, by registered name) and the batch."""
+        ...
+
+
+# NOTE [tangent split]
+# `make_fx` traces the whole product — parameters, buffers, batch tensors and
+# the direction as inputs — into one aten graph. Every node that depends on
+# the direction (transitively) belongs to the tangent part; the others form
+# the primal part, whose values read by the tangent part ("kept") are its
+# outputs. For the Hessian `jvp(grad(loss))` the primal part is the forward
+# and the first backward, the tangent part the rest, so a product on a kept
+# batch does no primal work at all; for the GGN the primal part is the
+# forward(s), and the loss-Hessian product and the backward are tangent work.
+# Unlike `torch.func.linearize`, which folds the primal values into graph
+# constants, the kept values are ordinary inputs of the tangent part: the
+# compiled tangent part sees real strides (inductor's "cannot view a tensor
+# with shape ... and strides ..." on constants of linearize's graph does not
+# arise), and one compiled artifact serves every batch of a signature.
+# A model whose Python reads tensor values (`.item()`, a data-dependent
+# branch) cannot be traced with the batch as an input; it is then traced with
+# the batch as a constant and the values it read baked in: such a program is
+# valid for that batch only ("specialized") and is never reused for another.
+
+
+def split_by_tangent(gm: torch.fx.GraphModule, n_primal: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """``gm(primals..., tangents...)`` as ``primal(primals...) -> kept`` and
+    ``tangent(kept..., tangents...)``; returns both and the number of kept values."""
+    graph = gm.graph
+    ph = [n for n in graph.nodes if n.op == "placeholder"]
+    dep: set[torch.fx.Node] = set(ph[n_primal:])
+    for n in graph.nodes:
+        if n.op not in ("placeholder", "output", "get_attr") and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    boundary: list[torch.fx.Node] = []
+    seen: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if n in dep or n is out_node:
+            for a in n.all_input_nodes:
+                if a not in dep and a not in seen:
+                    seen.add(a)
+                    boundary.append(a)
+    primal_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    primal_inputs = set(ph[:n_primal])
+    for n in graph.nodes:
+        if n in dep or n.op == "output" or (n.op == "placeholder" and n not in primal_inputs):
+            continue
+        env[n] = primal_graph.node_copy(n, lambda x: env[x])
+    primal_graph.output(tuple(env[b] for b in boundary))
+    primal_graph.eliminate_dead_code()
+    tangent_graph = torch.fx.Graph()
+    env2: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, b in enumerate(boundary):
+        p = tangent_graph.placeholder(f"kept_{i}")
+        p.meta = dict(b.meta)
+        env2[b] = p
+    for n in graph.nodes:
+        if n in dep:
+            env2[n] = tangent_graph.node_copy(n, lambda x: env2[x])
+    tangent_graph.output(torch.fx.node.map_arg(out_node.args[0], lambda x: env2[x]))
+    tangent_graph.eliminate_dead_code()
+    return torch.fx.GraphModule(gm, primal_graph), torch.fx.GraphModule(gm, tangent_graph), len(boundary)
+
+
+@dataclass
+class SplitProgram:
+    """A traced product split by NOTE [tangent split]."""
+
+    primal: torch.fx.GraphModule
+    tangent: torch.fx.GraphModule
+    num_kept: int
+    #: identifies the tangent part (its code and input layouts): compiled artifacts are keyed by it
+    key: str
+    #: traced with the batch as an input (valid for every batch of its signature)
+    general: bool
+    trace_s: float
+    nodes: int
+    #: the tangent part for blocks of k directions (traced through vmap), by k
+    blocks: dict[int, torch.fx.GraphModule] = field(default_factory=dict)
+    #: compiled tangent parts by k (None: compiling failed, the eager one runs)
+    compiled: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SplitState:
+    """A kept batch: the program and the primal values its tangent part reads."""
+
+    program: SplitProgram
+    kept: tuple[torch.Tensor, ...]
+
+
+def _leaf_sig(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return ("V", x)
+    return None
+
+
+def batch_signature(batch: Batch) -> tuple[Any, ...] | None:
+    """Tree structure, tensor shapes/dtypes and plain values of ``batch``; ``None`` when a
+    leaf is neither a tensor nor a plain value (such batches are traced per batch)."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sig = [_leaf_sig(x) for x in leaves]
+    if any(s is None for s in sig):
+        return None
+    return (str(spec), tuple(sig))
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    text = str(exc)
+    return "data-dependent" in text or "_local_scalar_dense" in text or "data dependent" in text
+
+
+class _Tracer:
+    """Traces an operator's ``functional_product`` into :class:`SplitProgram` objects."""
+
+    def __init__(self, op: FunctionalCurvature) -> None:
+        self.op = op
+        self.names = _selected_names(op)
+
+    def inputs(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """Names of the other parameters and buffers, and all state tensors detached."""
+        model = self.op.model
+        state = {n: t.detach() for n, t in model.named_parameters()}
+        state.update({n: t.detach() for n, t in model.named_buffers()})
+        others = [n for n in state if n not in set(self.names)]
+        return others, state
+
+    def trace(self, batch: Batch, general: bool) -> SplitProgram:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        others, state = self.inputs()
+        names = self.names
+        P, O = len(names), len(others)
+        leaves, spec = pytree.tree_flatten(batch)
+        tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)] if general else []
+        op = self.op
+
+        def product(*args: torch.Tensor) -> list[torch.Tensor]:
+            sel, oth = args[:P], args[P:P + O]
+            rest = args[P + O:]
+            if general:
+                flat = list(leaves)
+                for i, t in zip(tensor_pos, rest[: len(tensor_pos)], strict=True):
+                    flat[i] = t
+                b = pytree.tree_unflatten(flat, spec)
+                tangent = list(rest[len(tensor_pos):])
+            else:
+                b, tangent = batch, list(rest)
+            full = dict(zip(names, sel, strict=True))
+            full.update(zip(others, oth, strict=True))
+            return list(op.functional_product(full, b, tangent))
+
+        primals = [state[n] for n in names] + [state[n] for n in others] + [leaves[i] for i in tensor_pos]
+        tangents = [torch.zeros_like(state[n]) for n in names]
+        _torch_compat.load_forward_ad_decompositions()
+        t0 = time.perf_counter()
+        gm = _torch_compat.make_fx_real(product, data_dependent_ok=not general)(*primals, *tangents)
+        primal, tangent, num_kept = split_by_tangent(gm, len(primals))
+        trace_s = time.perf_counter() - t0
+        del make_fx
+        key = hashlib.sha1(tangent.code.encode()).hexdigest()[:16]
+        return SplitProgram(primal, tangent, num_kept, key, general, trace_s, len(gm.graph.nodes))
+
+    def primal_inputs(self, batch: Batch, program: SplitProgram) -> list[torch.Tensor]:
+        others, state = self.inputs()
+        out = [state[n] for n in self.names] + [state[n] for n in others]
+        if program.general:
+            out += [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+        return out
+
+
+def _selected_names(op: FunctionalCurvature) -> list[str]:
+    ids = {id(p): n for n, p in op.model.named_parameters()}
+    return [ids[id(p)] for p in op.params]
+
+
+def check_functional_model(model: nn.Module, engine: str) -> None:
+    """Refuse what the traced engines do not reproduce like ``autograd`` (modules in training mode
+    with buffers or random forwards)."""
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if any(b is not None for b in m._buffers.values()):
+            raise EngineUnsupportedError(
+                f"engine={engine!r} traces the product with the model's buffers as inputs; module "
+                f"{name or type(m).__name__!r} ({type(m).__name__}) is in training mode and updates its buffers "
+                "in the forward (e.g. BatchNorm batch statistics). Call model.eval(), or pass engine='autograd'"
+            )
+        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)) and m.p > 0:
+            raise EngineUnsupportedError(
+                f"engine={engine!r} traces the product once; module {name!r} (dropout, p={m.p}) is in training "
+                "mode and draws random masks. Call model.eval(), or pass engine='autograd'"
+            )
+
+
+class FunctionalEngine:
+    """Runs an operator's ``functional_product`` through a traced tangent split."""
+
+    name = "functional"
+
+    def __init__(self, op: FunctionalCurvature) -> None:
+        self.op = op
+        self._tracer = _Tracer(op)
+        #: general programs by (batch signature, modes)
+        self._programs: dict[tuple[Any, ...], SplitProgram] = {}
+        self._general_ok = True
+        self._vmap_ok: bool | None = None
+        #: tracing time spent, and programs traced (for cost checks and reports)
+        self.trace_s = 0.0
+        self.num_traces = 0
+
+    def program(self, batch: Batch) -> SplitProgram:
+        sig = batch_signature(batch) if self._general_ok else None
+        key = None if sig is None else (sig, tuple(m.training for m in self.op.model.modules()))
+        if key is not None and key in self._programs:
+            return self._programs[key]
+        prog = None
+        if key is not None:
+            try:
+                prog = self._tracer.trace(batch, general=True)
+            except RuntimeError as exc:
+                if not _is_data_dependent(exc):
+                    raise
+                self._general_ok = False  # see NOTE [tangent split]: trace per batch from now on
+        if prog is None:
+            prog = self._tracer.trace(batch, general=False)
+        self.trace_s += prog.trace_s
+        self.num_traces += 1
+        if prog.general and key is not None:
+            self._programs[key] = prog
+        return prog
+
+    def prepare(self, batch: Batch) -> SplitState:
+        check_functional_model(self.op.model, self.name)
+        prog = self.program(batch)
+        with torch.no_grad():
+            kept = tuple(prog.primal(*self._tracer.primal_inputs(batch, prog)))
+        return SplitState(prog, kept)
+
+    def tangent_fn(self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]) -> Callable[..., Sequence[torch.Tensor]]:
+        """The tangent part for k directions: a graph of its own per k (vmap traced away), so
+        each block width is one plain graph to run or compile."""
+        if k == 1:
+            return prog.tangent
+        graph = prog.blocks.get(k)
+        if graph is None:
+            dims = (None,) * prog.num_kept + (0,) * (len(args) - prog.num_kept)
+            batched = torch.func.vmap(prog.tangent, in_dims=dims)
+            graph = _torch_compat.make_fx_real(batched, data_dependent_ok=True)(*args)
+            prog.blocks[k] = graph
+        return graph
+
+    def apply(self, state: SplitState, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        del retain  # kept values are plain tensors
+        k = vecs[0].shape[0]
+        prog = state.program
+        with torch.no_grad():
+            if k == 1:
+                out = self.run(prog, 1, (*state.kept, *(v[0] for v in vecs)))
+                return [o.unsqueeze(0) for o in out]
+            if self._vmap_ok is not False:
+                try:
+                    res = list(self.run(prog, k, (*state.kept, *vecs)))
+                except (RuntimeError, NotImplementedError):
+                    if self._vmap_ok:
+                        raise
+                    self._vmap_ok = False
+                else:
+                    self._vmap_ok = True
+                    return res
+            rows = [self.run(prog, 1, (*state.kept, *(v[j] for v in vecs))) for j in range(k)]
+            return [torch.stack([r[i] for r in rows]) for i in range(len(vecs))]
+
+    def run(self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]) -> Sequence[torch.Tensor]:
+        return self.tangent_fn(prog, k, args)(*args)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "traces": self.num_traces, "trace_s": round(self.trace_s, 3)}
+
+
+# NOTE [compile policy]
+# Recompilation and silent eager fallbacks are what made compiled code slower
+# than promised, so the compiled engine keeps compilation visible and bounded:
+# - one artifact per tangent program and block width (`dynamic=False`,
+#   `fullgraph=True`); a program is shared by every batch of one signature, so
+#   an uneven last batch costs one more program, hence one more compilation;
+# - compilations are counted by a counting backend around inductor, per
+#   operator (`num_compilations`), and an artifact that asks to compile more
+#   than `MAX_COMPILES_PER_ARTIFACT` times (dynamo guards failing on every
+#   call) is dropped for the eager tangent part, with one warning;
+# - a compile failure warns once (`CompileFallbackWarning`) and the products
+#   continue on the functional engine: never an exception;
+# - compile time (first call of each artifact) is summed in `compile_s` and
+#   recorded with the measured product times in a small JSON file beside
+#   inductor's on-disk cache, which `auto` reads to decide whether compiling pays;
+#   a second process hits inductor's cache and compiles in a fraction of the time.
+
+MAX_COMPILES_PER_ARTIFACT = 2
+
+
+class _CountingBackend:
+    """A dynamo backend that counts its compilations and hands the graph to inductor."""
+
+    def __init__(self, engine: CompiledEngine) -> None:
+        self.engine = engine
+        self.count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.count += 1
+        self.engine.num_compilations += 1
+        return _torch_compat.inductor_backend()(gm, example_inputs)
+
+
+@dataclass
+class _Artifact:
+    fn: Callable[..., Sequence[torch.Tensor]]
+    backend: _CountingBackend
+    compiled_once: bool = False
+
+
+class CompiledEngine(FunctionalEngine):
+    """The functional engine with the tangent part compiled by inductor (NOTE [compile policy])."""
+
+    name = "compiled"
+
+    def __init__(self, op: FunctionalCurvature) -> None:
+        super().__init__(op)
+        self._warned = False
+        self.compile_s = 0.0
+        self.num_compilations = 0
+        self.num_fallbacks = 0
+
+    def run(self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]) -> Sequence[torch.Tensor]:
+        art = prog.compiled.get(k, ...)
+        if art is ...:
+            if not _torch_compat.compile_supported():
+                self._fallback(prog, k, RuntimeError("torch.compile does not support this Python"))
+                art = None
+            else:
+                _torch_compat.inductor_backend()  # imported once, before dynamo runs
+                backend = _CountingBackend(self)
+                tangent = self.tangent_fn(prog, k, args)
+                art = _Artifact(torch.compile(tangent, backend=backend, fullgraph=True, dynamic=False), backend)
+                prog.compiled[k] = art
+        if art is None:
+            return super().run(prog, k, args)
+        try:
+            t0 = time.perf_counter()
+            with _quiet_compile():
+                out = art.fn(*args)
+            if not art.compiled_once:
+                if args[0].is_cuda:
+                    torch.cuda.synchronize(args[0].device)
+                art.compiled_once = True
+                seconds = time.perf_counter() - t0
+                self.compile_s += seconds
+                record_compile(prog, k, seconds)
+        except Exception as exc:  # any compile failure: the eager tangent part, same numbers
+            self._fallback(prog, k, exc)
+            return super().run(prog, k, args)
+        if art.backend.count > MAX_COMPILES_PER_ARTIFACT:
+            self._fallback(prog, k, RuntimeError(f"recompiled {art.backend.count} times"))
+        return out
+
+    def _fallback(self, prog: SplitProgram, k: int, exc: BaseException) -> None:
+        prog.compiled[k] = None
+        self.num_fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            warnings.warn(
+                f"engine='compiled': compiling the product failed ({type(exc).__name__}: {first}); products "
+                "run on engine='functional' (same numbers, not compiled)",
+                CompileFallbackWarning,
+                stacklevel=6,
+            )
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out.update(compilations=self.num_compilations, compile_s=round(self.compile_s, 2), fallbacks=self.num_fallbacks)
+        return out
+
+
+@contextlib.contextmanager
+def _quiet_compile() -> Iterator[None]:
+    # inductor may warn about its own choices (e.g. TF32 being off); not the user's business.
+    # Only this call's warnings are filtered (the product path never resets the registry).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch\._inductor.*")
+        warnings.filterwarnings("ignore", module=r"torch\._dynamo.*")
+        yield
+
+
+def _record_path() -> str:
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}"
+    )
+    return os.path.join(base, "hessian_eigenthings_compile_times.json")
+
+
+def record_compile(prog: SplitProgram, k: int, seconds: float) -> None:
+    """Remember a compile time beside inductor's cache (best effort: a read-only cache is fine)."""
+    path = _record_path()
+    try:
+        data: dict[str, Any] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+        data[f"{prog.key}:{k}"] = {"compile_s": round(seconds, 3), "nodes": prog.nodes}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except (OSError, ValueError):
+        pass
+
+
+def recorded_compile_s(prog: SplitProgram, k: int) -> float | None:
+    try:
+        with open(_record_path()) as f:
+            entry = json.load(f).get(f"{prog.key}:{k}")
+    except (OSError, ValueError):
+        return None
+    return None if entry is None else float(entry["compile_s"])
+
+
+# NOTE [auto engine]
+# `engine="auto"` decides per operator, from measurement, once the operator
+# knows how many products are coming (algorithms declare their budget with
+# `op.expect_products(n)`; a bare `op @ v` assumes few):
+# - fewer than AUTO_MIN_PRODUCTS expected: "autograd" (nothing is traced);
+# - otherwise the first kept batch is timed on "autograd" and "functional"
+#   (two products each after a warm-up; the results of the timing runs are
+#   the operator's own products, nothing is computed twice) and the faster
+#   one is kept;
+# - "compiled" only when expected products × the expected saving exceed the
+#   expected compile time: a compile time recorded by an earlier run (NOTE
+#   [compile policy]) or else a prior of COMPILE_PRIOR_S + COMPILE_S_PER_NODE
+#   per node of the tangent graph (H100, torch 2.11: 11 s at 138 nodes, 31 s
+#   at 1857, 36 s at 3922), and a saving of COMPILED_SAVING of the eager
+#   tangent time (measured 0-36%, median ~22%).
+# The choice and its figures are on `op.engine_report`.
+
+AUTO_MIN_PRODUCTS = 8
+COMPILE_PRIOR_S = 8.0
+COMPILE_S_PER_NODE = 0.008
+COMPILED_SAVING = 0.2
+
+
+@dataclass
+class AutoChoice:
+    """What ``engine="auto"`` chose and why (``op.engine_report``)."""
+
+    chosen: str = "autograd"
+    expected_products: int = 1
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    compile_estimate_s: float | None = None
+    reason: str = "few products expected"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen,
+            "expected_products": self.expected_products,
+            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
+            "compile_estimate_s": None if self.compile_estimate_s is None else round(self.compile_estimate_s, 1),
+            "reason": self.reason,
+        }
+
+
+def compile_estimate(prog: SplitProgram, k: int) -> float:
+    recorded = recorded_compile_s(prog, k)
+    if recorded is not None:
+        return recorded
+    return COMPILE_PRIOR_S + COMPILE_S_PER_NODE * len(prog.tangent.graph.nodes)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its wall time in ms (synchronised on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+AUTO_MIN_RUN_MS = 1000.0
+
+
+class EngineHost(FunctionalCurvature, Protocol):
+    """The operator as the selector sees it."""
+
+    device: torch.device
+    num_passes: int
+    num_forwards: int
+    supports_functional: bool
+
+    def _prepare(self, batch: Batch) -> Any: ...
+
+    def _apply(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]: ...
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def clear_cache(self) -> None: ...
+
+    def _reuse_enabled(self) -> bool: ...
+
+    def _may_keep(self) -> bool: ...
+
+    def functional_unsupported_reason(self) -> str: ...
+
+
+class EngineSelector:
+    """Owns an operator's engine: which one runs its per-batch products, and ``auto``'s choice.
+
+    The operator calls :meth:`prepare` / :meth:`apply` where it would call its own
+    ``_prepare`` / ``_apply`` (its autograd engine), and :meth:`before_block` before a
+    block product; everything else (data loop, kept states, weighting) stays the operator's.
+    """
+
+    def __init__(self, op: EngineHost, engine: str) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.op = op
+        self.requested = engine
+        self.expected_products = 1
+        self.auto = AutoChoice(chosen="autograd", reason="undecided")
+        self._impl: FunctionalEngine | None = None
+        self._decided = engine != "auto"
+        self.trial_passes = 0
+        if engine in ("functional", "compiled"):
+            self._impl = self._make(engine)
+
+    # -- which engine ---------------------------------------------------------------
+    @property
+    def active(self) -> str:
+        return "autograd" if self._impl is None else self._impl.name
+
+    def _make(self, name: str) -> FunctionalEngine:
+        if not self.op.supports_functional:
+            raise EngineUnsupportedError(
+                f"engine={name!r} is not available for {type(self.op).__name__} with these options "
+                f"({self.op.functional_unsupported_reason()}); pass engine='autograd'"
+            )
+        return CompiledEngine(self.op) if name == "compiled" else FunctionalEngine(self.op)
+
+    def _switch(self, name: str) -> None:
+        if name == self.active:
+            return
+        old = self._impl
+        if name == "autograd":
+            self._impl = None
+        else:
+            new = self._make(name)
+            if old is not None:  # traced programs carry over: no second trace
+                new._programs = old._programs
+                new._general_ok = old._general_ok
+            self._impl = new
+        self.op.clear_cache()
+
+    # -- the hooks the operator calls -------------------------------------------------
+    def prepare(self, batch: Batch) -> Any:
+        if self._impl is None:
+            return self.op._prepare(batch)
+        return self._impl.prepare(batch)
+
+    def apply(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        if self._impl is None:
+            return self.op._apply(state, vecs, retain)
+        return self._impl.apply(state, vecs, retain)
+
+    @property
+    def traced(self) -> bool:
+        """Whether products run through a traced program (math attention, functional checks)."""
+        return self._impl is not None
+
+    def expect(self, n: int) -> None:
+        self.expected_products = max(1, int(n))
+
+    def before_block(self, V: torch.Tensor, out: torch.Tensor) -> bool:
+        """``auto``: decide on this block if the run is long enough (NOTE [auto engine]).
+        Returns True when ``out`` already holds ``A V`` (the decision's last product)."""
+        if self._decided:
+            return False
+        if self.expected_products < AUTO_MIN_PRODUCTS:
+            return False  # few products: autograd, undecided (a later budget may change that)
+        self._decided = True
+        a = self.auto
+        a.expected_products = self.expected_products
+        if not self.op.supports_functional:
+            a.chosen, a.reason = "autograd", f"functional engines unavailable ({self.op.functional_unsupported_reason()})"
+            return False
+        if not (self.op._reuse_enabled() and self.op._may_keep()):
+            a.chosen, a.reason = "autograd", "batches are not kept between products (no state for a traced engine to reuse)"
+            return False
+        try:
+            check_functional_model(self.op.model, "functional")
+        except EngineUnsupportedError as exc:
+            a.chosen, a.reason = "autograd", str(exc).split(";")[1].strip() if ";" in str(exc) else str(exc)
+            return False
+        passes, forwards = self.op.num_passes, self.op.num_forwards
+        try:
+            return self._trial(V, out)
+        finally:
+            self.trial_passes += self.op.num_passes - passes
+            self.op.num_passes, self.op.num_forwards = passes, forwards
+
+    def _time_engine(self, name: str, V: torch.Tensor, out: torch.Tensor, reps: int = 2) -> float:
+        self._switch(name)
+        _, first = timed(self.op.device, lambda: self.op._pass(V, out))
+        if name == "autograd" and first * self.expected_products < AUTO_MIN_RUN_MS:
+            raise _ShortRun(first)
+        best = float("inf")
+        for _ in range(reps):
+            _, ms = timed(self.op.device, lambda: self.op._pass(V, out))
+            best = min(best, ms)
+        return best
+
+    def _trial(self, V: torch.Tensor, out: torch.Tensor) -> bool:
+        a = self.auto
+        try:
+            a.timings_ms["autograd"] = self._time_engine("autograd", V, out)
+        except _ShortRun as short:
+            a.timings_ms["autograd_first"] = short.ms
+            a.chosen, a.reason = "autograd", "short run: expected products x product time under a second"
+            return True
+        try:
+            a.timings_ms["functional"] = self._time_engine("functional", V, out)
+        except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
+            self._switch("autograd")
+            a.chosen, a.reason = "autograd", f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}"
+            self.op._pass(V, out)
+            return True
+        best = min(("autograd", "functional"), key=lambda k: a.timings_ms[k])
+        impl = self._impl
+        assert impl is not None
+        progs = list(impl._programs.values())
+        remaining = max(0, self.expected_products - 3 * V.shape[0])
+        if progs and _torch_compat.compile_supported():
+            est = sum(compile_estimate(p, V.shape[0]) for p in progs)
+            a.compile_estimate_s = est
+            saving_ms = a.timings_ms[best] - (1 - COMPILED_SAVING) * a.timings_ms["functional"]
+            if remaining / V.shape[0] * saving_ms / 1e3 > est:
+                a.timings_ms["compiled"] = self._time_engine("compiled", V, out)
+                if a.timings_ms["compiled"] < a.timings_ms[best]:
+                    a.chosen, a.reason = "compiled", "expected saving exceeds the compile time"
+                    return True
+        a.chosen = best
+        a.reason = "measured faster" + ("" if a.compile_estimate_s is None else "; compiling would not pay")
+        if self.active != best:
+            self._switch(best)
+            self.op._pass(V, out)
+        return True
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"requested": self.requested, "active": self.active}
+        if self.requested == "auto":
+            out["auto"] = self.auto.as_dict()
+            out["trial_passes"] = self.trial_passes
+        if self._impl is not None:
+            out.update(self._impl.describe())
+        return out
+
+
+class _ShortRun(Exception):
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
