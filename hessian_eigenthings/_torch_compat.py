@@ -198,7 +198,7 @@ def inductor_backend() -> Callable[..., Any]:
         warnings.filterwarnings("ignore", message=r".*torch\.jit\..*deprecated")
         import torch._inductor.compile_fx  # noqa: F401
 
-    return lookup_backend("inductor")  # type: ignore[no-any-return]
+    return lookup_backend("inductor")
 
 
 def tracing() -> bool:
@@ -223,7 +223,5 @@ def load_forward_ad_decompositions() -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
-        try:
-            from torch._decomp import decompositions_for_jvp  # noqa: F401
-        except ImportError:  # a torch without them: nothing to preload
-            pass
+        with contextlib.suppress(ImportError):  # a torch without them: nothing to preload
+            import torch._decomp.decompositions_for_jvp  # noqa: F401

@@ -85,6 +85,7 @@ def diagonal(
     if method not in ("diag++", "xdiag", "hutchinson"):
         raise ValueError(f"method must be 'diag++', 'xdiag' or 'hutchinson', got {method!r}")
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
+    op.expect_products(num_matvecs)
     if method == "xdiag":
         s = check_exchangeable_budget(num_matvecs, "xdiag")
         return _xdiag(op, s, gen, distribution, block_size, backend, wd, progress)

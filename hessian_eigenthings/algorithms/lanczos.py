@@ -225,6 +225,7 @@ def lanczos(
             f"(max_iter counts operator products, not restarts)"
         )
     full = reorthogonalize is None or bool(reorthogonalize)
+    op.expect_products(min(max_iter, 3 * ncv))  # a typical run: a few restarts of the basis
     if check_symmetric:
         check_symmetry(op, seed=seed, backend=backend)
 

@@ -132,6 +132,7 @@ def power_iteration_one(
     backend = default_backend(backend)
     _check_common(max_iter, tol, momentum)
     wd = work_dtype(op, precision)
+    op.expect_products(max_iter)
     x = _start(op, init, seed, backend, wd)
     noise = rounding_level(wd, op.dtype)
     with progress_bar(max_iter, "power iteration", progress) as bar:
@@ -196,6 +197,7 @@ def deflated_power_iteration(
     n = op.size
     check_k(k, global_size(op))
     _check_common(max_iter, tol, momentum)
+    op.expect_products(k * max_iter)
     wd = work_dtype(op, precision)
     noise = rounding_level(wd, op.dtype)
     gen = make_generator(seed, backend)

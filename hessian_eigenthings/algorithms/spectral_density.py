@@ -100,6 +100,7 @@ def spectral_density(
         raise ValueError(f"grid_padding must be >= 0, got {grid_padding}")
     n = op.size  # local shard length (memory); the Krylov depth is capped by the global one
     steps = min(lanczos_steps, global_size(op))
+    op.expect_products(num_runs * steps)
     wd = work_dtype(op, precision)
     gen = make_generator(seed, backend)
     itemsize = torch.empty((), dtype=wd).element_size()

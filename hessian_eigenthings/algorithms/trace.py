@@ -142,6 +142,7 @@ def hutchinson(
     """Hutchinson's estimate of ``tr(A)`` from ``num_samples`` probes (one product each)."""
     _check_count("num_samples", num_samples, 1)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
+    op.expect_products(num_samples)
     with progress_bar(num_samples, "hutchinson", progress) as bar:
         vals = _quadratic_forms(
             op,
@@ -177,6 +178,7 @@ def hutch_plus_plus(
     """
     _check_count("num_matvecs", num_matvecs, 3)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
+    op.expect_products(num_matvecs)
     s = num_matvecs // 3
     with progress_bar(num_matvecs, "hutch++", progress) as bar:
         Q = sketch_range(op, s, gen, distribution=distribution, backend=backend, wd=wd, bar=bar)
@@ -318,6 +320,7 @@ def xtrace(
     """
     s = check_exchangeable_budget(num_matvecs, "xtrace")
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
+    op.expect_products(num_matvecs)
     with progress_bar(num_matvecs, "xtrace", progress) as bar:
         sk = leave_one_out_sketch(
             op,

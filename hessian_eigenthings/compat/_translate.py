@@ -114,6 +114,9 @@ class _CastOperator(CurvatureOperator):
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         return self.inner.matvec(v.to(self.inner.dtype)).to(self._dtype)
 
+    def expect_products(self, n: int) -> None:
+        self.inner.expect_products(n)
+
 
 def as_core_operator(operator: Any, *, use_gpu: Any, fp16: Any, what: str) -> CurvatureOperator:
     """The 1.0 operator an 0.x algorithm runs on.

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.kernels import cross_entropy_hvp
 
@@ -40,6 +41,9 @@ def cross_entropy_hvp_block(
     """
     if u.shape[1:] != logits.shape:
         raise ValueError(f"u must have shape (k, *{tuple(logits.shape)}), got {tuple(u.shape)}")
+    if _torch_compat.tracing():
+        # a traced product (operators.engines) records functional ops: no writes into a buffer
+        return torch.stack([cross_entropy_hvp(logits, u[j], valid, n, impl=impl) for j in range(u.shape[0])])
     out = torch.empty(u.shape, dtype=logits.dtype, device=logits.device)
     for j in range(u.shape[0]):
         cross_entropy_hvp(logits, u[j], valid, n, impl=impl, out=out[j])

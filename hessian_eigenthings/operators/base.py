@@ -148,7 +148,7 @@ class CurvatureOperator(ABC):
         self.num_matvecs += V.shape[1]
         return out.T
 
-    def expect_products(self, n: int) -> None:
+    def expect_products(self, n: int) -> None:  # noqa: B027 - optional hook, not abstract
         """Declare that about ``n`` products are coming (algorithms call this with their budget);
         operators that choose how to run their products use it. No-op by default."""
 
@@ -967,12 +967,11 @@ class DataCurvatureOperator(CurvatureOperator):
         k = V.shape[0]
         out = self.layout.empty(k)
         start = 0
-        with product_precision(self.precision):
-            first = self._block_limit(k)
-            if self._engines.before_block(V[:first], out[:first]):
-                start = first
-            while start < k:
-                start = self._block_step(V, out, start)
+        first = self._block_limit(k)
+        if self._engines.before_block(V[:first], out[:first]):
+            start = first
+        while start < k:
+            start = self._block_step(V, out, start)
         return out
 
     def _block_step(self, V: torch.Tensor, out: torch.Tensor, start: int) -> int:
@@ -1010,7 +1009,9 @@ class DataCurvatureOperator(CurvatureOperator):
         count = 0
         total = 0.0
         math_sdpa = self.needs_double_backward or self._engines.traced
-        with preserve_model(self.model, self.params, double_backward=math_sdpa, modules=self._modules):
+        with product_precision(self.precision), preserve_model(
+            self.model, self.params, double_backward=math_sdpa, modules=self._modules
+        ):
             for prods, size in self._contributions(vecs):
                 pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
                 if count == 0:

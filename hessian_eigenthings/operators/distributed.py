@@ -233,6 +233,9 @@ class DataParallelMixin(DataCurvatureOperator):
     process_group: Any
     rank: int
     world_size: int
+    #: engine="auto" does not time engines per rank (ranks could choose differently and their
+    #: trial passes would not pair up in the all-reduce): autograd unless engine= says otherwise
+    auto_trials = False
 
     def __init__(
         self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any

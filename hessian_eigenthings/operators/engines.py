@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch
 
 EngineName = Literal["auto", "autograd", "functional", "compiled"]
@@ -48,6 +49,15 @@ ENGINES: tuple[str, ...] = ("auto", "autograd", "functional", "compiled")
 
 class CompileFallbackWarning(RuntimeWarning):
     """Compiling a product failed (or kept recompiling); products run on the functional engine."""
+
+
+class EngineMismatchWarning(RuntimeWarning):
+    """``auto``'s timing runs gave different products on two engines: it keeps ``autograd``."""
+
+
+#: relative difference between two engines' products beyond which ``auto`` distrusts the traced
+#: one (rounding differs between engines, a wrong trace differs by O(1))
+MISMATCH_TOL: dict[torch.dtype, float] = {torch.float64: 1e-8, torch.float32: 1e-3}
 
 
 class EngineUnsupportedError(ValueError):
@@ -199,14 +209,14 @@ class _Tracer:
 
         others, state = self.inputs()
         names = self.names
-        P, O = len(names), len(others)
+        n_sel, n_other = len(names), len(others)
         leaves, spec = pytree.tree_flatten(batch)
         tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)] if general else []
         op = self.op
 
         def product(*args: torch.Tensor) -> list[torch.Tensor]:
-            sel, oth = args[:P], args[P:P + O]
-            rest = args[P + O:]
+            sel, oth = args[:n_sel], args[n_sel : n_sel + n_other]
+            rest = args[n_sel + n_other :]
             if general:
                 flat = list(leaves)
                 for i, t in zip(tensor_pos, rest[: len(tensor_pos)], strict=True):
@@ -436,12 +446,14 @@ class CompiledEngine(FunctionalEngine):
         self.num_fallbacks += 1
         if not self._warned:
             self._warned = True
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+            text = str(cause).strip()
+            first = text.splitlines()[0][:200] if text else ""
             warnings.warn(
-                f"engine='compiled': compiling the product failed ({type(exc).__name__}: {first}); products "
+                f"engine='compiled': compiling the product failed ({type(cause).__name__}: {first}); products "
                 "run on engine='functional' (same numbers, not compiled)",
                 CompileFallbackWarning,
-                stacklevel=6,
+                stacklevel=user_stacklevel(),
             )
 
     def describe(self) -> dict[str, Any]:
@@ -559,7 +571,9 @@ AUTO_MIN_RUN_MS = 1000.0
 class EngineHost(FunctionalCurvature, Protocol):
     """The operator as the selector sees it."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device: ...
+
     num_passes: int
     num_forwards: int
     supports_functional: bool
@@ -596,7 +610,7 @@ class EngineSelector:
         self.auto = AutoChoice(chosen="autograd", reason="undecided")
         self._impl: FunctionalEngine | None = None
         self._decided = engine != "auto"
-        self.trial_passes = 0
+        self.trial_products = 0
         if engine in ("functional", "compiled"):
             self._impl = self._make(engine)
 
@@ -659,6 +673,9 @@ class EngineSelector:
         if not self.op.supports_functional:
             a.chosen, a.reason = "autograd", f"functional engines unavailable ({self.op.functional_unsupported_reason()})"
             return False
+        if not getattr(self.op, "auto_trials", True):
+            a.chosen, a.reason = "autograd", "ranks must agree: distributed operators take engine= explicitly"
+            return False
         if not (self.op._reuse_enabled() and self.op._may_keep()):
             a.chosen, a.reason = "autograd", "batches are not kept between products (no state for a traced engine to reuse)"
             return False
@@ -667,70 +684,88 @@ class EngineSelector:
         except EngineUnsupportedError as exc:
             a.chosen, a.reason = "autograd", str(exc).split(";")[1].strip() if ";" in str(exc) else str(exc)
             return False
+        # the first product is the run's own (counted) and sizes the run
+        self._switch("autograd")
+        _, first = timed(self.op.device, lambda: self.op._pass(V, out))
+        a.timings_ms["autograd_first"] = first
+        if first * self.expected_products < AUTO_MIN_RUN_MS:
+            a.chosen, a.reason = "autograd", "short run: expected products x product time under a second"
+            return True
+        # the trial's further products are reported (trial_products), not counted as the run's
         passes, forwards = self.op.num_passes, self.op.num_forwards
         try:
-            return self._trial(V, out)
+            self._trial(V, out, out.clone())
         finally:
-            self.trial_passes += self.op.num_passes - passes
             self.op.num_passes, self.op.num_forwards = passes, forwards
+        return True
 
-    def _time_engine(self, name: str, V: torch.Tensor, out: torch.Tensor, reps: int = 2) -> float:
+    def _trial_pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        self.trial_products += V.shape[0]
+        self.op._pass(V, out)
+
+    def _time_engine(self, name: str, V: torch.Tensor, out: torch.Tensor, warm: bool) -> float:
+        """Best of two timed passes on ``name`` (after one untimed pass that builds its state,
+        unless ``warm``)."""
         self._switch(name)
-        _, first = timed(self.op.device, lambda: self.op._pass(V, out))
-        if name == "autograd" and first * self.expected_products < AUTO_MIN_RUN_MS:
-            raise _ShortRun(first)
+        if not warm:
+            self._trial_pass(V, out)
         best = float("inf")
-        for _ in range(reps):
-            _, ms = timed(self.op.device, lambda: self.op._pass(V, out))
+        for _ in range(2):
+            _, ms = timed(self.op.device, lambda: self._trial_pass(V, out))
             best = min(best, ms)
         return best
 
-    def _trial(self, V: torch.Tensor, out: torch.Tensor) -> bool:
+    def _trial(self, V: torch.Tensor, out: torch.Tensor, reference: torch.Tensor) -> None:
         a = self.auto
+        a.timings_ms["autograd"] = self._time_engine("autograd", V, out, warm=True)
         try:
-            a.timings_ms["autograd"] = self._time_engine("autograd", V, out)
-        except _ShortRun as short:
-            a.timings_ms["autograd_first"] = short.ms
-            a.chosen, a.reason = "autograd", "short run: expected products x product time under a second"
-            return True
-        try:
-            a.timings_ms["functional"] = self._time_engine("functional", V, out)
+            a.timings_ms["functional"] = self._time_engine("functional", V, out, warm=False)
         except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
             self._switch("autograd")
             a.chosen, a.reason = "autograd", f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}"
-            self.op._pass(V, out)
-            return True
-        best = min(("autograd", "functional"), key=lambda k: a.timings_ms[k])
+            out.copy_(reference)
+            return
+        diff = float(torch.linalg.vector_norm(out - reference) / torch.linalg.vector_norm(reference).clamp_min(1e-30))
+        if not diff <= MISMATCH_TOL.get(out.dtype, 5e-2):
+            self._switch("autograd")
+            a.chosen, a.reason = "autograd", f"the functional product differed from autograd's by {diff:.1e} (relative)"
+            warnings.warn(
+                f"{type(self.op).__name__}: engine='auto' compared the traced product with autograd's and they "
+                f"differ by {diff:.1e} (relative); keeping engine='autograd'. A loss or model that writes into "
+                "preallocated buffers or reads global state can do this; please report it",
+                EngineMismatchWarning,
+                stacklevel=user_stacklevel(),
+            )
+            out.copy_(reference)
+            return
+        best = min(("autograd", "functional"), key=lambda name: a.timings_ms[name])
         impl = self._impl
         assert impl is not None
         progs = list(impl._programs.values())
-        remaining = max(0, self.expected_products - 3 * V.shape[0])
+        k = V.shape[0]
+        remaining = max(0, self.expected_products - 7 * k) / k  # passes left after the trial
         if progs and _torch_compat.compile_supported():
-            est = sum(compile_estimate(p, V.shape[0]) for p in progs)
+            est = sum(compile_estimate(p, k) for p in progs)
             a.compile_estimate_s = est
             saving_ms = a.timings_ms[best] - (1 - COMPILED_SAVING) * a.timings_ms["functional"]
-            if remaining / V.shape[0] * saving_ms / 1e3 > est:
-                a.timings_ms["compiled"] = self._time_engine("compiled", V, out)
+            if remaining * saving_ms / 1e3 > est:
+                a.timings_ms["compiled"] = self._time_engine("compiled", V, out, warm=False)
                 if a.timings_ms["compiled"] < a.timings_ms[best]:
                     a.chosen, a.reason = "compiled", "expected saving exceeds the compile time"
-                    return True
+                    return
         a.chosen = best
         a.reason = "measured faster" + ("" if a.compile_estimate_s is None else "; compiling would not pay")
         if self.active != best:
             self._switch(best)
-            self.op._pass(V, out)
-        return True
+            self._trial_pass(V, out)
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"requested": self.requested, "active": self.active}
         if self.requested == "auto":
             out["auto"] = self.auto.as_dict()
-            out["trial_passes"] = self.trial_passes
+            out["trial_products"] = self.trial_products
         if self._impl is not None:
             out.update(self._impl.describe())
         return out
 
 
-class _ShortRun(Exception):
-    def __init__(self, ms: float) -> None:
-        self.ms = ms

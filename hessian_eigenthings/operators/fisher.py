@@ -121,6 +121,9 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
             )
         return losses.reshape(n, -1).mean(1) if losses.dim() > 1 else losses
 
+    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        return u / output.shape[0]
+
     def _loss_hvp(self, state: _OutputState, u: torch.Tensor) -> torch.Tensor:
         # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
         return u / state.output.shape[0]

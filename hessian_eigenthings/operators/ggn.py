@@ -144,6 +144,10 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
         self._set_forward(forward_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
+        # the traced engines sandwich the whole output (never the chunked LM head's hidden states)
+        self._functional_call = CallWithModel(self.model, forward_fn)
+        self.supports_functional = jvp != "finite_difference"
+        self._engines  # noqa: B018 - validates engine= against jvp= now, not at the first product
         #: how the last Jv was computed: "forward_mode" or "finite_difference" (None before the first product)
         self.jvp_method: str | None = None
         self._forward_ok: bool | None = None if jvp == "auto" else jvp == "forward_mode"
@@ -154,6 +158,30 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         """The function whose Jacobian the operator sandwiches (and its functional wrapper)."""
         self.forward_fn = forward_fn
         self._call = CallWithModel(self.model, forward_fn)
+
+    def functional_unsupported_reason(self) -> str:
+        return "jvp='finite_difference' is not a traced product"
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``Jᵀ H (J v)`` as a pure function: ``vjp(f)(H · jvp(f)(v))`` (see ``operators.engines``)."""
+        names = list(self.layout.names)
+        fixed = {f"model.{n}": t for n, t in state.items() if n not in set(names)}
+
+        def f(*selected: torch.Tensor) -> torch.Tensor:
+            full = dict(fixed)
+            full.update(zip(self._call_names, selected, strict=True))
+            return self._checked_output(torch.func.functional_call(self._functional_call, full, (batch,)))
+
+        primal = tuple(state[n] for n in names)
+        out, vjp_fn = torch.func.vjp(f, *primal)[:2]
+        jv = torch.func.jvp(f, primal, tuple(tangent))[1]
+        return list(vjp_fn(self._functional_loss_hvp(out, batch, jv)))
+
+    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        """``H u`` for one direction ``u`` shaped like ``output``, traceable."""
+        raise NotImplementedError
 
     # -- hooks ------------------------------------------------------------------
     def _output(self, batch: Batch) -> torch.Tensor:
@@ -429,7 +457,13 @@ class GGNOperator(_OutputSandwichOperator):
         #: the LM head applied chunk by chunk (see NOTE [chunked LM head]); None: the generic path
         self.lm_head: nn.Linear | None = None
         self._lm_head_checked = False
-        if chunked_lm_head is not False:
+        traced = self._engine_name in ("functional", "compiled")
+        if chunked_lm_head is True and traced:
+            raise ValueError(
+                f"chunked_lm_head=True runs on engine='autograd'; engine={self._engine_name!r} sandwiches the "
+                "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
+            )
+        if chunked_lm_head is not False and not traced:
             head = self._plain_lm_head()
             if head is None and chunked_lm_head is True:
                 raise ValueError(
@@ -535,6 +569,20 @@ class GGNOperator(_OutputSandwichOperator):
                 body = out[i]
                 out[i] = extra if body is None else body.add_(extra)
         return out
+
+    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_of_output_fn
+        if self.loss_hvp == "analytical":
+            return loss.hvp(output, batch, u.unsqueeze(0))[0]  # type: ignore[union-attr]
+
+        def scalar(o: torch.Tensor) -> torch.Tensor:
+            value = loss(o, batch)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError("loss_of_output_fn must return a scalar (the mean loss of the batch)")
+            return value.reshape(())
+
+        hu: torch.Tensor = torch.func.jvp(torch.func.grad(scalar), (output,), (u,))[1]
+        return hu
 
     def _loss_state(self, state: _OutputState) -> None:
         if self.loss_hvp == "analytical":

@@ -157,7 +157,7 @@ class HessianOperator(DataCurvatureOperator):
             return value.reshape(())
 
         primal = tuple(state[n] for n in names)
-        _, hv = torch.func.jvp(torch.func.grad(loss), (primal,), (tuple(tangent),))
+        hv = torch.func.jvp(torch.func.grad(loss), (primal,), (tuple(tangent),))[1]
         return list(hv)
 
     # -- autograd ---------------------------------------------------------------

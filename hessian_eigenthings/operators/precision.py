@@ -50,7 +50,7 @@ def product_precision(precision: Precision) -> Iterator[None]:
     matmul = torch.get_float32_matmul_precision()
     cudnn = torch.backends.cudnn.allow_tf32
     want_matmul = "high" if tf32 else "highest"
-    change_matmul = (matmul != "highest") != tf32
+    change_matmul = matmul != want_matmul  # "medium" (bfloat16 passes) is below either mode
     try:
         if change_matmul:
             torch.set_float32_matmul_precision(want_matmul)

@@ -1,0 +1,364 @@
+"""Product engines (``engine=``): every engine equals the dense float64 oracle, leaves the model
+and the global precision switches as found, and ``auto`` / ``compiled`` behave as documented."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings.algorithms import lanczos
+from hessian_eigenthings.loss_fns import (
+    supervised_forward,
+    supervised_loss,
+    supervised_loss_of_output,
+    supervised_per_sample_loss,
+)
+from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
+from hessian_eigenthings.operators import engines as engines_mod
+from hessian_eigenthings.operators.engines import (
+    CompileFallbackWarning,
+    EngineUnsupportedError,
+    split_by_tangent,
+)
+from hessian_eigenthings.param_utils import match_names, select_parameters
+from hessian_eigenthings.testing import dense_hessian
+from tests.conftest import SmallCNN, TinyTransformer, classification_data, mlp
+from tests.operators.contract import assert_unchanged, check_contract, snapshot
+from tests.operators.curvature_oracles import dense_empirical_fisher, dense_ggn
+
+CE = nn.CrossEntropyLoss()
+SUP = supervised_loss(CE)
+CE_OUT = supervised_loss_of_output(CE)
+PER_SAMPLE = supervised_per_sample_loss(CE)
+TRACED = ["functional", "compiled"]
+compile_only = pytest.mark.skipif(not _torch_compat.compile_supported(), reason="torch.compile unsupported here")
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1))
+
+
+# -- every engine against the dense oracle -------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["functional"])
+def test_hessian_mlp_uneven_batches(engine: str) -> None:
+    model, data = mlp(), classification_data(n=10, batch=4)  # batches of 4, 4, 2
+    op = HessianOperator(model, data, SUP, engine=engine)
+    check_contract(op, dense_hessian(model, data, SUP, select_parameters(model)), model)
+    assert op.engine == engine
+    # two batch signatures (4 and 2 samples): two traced programs, reused by every later product
+    assert op.engine_report["traces"] == 2
+
+
+@pytest.mark.parametrize("engine", ["functional"])
+def test_hessian_param_filter_subset(engine: str) -> None:
+    model, data = mlp(), classification_data(n=8, batch=4)
+    flt = match_names("2.*")
+    op = HessianOperator(model, data, SUP, param_filter=flt, engine=engine)
+    check_contract(op, dense_hessian(model, data, SUP, select_parameters(model, flt)), model)
+
+
+def test_hessian_cnn_batchnorm_eval() -> None:
+    model = SmallCNN().double().eval()
+    data = [(torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (3,))) for _ in range(2)]
+    op = HessianOperator(model, data, SUP, engine="functional")
+    check_contract(op, dense_hessian(model, data, SUP, select_parameters(model)), model, rtol=1e-8)
+
+
+def test_hessian_tiny_transformer_dict_batches() -> None:
+    model = TinyTransformer().double()
+    ids = torch.randint(0, 11, (3, 5))
+    data = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+    flt = match_names("qkv.*", "head.bias")
+    op = HessianOperator(model, data, lm_loss, param_filter=flt, engine="functional")
+    check_contract(op, dense_hessian(model, data, lm_loss, select_parameters(model, flt)), model, rtol=1e-8)
+
+
+@pytest.mark.parametrize("loss_hvp", ["analytical", "autograd"])
+def test_ggn_functional(loss_hvp: str) -> None:
+    model, data = mlp(), classification_data(n=10, batch=4)
+    op = GGNOperator(model, data, supervised_forward, CE_OUT, loss_hvp=loss_hvp, engine="functional")  # type: ignore[arg-type]
+    dense = dense_ggn(model, data, supervised_forward, CE_OUT, select_parameters(model))
+    check_contract(op, dense, model)
+
+
+def test_empirical_fisher_functional() -> None:
+    model, data = mlp(), classification_data(n=10, batch=4)
+    op = EmpiricalFisherOperator(model, data, PER_SAMPLE, engine="functional")
+    dense = dense_empirical_fisher(model, data, PER_SAMPLE, select_parameters(model))
+    check_contract(op, dense, model)
+
+
+@compile_only
+def test_compiled_engine_matches_oracle_and_compiles_once_per_batch_size() -> None:
+    model, data = mlp(), classification_data(n=10, batch=4)  # batch sizes 4, 4, 2
+    op = HessianOperator(model, data, SUP, engine="compiled")
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    before = snapshot(model)
+    v = torch.randn(op.size, dtype=torch.float64)
+    for _ in range(3):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    # one artifact per batch signature: the uneven last batch costs exactly one more
+    assert op.engine_report["compilations"] == 2
+    assert op.engine_report["fallbacks"] == 0
+    assert op.engine_report["compile_s"] > 0
+    assert_unchanged(model, before)
+
+
+@compile_only
+def test_compiled_ggn_block() -> None:
+    model, data = mlp(), classification_data(n=8, batch=4)
+    op = GGNOperator(model, data, supervised_forward, CE_OUT, engine="compiled")
+    dense = dense_ggn(model, data, supervised_forward, CE_OUT, select_parameters(model))
+    V = torch.randn(op.size, 3, dtype=torch.float64)
+    torch.testing.assert_close(op @ V, dense @ V, rtol=1e-10, atol=1e-10)
+    assert op.engine_report["compilations"] == 1  # one batch signature, one block width
+
+
+# -- fallbacks, refusals and the model-state guarantees --------------------------------------
+
+
+def test_compile_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> object:
+        def backend(gm: object, inputs: object) -> object:
+            raise RuntimeError("injected inductor failure")
+
+        return backend
+
+    monkeypatch.setattr(_torch_compat, "inductor_backend", broken)
+    monkeypatch.setattr(_torch_compat, "compile_supported", lambda: True)
+    model, data = mlp(), classification_data(n=10, batch=4)
+    op = HessianOperator(model, data, SUP, engine="compiled")
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(op.size, dtype=torch.float64)
+    with pytest.warns(CompileFallbackWarning, match="injected inductor failure") as rec:
+        out1 = op @ v
+        out2 = op @ torch.randn(op.size, 2, dtype=torch.float64)
+    assert len([w for w in rec if issubclass(w.category, CompileFallbackWarning)]) == 1
+    assert rec[0].filename == __file__
+    torch.testing.assert_close(out1, H @ v, rtol=1e-10, atol=1e-10)
+    assert out2.shape == (op.size, 2)
+    assert op.engine_report["fallbacks"] >= 2
+
+
+def test_training_mode_batchnorm_is_refused_by_traced_engines_with_the_alternative() -> None:
+    model = SmallCNN().double().train()
+    data = [(torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (3,)))]
+    op = HessianOperator(model, data, SUP, engine="functional")
+    with pytest.raises(EngineUnsupportedError, match="engine='autograd'"):
+        op @ torch.randn(op.size, dtype=torch.float64)
+    assert model.training
+
+
+def test_dropout_in_training_mode_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.5), nn.Linear(7, 3)).double().train()
+    op = HessianOperator(model, classification_data(n=4, batch=4), SUP, engine="functional")
+    with pytest.raises(EngineUnsupportedError, match="dropout"):
+        op @ torch.randn(op.size, dtype=torch.float64)
+
+
+def test_finite_differences_need_the_autograd_engine() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    with pytest.raises(EngineUnsupportedError, match="finite_difference"):
+        HessianOperator(model, data, SUP, method="finite_difference", engine="functional")
+    with pytest.raises(EngineUnsupportedError, match="finite_difference"):
+        GGNOperator(model, data, supervised_forward, CE_OUT, jvp="finite_difference", engine="compiled")
+
+
+def test_unknown_engine_and_precision_are_refused() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        HessianOperator(model, data, SUP, engine="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="precision must be"):
+        HessianOperator(model, data, SUP, precision="bf16")  # type: ignore[arg-type]
+
+
+def test_functional_engine_keeps_parameter_versions_and_grads() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    loss = SUP(model, data[0])  # the user's pending graph
+    versions = [p._version for p in model.parameters()]
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    assert [p._version for p in model.parameters()] == versions
+    loss.backward()  # still valid
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_loss_raising_mid_product_restores_the_model_and_flags() -> None:
+    model, data = mlp(), classification_data(n=6, batch=4)  # two signatures: the loss runs twice
+    calls = {"n": 0}
+
+    def flaky(m: nn.Module, b: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return SUP(m, b)
+
+    op = HessianOperator(model, data, flaky, engine="functional")
+    before = snapshot(model)
+    flags = (torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            op @ torch.randn(op.size, dtype=torch.float64)
+        assert torch.backends.cudnn.allow_tf32 is True
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.backends.cudnn.allow_tf32, prec = flags
+        torch.set_float32_matmul_precision(prec)
+    assert_unchanged(model, before)
+
+
+# -- precision -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["autograd", "functional"])
+def test_products_run_at_full_precision_and_restore_the_user_flags(engine: str) -> None:
+    seen: list[tuple[bool, str]] = []
+
+    def spy(m: nn.Module, b: object) -> torch.Tensor:
+        seen.append((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
+        return SUP(m, b)
+
+    model, data = mlp(), classification_data(n=4, batch=4)
+    saved = (torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("medium")
+    try:
+        op = HessianOperator(model, data, spy, engine=engine)  # type: ignore[arg-type]
+        op @ torch.randn(op.size, dtype=torch.float64)
+        assert seen and all(s == (False, "highest") for s in seen)
+        assert torch.backends.cudnn.allow_tf32 is True
+        assert torch.get_float32_matmul_precision() == "medium"
+        seen.clear()
+        op32 = HessianOperator(model, data, spy, engine=engine, precision="tf32")  # type: ignore[arg-type]
+        op32 @ torch.randn(op32.size, dtype=torch.float64)
+        assert seen and all(s == (True, "high") for s in seen)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.backends.cudnn.allow_tf32, prec = saved
+        torch.set_float32_matmul_precision(prec)
+
+
+# -- auto ----------------------------------------------------------------------------------
+
+
+def test_auto_is_autograd_for_a_bare_product() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    op @ torch.randn(op.size, dtype=torch.float64)
+    assert op.engine == "autograd"
+    assert op.engine_report["auto"]["reason"] == "undecided"
+
+
+def test_auto_keeps_autograd_on_a_short_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 1e12)  # any run is short: no timing noise
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    res = lanczos(op, k=2, seed=0)
+    report = op.engine_report["auto"]
+    assert op.engine == "autograd" and report["reason"].startswith("short run")
+    assert report["expected_products"] >= engines_mod.AUTO_MIN_PRODUCTS
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    top = torch.linalg.eigvalsh(H)
+    top = top[top.abs().argsort(descending=True)][:2]
+    torch.testing.assert_close(res.eigenvalues.abs().sort().values, top.abs().sort().values, rtol=1e-6, atol=1e-8)
+
+
+def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
+    monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 1e9)  # never compile here
+    model, data = mlp(), classification_data(n=8, batch=4)
+    op = HessianOperator(model, data, SUP)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    op.expect_products(500)
+    v = torch.randn(op.size, dtype=torch.float64)
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    report = op.engine_report
+    assert set(report["auto"]["timings_ms"]) == {"autograd_first", "autograd", "functional"}
+    assert report["auto"]["chosen"] == op.engine == min(("autograd", "functional"), key=report["auto"]["timings_ms"].get)
+    assert report["trial_products"] >= 5  # two more on autograd, three on functional: reported apart
+    assert op.num_passes == 2  # the run's own first product (two batches); the trial's are not counted
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_compiles_when_it_pays_and_falls_back_on_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> object:
+        def backend(gm: object, inputs: object) -> object:
+            raise RuntimeError("injected inductor failure")
+
+        return backend
+
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
+    monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 0.0)
+    monkeypatch.setattr(engines_mod, "COMPILE_S_PER_NODE", 0.0)
+    monkeypatch.setattr(engines_mod, "COMPILED_SAVING", 1.0)  # any measured time is worth saving
+    monkeypatch.setattr(engines_mod, "recorded_compile_s", lambda prog, k: None)
+    monkeypatch.setattr(_torch_compat, "compile_supported", lambda: True)
+    monkeypatch.setattr(_torch_compat, "inductor_backend", broken)
+    model, data = mlp(), classification_data(n=8, batch=4)
+    op = HessianOperator(model, data, SUP)
+    op.expect_products(10_000)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(op.size, dtype=torch.float64)
+    with pytest.warns(CompileFallbackWarning) as rec:
+        out = op @ v
+        out2 = op @ v
+    assert len([w for w in rec if issubclass(w.category, CompileFallbackWarning)]) == 1
+    torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out2, H @ v, rtol=1e-10, atol=1e-10)
+    assert "compiled" in op.engine_report["auto"]["timings_ms"]
+
+
+def test_auto_distrusts_a_traced_product_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    real = op.functional_product
+
+    def wrong(state, batch, tangent):  # type: ignore[no-untyped-def]
+        return [2 * t for t in real(state, batch, tangent)]
+
+    monkeypatch.setattr(op, "functional_product", wrong)
+    op.expect_products(500)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(op.size, dtype=torch.float64)
+    with pytest.warns(engines_mod.EngineMismatchWarning):
+        out = op @ v
+    torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)
+    assert op.engine == "autograd"
+
+
+# -- the split itself ----------------------------------------------------------------------
+
+
+def test_split_by_tangent_separates_primal_work() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = torch.sin(x) * torch.exp(x)  # primal only
+        return a * t + torch.cos(x) * t * t
+
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    gm = make_fx(f)(x, t)
+    primal, tangent, num_kept = split_by_tangent(gm, 1)
+    kept = primal(x)
+    assert len(kept) == num_kept
+    torch.testing.assert_close(tangent(*kept, t), f(x, t))
+    ops = {str(n.target) for n in tangent.graph.nodes if n.op == "call_function"}
+    assert not any("sin" in o or "exp" in o or "cos" in o for o in ops), ops
+
+
+def test_no_warning_filter_is_left_behind() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    filters = list(warnings.filters)
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    assert list(warnings.filters) == filters
