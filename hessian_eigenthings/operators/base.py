@@ -713,7 +713,9 @@ class DataCurvatureOperator(CurvatureOperator):
 
     # -- CUDA graphs, NOTE [CUDA graphs] ---------------------------------------------
     def _graphs_on(self) -> bool:
-        return self.cuda_graphs and self.supports_cuda_graphs and self.device.type == "cuda" and _RNG_RESTORABLE
+        # a traced engine's products are plain tensor programs: recordable whatever the curvature
+        recordable = self.supports_cuda_graphs or self._engines.traced
+        return self.cuda_graphs and recordable and self.device.type == "cuda" and _RNG_RESTORABLE
 
     def _private_leaves(self) -> list[torch.Tensor] | None:
         """Leaves standing in for the parameters in a graph that will be recorded, else ``None``.
