@@ -185,20 +185,20 @@ def make_fx_real(fn: Callable[..., Any], *, data_dependent_ok: bool) -> Callable
 
 @functools.lru_cache(maxsize=1)
 def inductor_backend() -> Callable[..., Any]:
-    """Inductor as a dynamo backend callable ``(graph_module, example_inputs) -> compiled``.
+    """Inductor's compiler for an aten graph: ``(graph_module, example_inputs) -> compiled``
+    (``torch._inductor.compile``: no dynamo frame, so no guards and no recompilation).
 
     Inductor's first import defines TorchScript modules through deprecated
     ``torch.jit`` APIs, which warn; it is imported here once, quietly.
     """
     import warnings
 
-    from torch._dynamo.backends.registry import lookup_backend
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\..*deprecated")
+        import torch._inductor
         import torch._inductor.compile_fx  # noqa: F401
 
-    return lookup_backend("inductor")
+    return torch._inductor.compile
 
 
 def tracing() -> bool:

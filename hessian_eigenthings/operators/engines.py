@@ -360,41 +360,19 @@ class FunctionalEngine:
 # NOTE [compile policy]
 # Recompilation and silent eager fallbacks are what made compiled code slower
 # than promised, so the compiled engine keeps compilation visible and bounded:
-# - one artifact per tangent program and block width (`dynamic=False`,
-#   `fullgraph=True`); a program is shared by every batch of one signature, so
-#   an uneven last batch costs one more program, hence one more compilation;
-# - compilations are counted by a counting backend around inductor, per
-#   operator (`num_compilations`), and an artifact that asks to compile more
-#   than `MAX_COMPILES_PER_ARTIFACT` times (dynamo guards failing on every
-#   call) is dropped for the eager tangent part, with one warning;
+# - the tangent part is already an aten graph: inductor compiles it directly
+#   (`torch._inductor.compile`), without a dynamo frame, so there are no
+#   guards to fail and nothing recompiles behind the operator's back; a
+#   compiled artifact is exactly one compilation;
+# - one artifact per tangent program and block width; a program is shared by
+#   every batch of one signature, so an uneven last batch costs one more
+#   program, hence one more compilation (`num_compilations` counts them);
 # - a compile failure warns once (`CompileFallbackWarning`) and the products
 #   continue on the functional engine: never an exception;
-# - compile time (first call of each artifact) is summed in `compile_s` and
-#   recorded with the measured product times in a small JSON file beside
-#   inductor's on-disk cache, which `auto` reads to decide whether compiling pays;
-#   a second process hits inductor's cache and compiles in a fraction of the time.
-
-MAX_COMPILES_PER_ARTIFACT = 2
-
-
-class _CountingBackend:
-    """A dynamo backend that counts its compilations and hands the graph to inductor."""
-
-    def __init__(self, engine: CompiledEngine) -> None:
-        self.engine = engine
-        self.count = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.count += 1
-        self.engine.num_compilations += 1
-        return _torch_compat.inductor_backend()(gm, example_inputs)
-
-
-@dataclass
-class _Artifact:
-    fn: Callable[..., Sequence[torch.Tensor]]
-    backend: _CountingBackend
-    compiled_once: bool = False
+# - compile time (the compilation and its first run) is summed in `compile_s`
+#   and recorded in a small JSON file beside inductor's on-disk cache, which
+#   `auto` reads to decide whether compiling pays; a second process hits
+#   inductor's cache and compiles in a fraction of the time.
 
 
 class CompiledEngine(FunctionalEngine):
@@ -410,36 +388,31 @@ class CompiledEngine(FunctionalEngine):
         self.num_fallbacks = 0
 
     def run(self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]) -> Sequence[torch.Tensor]:
-        art = prog.compiled.get(k, ...)
-        if art is ...:
-            if not _torch_compat.compile_supported():
-                self._fallback(prog, k, RuntimeError("torch.compile does not support this Python"))
-                art = None
-            else:
-                _torch_compat.inductor_backend()  # imported once, before dynamo runs
-                backend = _CountingBackend(self)
-                tangent = self.tangent_fn(prog, k, args)
-                art = _Artifact(torch.compile(tangent, backend=backend, fullgraph=True, dynamic=False), backend)
-                prog.compiled[k] = art
-        if art is None:
+        fn = prog.compiled.get(k, ...)
+        if fn is None:
             return super().run(prog, k, args)
+        if fn is not ...:
+            return fn(*args)  # type: ignore[no-any-return]
+        tangent = self.tangent_fn(prog, k, args)
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
+            if not _torch_compat.compile_supported():
+                raise RuntimeError("torch.compile does not support this Python")
+            compiler = _torch_compat.inductor_backend()
             with _quiet_compile():
-                out = art.fn(*args)
-            if not art.compiled_once:
-                if args[0].is_cuda:
-                    torch.cuda.synchronize(args[0].device)
-                art.compiled_once = True
-                seconds = time.perf_counter() - t0
-                self.compile_s += seconds
-                record_compile(prog, k, seconds)
+                fn = compiler(tangent, list(args))
+                out = fn(*args)
+            if args[0].is_cuda:
+                torch.cuda.synchronize(args[0].device)
         except Exception as exc:  # any compile failure: the eager tangent part, same numbers
             self._fallback(prog, k, exc)
             return super().run(prog, k, args)
-        if art.backend.count > MAX_COMPILES_PER_ARTIFACT:
-            self._fallback(prog, k, RuntimeError(f"recompiled {art.backend.count} times"))
-        return out
+        seconds = time.perf_counter() - t0
+        self.num_compilations += 1
+        self.compile_s += seconds
+        prog.compiled[k] = fn
+        record_compile(prog, k, seconds)
+        return out  # type: ignore[no-any-return]
 
     def _fallback(self, prog: SplitProgram, k: int, exc: BaseException) -> None:
         prog.compiled[k] = None
@@ -565,7 +538,7 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
-AUTO_MIN_RUN_MS = 1000.0
+AUTO_MIN_RUN_MS = 20_000.0
 
 
 class EngineHost(FunctionalCurvature, Protocol):
