@@ -128,8 +128,11 @@ def main() -> None:
                     ref = out
                 err = float((out - ref).norm() / ref.norm())
                 ms = median_ms(lambda op=op, v=v: op @ v, args.reps)
+                again = op @ v  # after the timed (possibly replayed) products: still the product?
+                err_after = float((again - ref).norm() / ref.norm())
                 row: dict[str, Any] = {"cell": f"{curv}_product", "engine": eng, "ms": ms, "first_s": first,
-                                       "rel_err_vs_autograd": err, "held_mib": op.held_bytes / 2**20,
+                                       "rel_err_vs_autograd": err, "rel_err_after_timing": err_after,
+                                       "held_mib": op.held_bytes / 2**20,
                                        "report": op.engine_report}
                 if args.blocks:
                     V = torch.randn(op.size, 8, device=op.device)

@@ -196,7 +196,7 @@ def inductor_backend() -> Callable[..., Any]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\..*deprecated")
         import torch._inductor
-        import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.compile_fx
 
     return torch._inductor.compile
 

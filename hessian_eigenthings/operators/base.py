@@ -714,7 +714,7 @@ class DataCurvatureOperator(CurvatureOperator):
     # -- CUDA graphs, NOTE [CUDA graphs] ---------------------------------------------
     def _graphs_on(self) -> bool:
         # a traced engine's products are plain tensor programs: recordable whatever the curvature
-        recordable = self.supports_cuda_graphs or self._engines.traced
+        recordable = self.supports_cuda_graphs if not self._engines.traced else self._engines.recordable
         return self.cuda_graphs and recordable and self.device.type == "cuda" and _RNG_RESTORABLE
 
     def _private_leaves(self) -> list[torch.Tensor] | None:

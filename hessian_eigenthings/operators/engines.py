@@ -391,8 +391,10 @@ class CompiledEngine(FunctionalEngine):
         fn = prog.compiled.get(k, ...)
         if fn is None:
             return super().run(prog, k, args)
+        # the compiled code assumes the layouts it was compiled for: contiguous, always
+        args = tuple(a if a.is_contiguous() else a.contiguous() for a in args)
         if fn is not ...:
-            return fn(*args)  # type: ignore[no-any-return]
+            return fn(*args)
         tangent = self.tangent_fn(prog, k, args)
         t0 = time.perf_counter()
         try:
@@ -412,7 +414,7 @@ class CompiledEngine(FunctionalEngine):
         self.compile_s += seconds
         prog.compiled[k] = fn
         record_compile(prog, k, seconds)
-        return out  # type: ignore[no-any-return]
+        return out
 
     def _fallback(self, prog: SplitProgram, k: int, exc: BaseException) -> None:
         prog.compiled[k] = None
@@ -630,6 +632,13 @@ class EngineSelector:
         """Whether products run through a traced program (math attention, functional checks)."""
         return self._impl is not None
 
+    @property
+    def recordable(self) -> bool:
+        """Whether the operator may record this engine's products as CUDA graphs: the functional
+        engine's are plain aten programs; compiled code is left to inductor (it checks input
+        layouts and picks its stream itself, which a recording must not second-guess)."""
+        return self.active == "functional"
+
     def expect(self, n: int) -> None:
         self.expected_products = max(1, int(n))
 
@@ -660,14 +669,15 @@ class EngineSelector:
         # the first product is the run's own (counted) and sizes the run
         self._switch("autograd")
         _, first = timed(self.op.device, lambda: self.op._pass(V, out))
-        a.timings_ms["autograd_first"] = first
-        if first * self.expected_products < AUTO_MIN_RUN_MS:
-            a.chosen, a.reason = "autograd", "short run: expected products x product time under a second"
+        a.timings_ms["autograd_first"] = first / V.shape[0]
+        if first / V.shape[0] * self.expected_products < AUTO_MIN_RUN_MS:
+            a.chosen, a.reason = "autograd", f"short run: expected products x product time under {AUTO_MIN_RUN_MS / 1e3:.0f} s"
             return True
-        # the trial's further products are reported (trial_products), not counted as the run's
+        # the trial runs single products (a few per engine, whatever the block width) into a
+        # scratch row; they are reported (trial_products), not counted as the run's
         passes, forwards = self.op.num_passes, self.op.num_forwards
         try:
-            self._trial(V, out, out.clone())
+            self._trial(V[:1], out[:1].clone(), out[:1].clone())
         finally:
             self.op.num_passes, self.op.num_forwards = passes, forwards
         return True
@@ -696,7 +706,6 @@ class EngineSelector:
         except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
             self._switch("autograd")
             a.chosen, a.reason = "autograd", f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}"
-            out.copy_(reference)
             return
         diff = float(torch.linalg.vector_norm(out - reference) / torch.linalg.vector_norm(reference).clamp_min(1e-30))
         if not diff <= MISMATCH_TOL.get(out.dtype, 5e-2):
@@ -709,7 +718,6 @@ class EngineSelector:
                 EngineMismatchWarning,
                 stacklevel=user_stacklevel(),
             )
-            out.copy_(reference)
             return
         best = min(("autograd", "functional"), key=lambda name: a.timings_ms[name])
         impl = self._impl
@@ -728,9 +736,7 @@ class EngineSelector:
                     return
         a.chosen = best
         a.reason = "measured faster" + ("" if a.compile_estimate_s is None else "; compiling would not pay")
-        if self.active != best:
-            self._switch(best)
-            self._trial_pass(V, out)
+        self._switch(best)
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"requested": self.requested, "active": self.active}
