@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--curvatures", default="hessian,ggn,ef")
     ap.add_argument("--blocks", action="store_true")
     ap.add_argument("--algorithms", action="store_true")
+    ap.add_argument("--graph-budget-gib", type=float, default=None, help="graph_memory_budget of the operators")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -108,10 +109,12 @@ def main() -> None:
         emit({"cell": "hvp_0x_style", "ms": median_ms(hvp_0x, args.reps)})
 
     sup = he.supervised_loss(crit)
+    budget = None if args.graph_budget_gib is None else int(args.graph_budget_gib * 2**30)
     makers: dict[str, Callable[[str], Any]] = {
-        "hessian": lambda e: he.HessianOperator(model, batches, sup, engine=e),
-        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e),
-        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e),
+        "hessian": lambda e: he.HessianOperator(model, batches, sup, engine=e, graph_memory_budget=budget),
+        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e,
+                                        graph_memory_budget=budget),
+        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e, graph_memory_budget=budget),
     }
     engines = args.engines.split(",")
     for curv in args.curvatures.split(","):

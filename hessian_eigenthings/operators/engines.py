@@ -184,6 +184,20 @@ def batch_signature(batch: Batch) -> tuple[Any, ...] | None:
     return (str(spec), tuple(sig))
 
 
+#: programs specialized to one batch kept per engine (a few batches cycled through products)
+MAX_SPECIALIZED = 4
+
+
+def _batch_identity(batch: Batch, model: nn.Module) -> tuple[Any, ...]:
+    """The batch's tensor objects and versions, its plain values and the modules' modes: a
+    specialized program (values baked in) is valid while all of these are unchanged."""
+    leaves = pytree.tree_leaves(batch)
+    return (
+        tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("V", repr(x)) for x in leaves),
+        tuple(m.training for m in model.modules()),
+    )
+
+
 def _is_data_dependent(exc: BaseException) -> bool:
     text = str(exc)
     return "data-dependent" in text or "_local_scalar_dense" in text or "data dependent" in text
@@ -283,6 +297,8 @@ class FunctionalEngine:
         #: general programs by (batch signature, modes)
         self._programs: dict[tuple[Any, ...], SplitProgram] = {}
         self._general_ok = True
+        #: programs specialized to one batch, by batch identity (most recent last)
+        self._specialized: list[tuple[tuple[Any, ...], SplitProgram]] = []
         self._vmap_ok: bool | None = None
         #: tracing time spent, and programs traced (for cost checks and reports)
         self.trace_s = 0.0
@@ -293,6 +309,12 @@ class FunctionalEngine:
         key = None if sig is None else (sig, tuple(m.training for m in self.op.model.modules()))
         if key is not None and key in self._programs:
             return self._programs[key]
+        # a program specialized to one batch serves that batch again while it is unchanged
+        # (same tensor objects, same versions): products whose state is not kept stay cheap
+        ident = _batch_identity(batch, self.op.model)
+        for kept_ident, kept_prog in self._specialized:
+            if kept_ident == ident:
+                return kept_prog
         prog = None
         if key is not None:
             try:
@@ -307,6 +329,8 @@ class FunctionalEngine:
         self.num_traces += 1
         if prog.general and key is not None:
             self._programs[key] = prog
+        elif not prog.general:
+            self._specialized = [*self._specialized[-(MAX_SPECIALIZED - 1):], (ident, prog)]
         return prog
 
     def prepare(self, batch: Batch) -> SplitState:
@@ -613,6 +637,7 @@ class EngineSelector:
             if old is not None:  # traced programs carry over: no second trace
                 new._programs = old._programs
                 new._general_ok = old._general_ok
+                new._specialized = old._specialized
             self._impl = new
         self.op.clear_cache()
 
