@@ -20,7 +20,9 @@ Batch = Any
 
 def _is_mapping(batch: object) -> bool:
     return isinstance(batch, Mapping) or (
-        hasattr(batch, "keys") and hasattr(batch, "__getitem__") and not isinstance(batch, torch.Tensor)
+        hasattr(batch, "keys")
+        and hasattr(batch, "__getitem__")
+        and not isinstance(batch, torch.Tensor)
     )
 
 
@@ -54,7 +56,9 @@ def batch_size(batch: Batch) -> int:
             "tensors, tuples/lists or mappings of tensors"
         )
     if t.dim() == 0:
-        raise ValueError("the first tensor of the batch is a scalar; batch tensors need a leading batch dimension")
+        raise ValueError(
+            "the first tensor of the batch is a scalar; batch tensors need a leading batch dimension"
+        )
     return int(t.shape[0])
 
 
@@ -105,7 +109,10 @@ def split_batch(batch: Batch, microbatch_size: int) -> list[Batch]:
     size = batch_size(batch)
     if size <= microbatch_size:
         return [batch]
-    return [_slice(batch, s, min(s + microbatch_size, size), size) for s in range(0, size, microbatch_size)]
+    return [
+        _slice(batch, s, min(s + microbatch_size, size), size)
+        for s in range(0, size, microbatch_size)
+    ]
 
 
 def batchnorm_modules(model: nn.Module) -> list[str]:

@@ -53,5 +53,7 @@ def default_backend(backend: LinAlgBackend | None) -> LinAlgBackend:
     if backend is None:
         return SingleDeviceBackend()
     if not isinstance(backend, LinAlgBackend):
-        raise TypeError(f"backend must implement LinAlgBackend (dot, norm, inner_rows, all_reduce_sum); got {type(backend).__name__}")
+        raise TypeError(
+            f"backend must implement LinAlgBackend (dot, norm, inner_rows, all_reduce_sum); got {type(backend).__name__}"
+        )
     return backend

@@ -162,9 +162,13 @@ class ParamLayout:
     def split_rows(self, block: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views ``(k, *shape)`` of a row block ``(k, n)``."""
         if block.dim() != 2 or block.shape[1] != self.size:
-            raise ValueError(f"expected a block of shape (k, {self.size}), got {tuple(block.shape)}")
+            raise ValueError(
+                f"expected a block of shape (k, {self.size}), got {tuple(block.shape)}"
+            )
         k = block.shape[0]
-        return [t.view(k, *s) for t, s in zip(block.split(self.numels, dim=1), self.shapes, strict=True)]
+        return [
+            t.view(k, *s) for t, s in zip(block.split(self.numels, dim=1), self.shapes, strict=True)
+        ]
 
     def empty(self, *lead: int) -> torch.Tensor:
         """A fresh flat buffer of shape ``(*lead, n)`` in the layout's dtype and device."""
@@ -189,7 +193,11 @@ def vector_to_params(vec: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
     plist = list(params)
     layout = ParamLayout.from_named([(str(i), p) for i, p in enumerate(plist)])
     if vec.dim() != 1 or vec.numel() != layout.size:
-        raise ValueError(f"vector has shape {tuple(vec.shape)}, the parameters need ({layout.size},)")
+        raise ValueError(
+            f"vector has shape {tuple(vec.shape)}, the parameters need ({layout.size},)"
+        )
     with torch.no_grad():
-        for p, view in zip(plist, layout.split(vec.to(device=layout.device, dtype=layout.dtype)), strict=True):
+        for p, view in zip(
+            plist, layout.split(vec.to(device=layout.device, dtype=layout.dtype)), strict=True
+        ):
             p.copy_(view)

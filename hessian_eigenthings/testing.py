@@ -17,7 +17,11 @@ from hessian_eigenthings.batching import Batch, batch_size, batchnorm_modules
 
 
 def _flat_fn(
-    model: nn.Module, names: Sequence[str], shapes: Sequence[torch.Size], fn: Callable[[nn.Module, Batch], torch.Tensor], batch: Batch
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    fn: Callable[[nn.Module, Batch], torch.Tensor],
+    batch: Batch,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     sizes = [s.numel() for s in shapes]
 

@@ -31,7 +31,6 @@ restart buffer of ``l · n``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Literal
 
 import numpy as np
@@ -52,7 +51,7 @@ from hessian_eigenthings.algorithms._common import (
     row_dots,
     work_dtype,
 )
-from hessian_eigenthings.algorithms.result import ConvergenceWarning, EigenResult, LanczosTridiag
+from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
@@ -377,11 +376,9 @@ def lanczos(
                 "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) limit float32 "
                 "products to about 1e-3, and half-precision products likewise; loosen tol or turn TF32 off"
             )
-        warnings.warn(
+        warn_convergence(
             f"lanczos: {int(converged.sum())} of {k} eigenpairs converged to tol={tol:g} within "
-            f"{products} products; {hint}",
-            ConvergenceWarning,
-            stacklevel=2,
+            f"{products} products; {hint}"
         )
     return EigenResult(
         eigenvalues=lam,

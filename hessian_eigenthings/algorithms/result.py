@@ -6,6 +6,12 @@ number of eigenpairs, ``m`` the number of Lanczos steps.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +20,39 @@ import torch
 
 class ConvergenceWarning(UserWarning):
     """An algorithm stopped before meeting its tolerance, or hit numerical trouble."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# NOTE [quiet convergence warnings]
+# A caller inside the package (the 0.x facade) that judges convergence by its own rule
+# turns the core's ConvergenceWarning off for one call. It must not do that with
+# warnings.catch_warnings(): entering or leaving it mutates the filter list, which clears
+# every module's once-per-location registry, so the user's DeprecationWarnings would be
+# shown again on every call of a loop. A context variable changes nothing global.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_convergence", default=False)
+
+
+@contextlib.contextmanager
+def quiet_convergence_warnings() -> Iterator[None]:
+    """No :class:`ConvergenceWarning` from the algorithms inside this block (no filter change)."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def warn_convergence(message: str) -> None:
+    """Warn :class:`ConvergenceWarning` at the first frame outside the package (the user's line)."""
+    if _QUIET.get():
+        return
+    level = 2  # stacklevel 2 is the frame of sys._getframe(1), this function's caller
+    frame = sys._getframe(1)
+    # the router of the top-level names and the algorithms' helpers add frames: count them
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, ConvergenceWarning, stacklevel=level)
 
 
 @dataclass(frozen=True)
