@@ -60,6 +60,14 @@ from hessian_eigenthings.operators import (
     HessianOperator,
     LambdaOperator,
 )
+from hessian_eigenthings.param_utils import (
+    ParamFilter,
+    match_names,
+    match_regex,
+    params_to_vector,
+    select_parameters,
+    vector_to_params,
+)
 
 name = "hessian_eigenthings"
 
@@ -83,6 +91,7 @@ __all__ = [
     "LanczosTridiag",
     "MemoryEstimate",
     "OutputHessianLoss",
+    "ParamFilter",
     "SpectralDensityResult",
     "TraceResult",
     "__version__",
@@ -101,9 +110,13 @@ __all__ = [
     "is_main_process",
     "lanczos",
     "lanczos_tridiagonal",
+    "match_names",
+    "match_regex",
     "mse_loss_of_output",
+    "params_to_vector",
     "power_iteration",
     "power_iteration_one",
+    "select_parameters",
     "spectral_density",
     "supervised_forward",
     "supervised_loss",
@@ -114,4 +127,5 @@ __all__ = [
     "tlens_loss_of_output",
     "to_curvlinops",
     "trace",
+    "vector_to_params",
 ]

@@ -703,6 +703,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         timings["spectral_density"] = time.perf_counter() - t
         grid = density.grid
+        nodes, weights = density.quadrature()
         mass = float(torch.trapezoid(density.density, grid))
         results["spectral_density"] = {
             "num_runs": args.slq_runs,
@@ -710,10 +711,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sigma": density.sigma,
             "grid": _floats(grid),
             "density": _floats(density.density),
-            "nodes": _floats(density.raw_eigenvalues),
-            "weights": _floats(density.raw_weights),
+            "nodes": _floats(nodes),
+            "weights": _floats(weights),
         }
-        lo, hi = float(density.raw_eigenvalues.min()), float(density.raw_eigenvalues.max())
+        lo, hi = float(nodes.min()), float(nodes.max())
         _log(
             quiet,
             f"\nspectral density (SLQ, {args.slq_runs} runs x {min(args.slq_steps, op.size)} steps): support "

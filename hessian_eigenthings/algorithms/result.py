@@ -124,15 +124,24 @@ class SpectralDensityResult:
     """A smoothed spectral density from stochastic Lanczos quadrature.
 
     ``density`` integrates to about 1 over ``grid``; ``raw_eigenvalues`` and
-    ``raw_weights`` are the quadrature nodes and weights of all runs (the
-    weights sum to 1), so the density can be re-smoothed with another sigma.
+    ``raw_weights`` are the quadrature nodes and weights of each run (as in
+    the 1.0 alpha: one row per run, each row's weights sum to 1; a run that
+    stopped early, its Krylov space exhausted, is padded with NaN nodes and
+    zero weights). ``quadrature()`` gives them flat, for re-smoothing the
+    density with another sigma.
     """
 
     grid: torch.Tensor  # (g,) float64
     density: torch.Tensor  # (g,) float64
-    raw_eigenvalues: torch.Tensor  # (q,) float64, q <= num_runs * lanczos_steps
-    raw_weights: torch.Tensor  # (q,) float64, sums to 1
+    raw_eigenvalues: torch.Tensor  # (num_runs, m) float64, m <= lanczos_steps; NaN padding
+    raw_weights: torch.Tensor  # (num_runs, m) float64, rows sum to 1; zero padding
     sigma: float  # width of the Gaussian kernel
+
+    def quadrature(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All runs' nodes ``(q,)`` and weights ``(q,)`` (summing to 1), padding removed."""
+        keep = ~torch.isnan(self.raw_eigenvalues)
+        runs = self.raw_weights.shape[0]
+        return self.raw_eigenvalues[keep], self.raw_weights[keep] / runs
 
     def plot(self, ax: Any = None, *, log: bool = True, **kwargs: Any) -> Any:
         """Plot the density (log scale by default); returns the matplotlib axes."""

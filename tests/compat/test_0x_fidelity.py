@@ -45,9 +45,7 @@ def test_use_gpu_default_without_cuda_warns_once_and_says_it_is_the_default(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model, criterion, data = mlp_problem()
     with expect_0x(__file__) as rec:
-        vals, _ = compat.compute_hessian_eigenthings(
-            model, data, criterion, 2, power_iter_steps=50
-        )
+        vals, _ = compat.compute_hessian_eigenthings(model, data, criterion, 2, power_iter_steps=50)
     fallback = [r for r in rec if r.category is CPUFallbackWarning]
     assert len(fallback) == 1, [str(r.message) for r in rec]
     assert "0.x's default" in str(fallback[0].message)
