@@ -6,7 +6,9 @@
 
 0.x is not on the package registry; take its source from the upstream
 repository's history (e.g. commit 605915a, the last 0.x state) into a
-directory OUTSIDE this repository (``git archive 605915a | tar -x -C DIR``).
+directory outside this repository, or into its git-ignored ``.real0x/``
+folder (``git archive 605915a | tar -x -C .real0x``; never committed), which
+is how it travels to a GPU machine that gets a copy of the working tree.
 It has the same import name as this package, so each implementation runs in
 its own worker process, whose ``PYTHONPATH`` holds only its package root;
 each worker reports the file it imported, and the run stops if it is not the
@@ -288,8 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     real0x = args.real_0x.resolve()
     if not (real0x / "hessian_eigenthings" / "__init__.py").is_file():
         p.error(f"--real-0x {real0x} holds no hessian_eigenthings/__init__.py")
-    if real0x == ROOT or real0x.is_relative_to(ROOT):
-        p.error("--real-0x must lie outside this repository (0.x is never copied into it)")
+    if real0x == ROOT:
+        p.error("--real-0x is this repository: give the root of a 0.x checkout")
+    if real0x.is_relative_to(ROOT) and real0x.relative_to(ROOT).parts[0] != ".real0x":
+        p.error(
+            "--real-0x must lie outside this repository, or in its git-ignored .real0x/ folder "
+            "(0.x is never added to it)"
+        )
     scripts = sorted(CORPUS.glob("*.py"))
     if args.only:
         scripts = [s for s in scripts if s.name in args.only or s.stem in args.only]

@@ -50,6 +50,7 @@ def test_each_worker_imports_its_own_package_and_crashes_are_reported(tmp_path: 
     assert "0.x crashed" in (out / "real0x.md").read_text()
 
 
-def test_refuses_a_checkout_inside_the_repository() -> None:
-    with pytest.raises(SystemExit):
-        real0x.main(["--real-0x", str(real0x.ROOT)])
+def test_refuses_this_repository_or_a_folder_of_it_as_0x() -> None:
+    for path in (real0x.ROOT, real0x.ROOT / "compat"):
+        with pytest.raises(SystemExit):
+            real0x.main(["--real-0x", str(path)])
