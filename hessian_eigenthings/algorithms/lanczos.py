@@ -212,11 +212,14 @@ def lanczos(
     # NOTE [explicit lanczos budget]
     # The 1.0 alpha's max_iter counted Lanczos steps and ran them in one basis, so
     # max_iter = n gave the exact spectrum and result.iterations never exceeded max_iter.
-    # A budget passed explicitly keeps both: when it covers the whole space (max_iter >= n)
+    # A budget passed explicitly keeps both. When it covers the whole space (max_iter >= n)
     # and an n x n basis is small (<= 256 MiB), the basis is the whole space (no restart:
-    # exact after n products); and the residual check at the end spends its k products only
-    # if the budget has them left, else the Lanczos residual estimates are reported (equal
-    # in exact arithmetic; zero once the space is exhausted).
+    # exact after n products). The k products of the exact residual check come out of the
+    # budget: the iteration gets max_iter - k, unless that would stop it short of what it
+    # needs (k + b products, or the whole space when the budget covers it); then it gets all
+    # of max_iter and the Lanczos residual estimates are reported (equal in exact
+    # arithmetic; zero once the space is exhausted). The default budget (None) is for the
+    # iteration alone, and the residual check comes on top.
     explicit_budget = max_iter is not None
     itemsize = torch.empty((), dtype=work_dtype(op, precision)).element_size()
     if ncv is None and max_iter is not None and max_iter >= n and n * n * itemsize <= 2**28:
@@ -232,6 +235,13 @@ def lanczos(
         )
     if max_iter is None:
         max_iter = max(1000, 30 * ncv)
+    iteration_budget = max_iter
+    if explicit_budget and residuals == "exact":  # See NOTE [explicit lanczos budget]
+        needs = n if max_iter >= n else min(n, k + b)
+        if max_iter - k >= needs:
+            iteration_budget = max_iter - k
+        else:
+            residuals = "estimate"
     if max_iter < min(n, k + b):
         raise ValueError(
             f"max_iter={max_iter} products cannot give k={k} eigenpairs; use at least {min(n, k + b)} "
@@ -341,7 +351,7 @@ def lanczos(
                 # with exactly k Ritz values every one is "wanted": insist on one more to compare
                 if exhausted or (top > k and n_conv == k):
                     break
-            if products + b > max_iter:
+            if products + b > iteration_budget:
                 break
             if top + b > m:
                 # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
@@ -370,8 +380,6 @@ def lanczos(
     want = order[:k]
     Y = torch.from_numpy(np.ascontiguousarray(S[:, want].T)).to(device=device, dtype=wd) @ V[:top]
     lam = torch.from_numpy(theta[want].copy())
-    if residuals == "exact" and explicit_budget and products + k > max_iter:
-        residuals = "estimate"  # See NOTE [explicit lanczos budget]
     if residuals == "exact":
         AY = apply_rows(op, Y)
         products += k
