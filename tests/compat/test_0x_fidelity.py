@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dense_top(model: nn.Module, data: list, criterion: nn.Module, k: int) -> np.ndarray:
-    H = HessianOperator(model, data, supervised_loss(criterion)).to_dense().double().numpy()
+    H = HessianOperator(model, data, supervised_loss(criterion)).to_dense().double().cpu().numpy()
     w = np.linalg.eigvalsh(H)
     return np.sort(w[np.argsort(-np.abs(w))[:k]])[::-1]
 

@@ -36,7 +36,8 @@ WARNING_LINE = re.compile(r"^(?P<file>.+?):(?P<line>\d+): (?P<category>\w+): (?P
 
 def _hessian_spectrum(g: dict[str, Any]) -> np.ndarray:
     op = HessianOperator(g["model"], g["dataloader"], supervised_loss(g["criterion"]))
-    return np.linalg.eigvalsh(op.to_dense().double().numpy())
+    # the model may sit on CUDA (use_gpu moves it there, as 0.x did)
+    return np.linalg.eigvalsh(op.to_dense().double().cpu().numpy())
 
 
 def _top_by_magnitude(spectrum: np.ndarray, k: int) -> np.ndarray:
