@@ -25,6 +25,10 @@ relative eigenvalue difference.
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default
 ``bench_out/facade``).
+
+``--real-0x PATH`` (a 0.x checkout outside this repository) runs instead the
+legacy scripts through real 0.x and the facade, one process each:
+``benchmarks/real0x.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -639,6 +644,13 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], arpack: dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
+    args_list = sys.argv[1:] if argv is None else argv
+    if any(a == "--real-0x" or a.startswith("--real-0x=") for a in args_list):
+        # the real-0.x column: the legacy scripts through real 0.x and the facade, one worker
+        # process each (they share the import name); see benchmarks/real0x.py
+        from benchmarks import real0x
+
+        raise SystemExit(real0x.main(args_list))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=15)

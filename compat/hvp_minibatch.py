@@ -21,7 +21,7 @@ products = []
 for i in range(len(batches)):
     products.append(op.apply(vec))
     progress_bar(i, len(batches), "hvp")
-op.zero_grad()
+op._zero_grad()  # the name 0.x's HVPOperator had
 log("size %d, %d products in %s" % (op.size, len(products), format_time(1.5)))  # noqa: UP031 (0.x style)
 
 full_op = HVPOperator(model, batches, criterion, use_gpu=False, full_dataset=True)

@@ -5,7 +5,13 @@
 # compat/routing.py); hessian_eigenthings.algorithms has the plain 1.0 ones. The 0.x module
 # hessian_eigenthings.lanczos is loaded before the name `lanczos` is bound, so a later
 # `import hessian_eigenthings.lanczos` finds it loaded and cannot rebind the name to the module.
+# 0.x's package imported these modules, so scripts reach them as attributes
+# (`hessian_eigenthings.utils.log(...)`), and it had a `name` attribute
+import hessian_eigenthings.hvp_operator as hvp_operator  # noqa: F401 -- 0.x attribute
 import hessian_eigenthings.lanczos as _lanczos_module
+import hessian_eigenthings.operator as operator  # noqa: F401 -- 0.x attribute
+import hessian_eigenthings.power_iter as power_iter  # noqa: F401 -- 0.x attribute
+import hessian_eigenthings.utils as utils  # noqa: F401 -- 0.x attribute
 from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import (
     ConvergenceWarning,
@@ -54,6 +60,16 @@ from hessian_eigenthings.operators import (
     HessianOperator,
     LambdaOperator,
 )
+from hessian_eigenthings.param_utils import (
+    ParamFilter,
+    match_names,
+    match_regex,
+    params_to_vector,
+    select_parameters,
+    vector_to_params,
+)
+
+name = "hessian_eigenthings"
 
 del _lanczos_module
 
@@ -75,6 +91,7 @@ __all__ = [
     "LanczosTridiag",
     "MemoryEstimate",
     "OutputHessianLoss",
+    "ParamFilter",
     "SpectralDensityResult",
     "TraceResult",
     "__version__",
@@ -93,9 +110,13 @@ __all__ = [
     "is_main_process",
     "lanczos",
     "lanczos_tridiagonal",
+    "match_names",
+    "match_regex",
     "mse_loss_of_output",
+    "params_to_vector",
     "power_iteration",
     "power_iteration_one",
+    "select_parameters",
     "spectral_density",
     "supervised_forward",
     "supervised_loss",
@@ -106,4 +127,5 @@ __all__ = [
     "tlens_loss_of_output",
     "to_curvlinops",
     "trace",
+    "vector_to_params",
 ]

@@ -56,7 +56,7 @@ def _sdp_switches() -> list[tuple[Callable[[], bool], Callable[[bool], None], bo
     for name in dir(torch._C):
         if not name.startswith("_set_sdp_use_"):
             continue
-        backend = name[len("_set_sdp_use_"):]
+        backend = name[len("_set_sdp_use_") :]
         getter = getattr(torch._C, f"_get_{backend}_sdp_enabled", None)
         if getter is None:
             return None
@@ -126,7 +126,12 @@ def cuda_reserved(device: torch.device) -> int:
 
 def _current(device: torch.device, stat: str) -> int:
     # empty before CUDA is initialized, like memory_stats (whose readers default to 0)
-    return int(torch.cuda.memory_stats_as_nested_dict(device).get(stat, {}).get("all", {}).get("current", 0))
+    return int(
+        torch.cuda.memory_stats_as_nested_dict(device)
+        .get(stat, {})
+        .get("all", {})
+        .get("current", 0)
+    )
 
 
 def fully_shard() -> Any:
@@ -161,11 +166,21 @@ class CapturableScalars(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.tensor and len(args) == 1 and isinstance(args[0], (bool, int, float)):
             device = kwargs.get("device")
-            if device is not None and torch.device(device).type == "cuda" and set(kwargs) <= {"device", "dtype", "requires_grad"}:
+            if (
+                device is not None
+                and torch.device(device).type == "cuda"
+                and set(kwargs) <= {"device", "dtype", "requires_grad"}
+            ):
                 value = args[0]
                 dtype = kwargs.get("dtype")
                 if dtype is None:
-                    dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.get_default_dtype()
+                    dtype = (
+                        torch.bool
+                        if isinstance(value, bool)
+                        else torch.int64
+                        if isinstance(value, int)
+                        else torch.get_default_dtype()
+                    )
                 out = torch.full((), value, dtype=dtype, device=device)
                 return out.requires_grad_() if kwargs.get("requires_grad") else out
         return func(*args, **kwargs)

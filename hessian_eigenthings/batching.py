@@ -20,7 +20,9 @@ Batch = Any
 
 def _is_mapping(batch: object) -> bool:
     return isinstance(batch, Mapping) or (
-        hasattr(batch, "keys") and hasattr(batch, "__getitem__") and not isinstance(batch, torch.Tensor)
+        hasattr(batch, "keys")
+        and hasattr(batch, "__getitem__")
+        and not isinstance(batch, torch.Tensor)
     )
 
 
@@ -54,7 +56,9 @@ def batch_size(batch: Batch) -> int:
             "tensors, tuples/lists or mappings of tensors"
         )
     if t.dim() == 0:
-        raise ValueError("the first tensor of the batch is a scalar; batch tensors need a leading batch dimension")
+        raise ValueError(
+            "the first tensor of the batch is a scalar; batch tensors need a leading batch dimension"
+        )
     return int(t.shape[0])
 
 
@@ -105,7 +109,10 @@ def split_batch(batch: Batch, microbatch_size: int) -> list[Batch]:
     size = batch_size(batch)
     if size <= microbatch_size:
         return [batch]
-    return [_slice(batch, s, min(s + microbatch_size, size), size) for s in range(0, size, microbatch_size)]
+    return [
+        _slice(batch, s, min(s + microbatch_size, size), size)
+        for s in range(0, size, microbatch_size)
+    ]
 
 
 def batchnorm_modules(model: nn.Module) -> list[str]:
@@ -201,3 +208,23 @@ class BatchSource:
             return len(self.dataloader) == 1  # type: ignore[arg-type]
         except TypeError:
             return False
+
+
+def assert_microbatch_safe(model: nn.Module) -> None:
+    """Raise ``ValueError`` when splitting batches would change ``model``'s loss (the 1.0 alpha's check).
+
+    BatchNorm layers in training mode normalise by the statistics of the
+    batch they see, so the Hessian over microbatches is that of another loss.
+    The operators run this check themselves (``microbatch_size=`` with
+    ``microbatch_unsafe=False``); this function is kept for code that called it.
+    """
+    check_microbatching(model, 1, unsafe=False)
+
+
+def iterate_batches(source: Iterable[Any], num_batches: int | None = None) -> Iterator[Any]:
+    """The batches of ``source``, at most ``num_batches`` of them (the 1.0 alpha's helper)."""
+    return iter(source) if num_batches is None else itertools.islice(source, num_batches)
+
+
+#: the 1.0 alpha's name of :func:`to_device`
+move_batch_to_device = to_device

@@ -52,7 +52,15 @@ from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
 from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
 from hessian_eigenthings.operators.base import DataCurvatureOperator
 
-__all__ = ["CLIError", "Problem", "build_operator", "builtin_problem", "load_user_problem", "main", "run"]
+__all__ = [
+    "CLIError",
+    "Problem",
+    "build_operator",
+    "builtin_problem",
+    "load_user_problem",
+    "main",
+    "run",
+]
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,7 +74,9 @@ class CLIError(Exception):
 class Problem:
     """A model, its data as a list-like iterable of ``(inputs, targets)``, and a criterion."""
 
-    def __init__(self, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, description: str) -> None:
+    def __init__(
+        self, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, description: str
+    ) -> None:
         self.model = model
         self.dataloader = dataloader
         self.criterion = criterion
@@ -115,88 +125,155 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     what = parser.add_argument_group("what to compute")
     what.add_argument(
-        "--operator", choices=("hessian", "ggn", "fisher"), default="hessian",
+        "--operator",
+        choices=("hessian", "ggn", "fisher"),
+        default="hessian",
         help="curvature: Hessian, generalized Gauss-Newton, or empirical Fisher (default: hessian)",
     )
     what.add_argument(
-        "--method", choices=("autograd", "finite_difference"), default="autograd",
+        "--method",
+        choices=("autograd", "finite_difference"),
+        default="autograd",
         help="how Hessian products are computed (default: autograd; --operator hessian only)",
     )
-    what.add_argument("-k", "--k", type=_positive_int, default=10, help="number of top eigenvalues (default: 10)")
     what.add_argument(
-        "--which", choices=("LA", "LM", "SA"), default="LA",
+        "-k", "--k", type=_positive_int, default=10, help="number of top eigenvalues (default: 10)"
+    )
+    what.add_argument(
+        "--which",
+        choices=("LA", "LM", "SA"),
+        default="LA",
         help="which eigenvalues: largest algebraic, largest magnitude, smallest algebraic (default: LA)",
     )
     what.add_argument(
-        "--max-matvecs", type=_positive_int, default=None,
+        "--max-matvecs",
+        type=_positive_int,
+        default=None,
         help="product budget of the Lanczos eigensolver (default: the solver's own)",
     )
-    what.add_argument("--tol", type=float, default=1e-4, help="relative residual tolerance of the eigenpairs (default: 1e-4)")
     what.add_argument(
-        "--trace-matvecs", type=_nonnegative_int, default=90,
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="relative residual tolerance of the eigenpairs (default: 1e-4)",
+    )
+    what.add_argument(
+        "--trace-matvecs",
+        type=_nonnegative_int,
+        default=90,
         help="products spent on the Hutch++ trace estimate, >= 3; 0 skips it (default: 90)",
     )
     what.add_argument(
-        "--slq-runs", type=_nonnegative_int, default=8,
+        "--slq-runs",
+        type=_nonnegative_int,
+        default=8,
         help="random start vectors of the spectral density; 0 skips it (default: 8)",
     )
-    what.add_argument("--slq-steps", type=_positive_int, default=60, help="Lanczos steps per spectral-density run (default: 60)")
-    what.add_argument("--grid-points", type=_positive_int, default=2000, help="points of the density grid (default: 2000)")
+    what.add_argument(
+        "--slq-steps",
+        type=_positive_int,
+        default=60,
+        help="Lanczos steps per spectral-density run (default: 60)",
+    )
+    what.add_argument(
+        "--grid-points",
+        type=_positive_int,
+        default=2000,
+        help="points of the density grid (default: 2000)",
+    )
 
     model = parser.add_argument_group("model and data")
     model.add_argument(
-        "--model", metavar="MODULE:FUNCTION", default=None,
+        "--model",
+        metavar="MODULE:FUNCTION",
+        default=None,
         help="your model: 'package.module:function' or 'path/to/file.py:function' returning "
         "(model, dataloader, criterion); see below",
     )
     model.add_argument(
-        "--synthetic", action="store_true",
+        "--synthetic",
+        action="store_true",
         help="built-in model on synthetic data even when scikit-learn is installed",
     )
     model.add_argument(
-        "--train-steps", type=_nonnegative_int, default=100,
+        "--train-steps",
+        type=_nonnegative_int,
+        default=100,
         help="full-batch Adam steps that train the built-in model (default: 100, a few seconds)",
     )
     model.add_argument(
-        "--num-batches", type=_positive_int, default=None,
+        "--num-batches",
+        type=_positive_int,
+        default=None,
         help="use only the first N batches of the data for every product",
     )
     model.add_argument(
-        "--microbatch-size", type=_positive_int, default=None,
+        "--microbatch-size",
+        type=_positive_int,
+        default=None,
         help="split batches into chunks of this many samples (same result, less memory)",
     )
 
     run_opts = parser.add_argument_group("run")
-    run_opts.add_argument("--seed", type=int, default=0, help="seed of the model, the data and every algorithm (default: 0)")
-    run_opts.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: auto)")
     run_opts.add_argument(
-        "--dtype", choices=tuple(_DTYPES), default=None,
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model, the data and every algorithm (default: 0)",
+    )
+    run_opts.add_argument(
+        "--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: auto)"
+    )
+    run_opts.add_argument(
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default=None,
         help="working precision; model and floating-point data are cast to it (default: float32 for "
         "the built-in model, the model's own dtype for --model)",
     )
     run_opts.add_argument(
-        "-o", "--output", type=Path, default=Path("he_out"),
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("he_out"),
         help="folder for results.json and spectrum.png (default: ./he_out)",
     )
     run_opts.add_argument("--no-plot", action="store_true", help="write no PNG")
     progress = run_opts.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
-    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress bars (default: only on a terminal)")
+    progress.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show progress bars",
+    )
+    progress.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="never show progress bars (default: only on a terminal)",
+    )
     run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     return parser
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.method != "autograd" and args.operator != "hessian":
-        parser.error(f"--method {args.method} applies to --operator hessian only (GGN and Fisher have no double backward)")
+        parser.error(
+            f"--method {args.method} applies to --operator hessian only (GGN and Fisher have no double backward)"
+        )
     if 0 < args.trace_matvecs < 3:
-        parser.error(f"--trace-matvecs must be 0 (skip) or >= 3 (Hutch++ spends a third on a sketch), got {args.trace_matvecs}")
+        parser.error(
+            f"--trace-matvecs must be 0 (skip) or >= 3 (Hutch++ spends a third on a sketch), got {args.trace_matvecs}"
+        )
     if not args.tol > 0:
         parser.error(f"--tol must be positive, got {args.tol}")
     if args.grid_points < 2:
         parser.error(f"--grid-points must be >= 2, got {args.grid_points}")
     if args.model is not None and args.synthetic:
-        parser.error("--synthetic selects data for the built-in model; it cannot be combined with --model")
+        parser.error(
+            "--synthetic selects data for the built-in model; it cannot be combined with --model"
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -205,7 +282,9 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise CLIError(f"--device: unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
+        raise CLIError(
+            f"--device: unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'auto'"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: CUDA is not available on this machine; use --device cpu")
     return device
@@ -227,7 +306,9 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor] | None:
     return x, y
 
 
-def _synthetic(gen: torch.Generator, n: int = 1024, d: int = 64, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+def _synthetic(
+    gen: torch.Generator, n: int = 1024, d: int = 64, classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Gaussian clusters that overlap a little, so the trained model keeps a nonzero loss
     centers = torch.randn(classes, d, generator=gen, dtype=torch.float64) * 0.6
     y = torch.randint(0, classes, (n,), generator=gen)
@@ -263,7 +344,9 @@ def builtin_problem(
     x = (x - x.mean(0)) / x.std(0).clamp_min(1e-3)
     x, y = x.to(device=device, dtype=dtype), y.to(device)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(x.shape[1], 32), nn.Tanh(), nn.Linear(32, 10)).to(device=device, dtype=dtype)
+    model = nn.Sequential(nn.Linear(x.shape[1], 32), nn.Tanh(), nn.Linear(32, 10)).to(
+        device=device, dtype=dtype
+    )
     criterion = nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(train_steps):
@@ -329,22 +412,30 @@ def load_user_problem(spec: str) -> Problem:
         )
     model, dataloader, criterion = returned
     if not isinstance(model, nn.Module):
-        raise CLIError(f"--model {spec}: the model must be a torch.nn.Module, got {type(model).__name__}")
+        raise CLIError(
+            f"--model {spec}: the model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     if not isinstance(dataloader, Iterable):
-        raise CLIError(f"--model {spec}: the dataloader must be iterable, got {type(dataloader).__name__}")
+        raise CLIError(
+            f"--model {spec}: the dataloader must be iterable, got {type(dataloader).__name__}"
+        )
     if not callable(criterion):
         raise CLIError(
             f"--model {spec}: the criterion must be callable as criterion(output, target), "
             f"got {type(criterion).__name__}"
         )
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return Problem(model, dataloader, criterion, f"{spec} ({type(model).__name__}, {n_params} parameters)")
+    return Problem(
+        model, dataloader, criterion, f"{spec} ({type(model).__name__}, {n_params} parameters)"
+    )
 
 
 class _CastBatches:
     """Batches of a user's dataloader with tensors moved to the run's device and dtype, lazily."""
 
-    def __init__(self, data: Iterable[Any], device: torch.device, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, data: Iterable[Any], device: torch.device, dtype: torch.dtype | None
+    ) -> None:
         self.data = data
         self.device = device
         self.dtype = dtype
@@ -369,7 +460,9 @@ def _cast(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     return batch
 
 
-def _cast_data(data: Iterable[Any], device: torch.device, dtype: torch.dtype | None) -> Iterable[Any]:
+def _cast_data(
+    data: Iterable[Any], device: torch.device, dtype: torch.dtype | None
+) -> Iterable[Any]:
     # a list is converted once, so every product sees the same tensor objects (the
     # operators then recognise the batch without comparing contents); anything else lazily
     if isinstance(data, (list, tuple)):
@@ -407,8 +500,12 @@ def build_operator(
         loss_of_output = supervised_loss_of_output(criterion)
         closed_form = isinstance(loss_of_output, OutputHessianLoss)
         return GGNOperator(
-            model, data, supervised_forward, loss_of_output,
-            loss_hvp="analytical" if closed_form else "autograd", **common,
+            model,
+            data,
+            supervised_forward,
+            loss_of_output,
+            loss_hvp="analytical" if closed_form else "autograd",
+            **common,
         )
     if operator == "fisher":
         return EmpiricalFisherOperator(model, data, supervised_per_sample_loss(criterion), **common)
@@ -420,7 +517,9 @@ def _log(quiet: bool, *parts: Any) -> None:
         print(*parts, flush=True)
 
 
-def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+def _memory_estimate(
+    problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace
+) -> MemoryEstimate | None:
     first = next(iter(problem.dataloader), None)
     if first is None:
         raise CLIError("the dataloader yielded no batch; check that the dataset is not empty")
@@ -433,8 +532,15 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
         krylov = max(krylov, args.trace_matvecs // 3)
     block = max(1, min(args.slq_runs, 32))
     return estimate_memory(
-        op.model, first, supervised_loss(problem.criterion), operator=args.operator, method=args.method,
-        block_size=block, microbatch_size=args.microbatch_size, krylov_size=krylov, params=op.params,
+        op.model,
+        first,
+        supervised_loss(problem.criterion),
+        operator=args.operator,
+        method=args.method,
+        block_size=block,
+        microbatch_size=args.microbatch_size,
+        krylov_size=krylov,
+        params=op.params,
     )
 
 
@@ -444,7 +550,12 @@ def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, t
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if density is not None else 1, figsize=(11 if density is not None else 5.5, 4.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        2 if density is not None else 1,
+        figsize=(11 if density is not None else 5.5, 4.2),
+        squeeze=False,
+    )
     values = eig.eigenvalues.numpy()
     if density is not None:
         ax = axes[0, 0]
@@ -453,7 +564,9 @@ def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, t
         # below ~1e-7 of the peak the Gaussian tails are invisible noise on a log axis
         ax.set_ylim(peak * 1e-7, peak * 3)
         for j, v in enumerate(values):
-            ax.axvline(float(v), color="C3", lw=0.8, alpha=0.7, label="top eigenvalues" if j == 0 else None)
+            ax.axvline(
+                float(v), color="C3", lw=0.8, alpha=0.7, label="top eigenvalues" if j == 0 else None
+            )
         ax.set_title(f"spectral density (σ = {density.sigma:.2g})")
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
@@ -487,22 +600,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     if args.model is None:
         problem = builtin_problem(
-            seed=args.seed, dtype=dtype, device=device, train_steps=args.train_steps, synthetic=args.synthetic
+            seed=args.seed,
+            dtype=dtype,
+            device=device,
+            train_steps=args.train_steps,
+            synthetic=args.synthetic,
         )
     else:
         problem = load_user_problem(args.model)
         if args.dtype is not None:
             problem.model.to(dtype=dtype)
         problem.model.to(device=device)
-        problem.dataloader = _cast_data(problem.dataloader, device, dtype if args.dtype is not None else None)
+        problem.dataloader = _cast_data(
+            problem.dataloader, device, dtype if args.dtype is not None else None
+        )
     timings["setup"] = time.perf_counter() - t0
     _log(quiet, f"model: {problem.description}  [{timings['setup']:.1f} s]")
 
     op = build_operator(
-        problem, args.operator, method=args.method, num_batches=args.num_batches, microbatch_size=args.microbatch_size
+        problem,
+        args.operator,
+        method=args.method,
+        num_batches=args.num_batches,
+        microbatch_size=args.microbatch_size,
     )
     what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
-    _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
+    _log(
+        quiet,
+        f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}",
+    )
     memory = _memory_estimate(problem, op, args)
     if memory is not None:
         _log(quiet, memory.summary())
@@ -510,13 +636,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "version": __version__,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": str(op.dtype).removeprefix("torch.")},
-        "memory_estimate": None if memory is None else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
+        "model": {
+            "description": problem.description,
+            "num_parameters": op.size,
+            "device": str(device),
+            "dtype": str(op.dtype).removeprefix("torch."),
+        },
+        "memory_estimate": None
+        if memory is None
+        else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
     }
 
     t = time.perf_counter()
     k = min(args.k, op.size)
-    eig = lanczos(op, k=k, which=args.which, tol=args.tol, max_iter=args.max_matvecs, seed=args.seed, progress=progress)
+    eig = lanczos(
+        op,
+        k=k,
+        which=args.which,
+        tol=args.tol,
+        max_iter=args.max_matvecs,
+        seed=args.seed,
+        progress=progress,
+    )
     timings["eigenvalues"] = time.perf_counter() - t
     results["eigenvalues"] = {
         "which": args.which,
@@ -525,26 +666,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "converged": [bool(c) for c in eig.converged.tolist()],
         "matvecs": eig.iterations,
     }
-    _log(quiet, f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
+    _log(
+        quiet,
+        f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]",
+    )
     _log(quiet, eig.summary())
 
     tr: TraceResult | None = None
     if args.trace_matvecs:
         t = time.perf_counter()
-        tr = trace(op, num_matvecs=args.trace_matvecs, method="hutch++", seed=args.seed, progress=progress)
+        tr = trace(
+            op, num_matvecs=args.trace_matvecs, method="hutch++", seed=args.seed, progress=progress
+        )
         timings["trace"] = time.perf_counter() - t
-        results["trace"] = {"method": "hutch++", "estimate": tr.estimate, "stderr": tr.stderr, "matvecs": args.trace_matvecs}
-        _log(quiet, f"\ntrace (Hutch++, {args.trace_matvecs} products): {tr.estimate:.6e} ± {tr.stderr:.2e}  [{timings['trace']:.1f} s]")
+        results["trace"] = {
+            "method": "hutch++",
+            "estimate": tr.estimate,
+            "stderr": tr.stderr,
+            "matvecs": args.trace_matvecs,
+        }
+        _log(
+            quiet,
+            f"\ntrace (Hutch++, {args.trace_matvecs} products): {tr.estimate:.6e} ± {tr.stderr:.2e}  [{timings['trace']:.1f} s]",
+        )
 
     density: SpectralDensityResult | None = None
     if args.slq_runs:
         t = time.perf_counter()
         density = spectral_density(
-            op, num_runs=args.slq_runs, lanczos_steps=args.slq_steps, num_grid_points=args.grid_points,
-            seed=args.seed, progress=progress,
+            op,
+            num_runs=args.slq_runs,
+            lanczos_steps=args.slq_steps,
+            num_grid_points=args.grid_points,
+            seed=args.seed,
+            progress=progress,
         )
         timings["spectral_density"] = time.perf_counter() - t
         grid = density.grid
+        nodes, weights = density.quadrature()
         mass = float(torch.trapezoid(density.density, grid))
         results["spectral_density"] = {
             "num_runs": args.slq_runs,
@@ -552,10 +711,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sigma": density.sigma,
             "grid": _floats(grid),
             "density": _floats(density.density),
-            "nodes": _floats(density.raw_eigenvalues),
-            "weights": _floats(density.raw_weights),
+            "nodes": _floats(nodes),
+            "weights": _floats(weights),
         }
-        lo, hi = float(density.raw_eigenvalues.min()), float(density.raw_eigenvalues.max())
+        lo, hi = float(nodes.min()), float(nodes.max())
         _log(
             quiet,
             f"\nspectral density (SLQ, {args.slq_runs} runs x {min(args.slq_steps, op.size)} steps): support "

@@ -35,8 +35,12 @@ def _import_curvlinops_base() -> Any:
         # curvlinops imports linear_operator, whose import-time @torch.jit.script warns on
         # torch >= 2.10: third-party noise that is not the user's to act on
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*torch.jit.script.*", category=DeprecationWarning
+            )
+            warnings.filterwarnings(
+                "ignore", message=".*torch.jit.script.*", category=FutureWarning
+            )
             import curvlinops  # noqa: F401  (the package's __init__ is where the noise comes from)
             from curvlinops._torch_base import PyTorchLinearOperator
     except ImportError as exc:
@@ -58,7 +62,9 @@ class CurvlinopsOperator(CurvatureOperator):
     def __init__(self, linop: Any) -> None:
         rows, cols = (int(s) for s in linop.shape)
         if rows != cols:
-            raise ValueError(f"a curvature operator is square; the curvlinops operator has shape {linop.shape}")
+            raise ValueError(
+                f"a curvature operator is square; the curvlinops operator has shape {linop.shape}"
+            )
         if getattr(linop, "SELF_ADJOINT", True) is False:
             raise ValueError(
                 f"{type(linop).__name__} is not self-adjoint (SELF_ADJOINT=False); the algorithms "

@@ -165,7 +165,9 @@ def available_memory(device: torch.device | str) -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free + _torch_compat.cuda_reserved(device) - _torch_compat.cuda_allocated(device))
+        return int(
+            free + _torch_compat.cuda_reserved(device) - _torch_compat.cuda_allocated(device)
+        )
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as f:
@@ -291,7 +293,9 @@ def estimate_memory(
         raise ValueError(f"krylov_size must be >= 0, got {krylov_size}")
     if microbatch_size is not None and microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1 or None, got {microbatch_size}")
-    selected = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    selected = (
+        list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    )
     if not selected:
         raise ValueError("no parameters selected: the model has no parameter that requires grad")
     device = selected[0].device
@@ -317,7 +321,9 @@ def estimate_memory(
     factor = _FIRST_PASS[key] + _PER_VECTOR[key] * block_size
     vectors = 2 * block_size + _EXTRA_VECTORS[key]
     product = int(factor * act + vectors * param_bytes)
-    wd_size = torch.empty((), dtype=work_dtype).element_size() if work_dtype is not None else itemsize
+    wd_size = (
+        torch.empty((), dtype=work_dtype).element_size() if work_dtype is not None else itemsize
+    )
     return MemoryEstimate(
         operator=operator,
         method=method if operator == "hessian" else "autograd",
@@ -331,4 +337,3 @@ def estimate_memory(
         measured=bool(measure),
         batch_size=bs,
     )
-

@@ -14,8 +14,9 @@ import fnmatch
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from torch import nn
@@ -72,8 +73,10 @@ def _as_filter(param_filter: ParamFilter | str | Sequence[str] | None) -> ParamF
 def select_parameters(
     model: nn.Module,
     param_filter: ParamFilter | str | Sequence[str] | None = None,
-) -> list[tuple[str, nn.Parameter]]:
-    """The ``(name, parameter)`` pairs a curvature operator acts on.
+) -> dict[str, nn.Parameter]:
+    """The parameters a curvature operator acts on, by name, in ``named_parameters`` order.
+
+    A ``dict`` as in the 1.0 alpha (``.items()`` gives the ``(name, parameter)`` pairs).
 
     Without a filter: every parameter with ``requires_grad``. With a filter:
     the parameters it accepts (a frozen parameter may be selected explicitly;
@@ -83,11 +86,11 @@ def select_parameters(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     flt = _as_filter(param_filter)
-    selected: list[tuple[str, nn.Parameter]] = []
+    selected: dict[str, nn.Parameter] = {}
     for name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
         keep = p.requires_grad if flt is None else bool(flt(name, p))
         if keep:
-            selected.append((name, p))
+            selected[name] = p
     if not selected:
         if flt is None:
             raise ValueError(
@@ -96,7 +99,7 @@ def select_parameters(
             )
         names = [n for n, _ in model.named_parameters()][:8]
         raise ValueError(
-            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected no parameter; "
+            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected zero parameters; "
             f"the model's parameters are named like {names}"
         )
     return selected
@@ -118,7 +121,12 @@ class ParamLayout:
     device: torch.device
 
     @classmethod
-    def from_named(cls, named: Sequence[tuple[str, torch.Tensor]]) -> ParamLayout:
+    def from_named(
+        cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]
+    ) -> ParamLayout:
+        """The layout of ``(name, tensor)`` pairs, or of a dict such as ``select_parameters``'s."""
+        if isinstance(named, Mapping):
+            named = list(named.items())
         if not named:
             raise ValueError("a parameter layout needs at least one parameter")
         dtypes = {p.dtype for _, p in named}
@@ -162,18 +170,32 @@ class ParamLayout:
     def split_rows(self, block: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views ``(k, *shape)`` of a row block ``(k, n)``."""
         if block.dim() != 2 or block.shape[1] != self.size:
-            raise ValueError(f"expected a block of shape (k, {self.size}), got {tuple(block.shape)}")
+            raise ValueError(
+                f"expected a block of shape (k, {self.size}), got {tuple(block.shape)}"
+            )
         k = block.shape[0]
-        return [t.view(k, *s) for t, s in zip(block.split(self.numels, dim=1), self.shapes, strict=True)]
+        return [
+            t.view(k, *s) for t, s in zip(block.split(self.numels, dim=1), self.shapes, strict=True)
+        ]
 
     def empty(self, *lead: int) -> torch.Tensor:
         """A fresh flat buffer of shape ``(*lead, n)`` in the layout's dtype and device."""
         return torch.empty(*lead, self.size, dtype=self.dtype, device=self.device)
 
 
-def params_to_vector(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Flatten tensors into one new vector (a copy, detached)."""
-    plist = list(params)
+def total_size(params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> int:
+    """Number of entries of all tensors (a dict such as ``select_parameters``'s, or tensors)."""
+    items = params.values() if isinstance(params, Mapping) else params
+    return sum(int(p.numel()) for p in items)
+
+
+def _tensors(params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return list(params.values() if isinstance(params, Mapping) else params)
+
+
+def params_to_vector(params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> torch.Tensor:
+    """Flatten tensors (or a dict of them, in its order) into one new vector (a copy, detached)."""
+    plist = _tensors(params)
     if not plist:
         raise ValueError("params_to_vector got no tensors")
     layout = ParamLayout.from_named([(str(i), p) for i, p in enumerate(plist)])
@@ -184,12 +206,33 @@ def params_to_vector(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def vector_to_params(vec: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
-    """Copy the slices of a flat vector into the tensors ``params`` (in place)."""
-    plist = list(params)
+@overload
+def vector_to_params(
+    vec: torch.Tensor, params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]: ...
+@overload
+def vector_to_params(vec: torch.Tensor, params: Iterable[torch.Tensor]) -> None: ...
+def vector_to_params(
+    vec: torch.Tensor, params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """Split a flat vector by the shapes of ``params``.
+
+    ``params`` a dict (e.g. from ``select_parameters``): returns a dict of
+    views of ``vec`` shaped like its values, as the 1.0 alpha did. ``params``
+    a sequence of tensors: copies the slices into them, in place.
+    """
+    plist = _tensors(params)
     layout = ParamLayout.from_named([(str(i), p) for i, p in enumerate(plist)])
     if vec.dim() != 1 or vec.numel() != layout.size:
-        raise ValueError(f"vector has shape {tuple(vec.shape)}, the parameters need ({layout.size},)")
+        raise ValueError(
+            f"expected a 1-D vector of {layout.size} elements (the parameters' total), "
+            f"got shape {tuple(vec.shape)}"
+        )
+    if isinstance(params, Mapping):
+        return dict(zip(params.keys(), layout.split(vec), strict=True))
     with torch.no_grad():
-        for p, view in zip(plist, layout.split(vec.to(device=layout.device, dtype=layout.dtype)), strict=True):
+        for p, view in zip(
+            plist, layout.split(vec.to(device=layout.device, dtype=layout.dtype)), strict=True
+        ):
             p.copy_(view)
+    return None

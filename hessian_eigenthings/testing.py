@@ -7,7 +7,7 @@ parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,8 +16,19 @@ from hessian_eigenthings._torch_compat import math_sdpa
 from hessian_eigenthings.batching import Batch, batch_size, batchnorm_modules
 
 
+def _pairs(
+    named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of ``select_parameters``'s dict (or of a list of pairs)."""
+    return list(named.items()) if isinstance(named, Mapping) else list(named)
+
+
 def _flat_fn(
-    model: nn.Module, names: Sequence[str], shapes: Sequence[torch.Size], fn: Callable[[nn.Module, Batch], torch.Tensor], batch: Batch
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    fn: Callable[[nn.Module, Batch], torch.Tensor],
+    batch: Batch,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     sizes = [s.numel() for s in shapes]
 
@@ -42,9 +53,10 @@ def dense_hessian(
     model: nn.Module,
     batches: Iterable[Batch],
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
-    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_params: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
 ) -> torch.Tensor:
     """``Σ bᵢ ∇²L_i / Σ bᵢ`` over ``batches`` as a dense ``(n, n)`` matrix."""
+    named_params = _pairs(named_params)
     names = [n for n, _ in named_params]
     shapes = [p.shape for _, p in named_params]
     theta = torch.cat([p.detach().reshape(-1) for _, p in named_params])
@@ -67,9 +79,10 @@ def dense_jacobian(
     model: nn.Module,
     batch: Batch,
     fn: Callable[[nn.Module, Batch], torch.Tensor],
-    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_params: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
 ) -> torch.Tensor:
     """Jacobian of ``fn(model, batch)`` (flattened) w.r.t. the flat parameters: ``(m, n)``."""
+    named_params = _pairs(named_params)
     names = [n for n, _ in named_params]
     shapes = [p.shape for _, p in named_params]
     theta = torch.cat([p.detach().reshape(-1) for _, p in named_params])

@@ -61,7 +61,8 @@ def check_k(k: int, n: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k < 1 or k > n:
-        raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}")
+        over = f", which exceeds operator size {n}" if k > n else ""
+        raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}{over}")
 
 
 def non_finite_error(what: str, iteration: int) -> ValueError:

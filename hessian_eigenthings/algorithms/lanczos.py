@@ -31,7 +31,6 @@ restart buffer of ``l · n``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Literal
 
 import numpy as np
@@ -52,7 +51,7 @@ from hessian_eigenthings.algorithms._common import (
     row_dots,
     work_dtype,
 )
-from hessian_eigenthings.algorithms.result import ConvergenceWarning, EigenResult, LanczosTridiag
+from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
@@ -148,9 +147,11 @@ def lanczos(
 
     Args:
         k: number of eigenpairs.
-        max_iter: budget of operator products for the iteration (a block of
-            ``b`` counts ``b``); default ``max(1000, 30 · ncv)``. The exact
-            residuals at the end cost ``k`` more.
+        max_iter: budget of operator products (a block of ``b`` counts
+            ``b``); default ``max(1000, 30 · ncv)``, and then the exact
+            residuals at the end cost ``k`` more. A ``max_iter`` you pass
+            bounds every product (``result.iterations <= max_iter``, as in the
+            1.0 alpha): see NOTE [explicit lanczos budget].
         tol: a pair is converged when ``||A v - θ v|| <= tol · |θ|`` (or the
             residual is at rounding level, see ``_common.rounding_level``).
         reorthogonalize: ``None``/``True``: full reorthogonalization (classical
@@ -208,6 +209,21 @@ def lanczos(
     if not (tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol}")
     b = block_size
+    # NOTE [explicit lanczos budget]
+    # The 1.0 alpha's max_iter counted Lanczos steps and ran them in one basis, so
+    # max_iter = n gave the exact spectrum and result.iterations never exceeded max_iter.
+    # A budget passed explicitly keeps both. When it covers the whole space (max_iter >= n)
+    # and an n x n basis is small (<= 256 MiB), the basis is the whole space (no restart:
+    # exact after n products). The k products of the exact residual check come out of the
+    # budget: the iteration gets max_iter - k, unless that would stop it short of what it
+    # needs (k + b products, or the whole space when the budget covers it); then it gets all
+    # of max_iter and the Lanczos residual estimates are reported (equal in exact
+    # arithmetic; zero once the space is exhausted). The default budget (None) is for the
+    # iteration alone, and the residual check comes on top.
+    explicit_budget = max_iter is not None
+    itemsize = torch.empty((), dtype=work_dtype(op, precision)).element_size()
+    if ncv is None and max_iter is not None and max_iter >= n and n * n * itemsize <= 2**28:
+        ncv = n
     if ncv is None:
         ncv = max(2 * k + 1, 20, k + 2 * b, 10 * b)
     ncv = min(int(ncv), n)
@@ -219,6 +235,13 @@ def lanczos(
         )
     if max_iter is None:
         max_iter = max(1000, 30 * ncv)
+    iteration_budget = max_iter
+    if explicit_budget and residuals == "exact":  # See NOTE [explicit lanczos budget]
+        needs = n if max_iter >= n else min(n, k + b)
+        if max_iter - k >= needs:
+            iteration_budget = max_iter - k
+        else:
+            residuals = "estimate"
     if max_iter < min(n, k + b):
         raise ValueError(
             f"max_iter={max_iter} products cannot give k={k} eigenpairs; use at least {min(n, k + b)} "
@@ -329,7 +352,7 @@ def lanczos(
                 # with exactly k Ritz values every one is "wanted": insist on one more to compare
                 if exhausted or (top > k and n_conv == k):
                     break
-            if products + b > max_iter:
+            if products + b > iteration_budget:
                 break
             if top + b > m:
                 # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
@@ -378,11 +401,9 @@ def lanczos(
                 "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) limit float32 "
                 "products to about 1e-3, and half-precision products likewise; loosen tol or turn TF32 off"
             )
-        warnings.warn(
+        warn_convergence(
             f"lanczos: {int(converged.sum())} of {k} eigenpairs converged to tol={tol:g} within "
-            f"{products} products; {hint}",
-            ConvergenceWarning,
-            stacklevel=2,
+            f"{products} products; {hint}"
         )
     return EigenResult(
         eigenvalues=lam,

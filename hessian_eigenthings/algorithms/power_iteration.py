@@ -20,7 +20,6 @@ Prefer :func:`lanczos`: it needs far fewer products for the same accuracy.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -39,7 +38,7 @@ from hessian_eigenthings.algorithms._common import (
     row_dots,
     work_dtype,
 )
-from hessian_eigenthings.algorithms.result import ConvergenceWarning, EigenResult
+from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
@@ -59,8 +58,9 @@ def _check_common(max_iter: int, tol: float, momentum: float) -> None:
         raise ValueError(f"max_iter must be a positive int (number of products), got {max_iter!r}")
     if not (tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol}")
-    if not (0.0 <= momentum < 1e300):
-        raise ValueError(f"momentum must be >= 0, got {momentum}")
+    # a negative momentum is a shift (A + |m| I), which 0.x users passed: any finite value
+    if not math.isfinite(momentum):
+        raise ValueError(f"momentum must be a finite number, got {momentum}")
 
 
 def _power(
@@ -256,11 +256,9 @@ def deflated_power_iteration(
     converged = res <= torch.clamp(tol * lams.abs(), min=noise * anorm)
     order = torch.argsort(lams, descending=True, stable=True)
     if not bool(converged.all()):
-        warnings.warn(
+        warn_convergence(
             f"deflated_power_iteration: {int(converged.sum())} of {k} eigenpairs reached tol={tol:g} "
-            f"(max_iter={max_iter} products each); raise max_iter, or use lanczos",
-            ConvergenceWarning,
-            stacklevel=2,
+            f"(max_iter={max_iter} products each); raise max_iter, or use lanczos"
         )
     return EigenResult(
         eigenvalues=lams[order],

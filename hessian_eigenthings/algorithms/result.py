@@ -6,6 +6,12 @@ number of eigenpairs, ``m`` the number of Lanczos steps.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +20,39 @@ import torch
 
 class ConvergenceWarning(UserWarning):
     """An algorithm stopped before meeting its tolerance, or hit numerical trouble."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# NOTE [quiet convergence warnings]
+# A caller inside the package (the 0.x facade) that judges convergence by its own rule
+# turns the core's ConvergenceWarning off for one call. It must not do that with
+# warnings.catch_warnings(): entering or leaving it mutates the filter list, which clears
+# every module's once-per-location registry, so the user's DeprecationWarnings would be
+# shown again on every call of a loop. A context variable changes nothing global.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_convergence", default=False)
+
+
+@contextlib.contextmanager
+def quiet_convergence_warnings() -> Iterator[None]:
+    """No :class:`ConvergenceWarning` from the algorithms inside this block (no filter change)."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def warn_convergence(message: str) -> None:
+    """Warn :class:`ConvergenceWarning` at the first frame outside the package (the user's line)."""
+    if _QUIET.get():
+        return
+    level = 2  # stacklevel 2 is the frame of sys._getframe(1), this function's caller
+    frame = sys._getframe(1)
+    # the router of the top-level names and the algorithms' helpers add frames: count them
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, ConvergenceWarning, stacklevel=level)
 
 
 @dataclass(frozen=True)
@@ -85,15 +124,24 @@ class SpectralDensityResult:
     """A smoothed spectral density from stochastic Lanczos quadrature.
 
     ``density`` integrates to about 1 over ``grid``; ``raw_eigenvalues`` and
-    ``raw_weights`` are the quadrature nodes and weights of all runs (the
-    weights sum to 1), so the density can be re-smoothed with another sigma.
+    ``raw_weights`` are the quadrature nodes and weights of each run (as in
+    the 1.0 alpha: one row per run, each row's weights sum to 1; a run that
+    stopped early, its Krylov space exhausted, is padded with NaN nodes and
+    zero weights). ``quadrature()`` gives them flat, for re-smoothing the
+    density with another sigma.
     """
 
     grid: torch.Tensor  # (g,) float64
     density: torch.Tensor  # (g,) float64
-    raw_eigenvalues: torch.Tensor  # (q,) float64, q <= num_runs * lanczos_steps
-    raw_weights: torch.Tensor  # (q,) float64, sums to 1
+    raw_eigenvalues: torch.Tensor  # (num_runs, m) float64, m <= lanczos_steps; NaN padding
+    raw_weights: torch.Tensor  # (num_runs, m) float64, rows sum to 1; zero padding
     sigma: float  # width of the Gaussian kernel
+
+    def quadrature(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All runs' nodes ``(q,)`` and weights ``(q,)`` (summing to 1), padding removed."""
+        keep = ~torch.isnan(self.raw_eigenvalues)
+        runs = self.raw_weights.shape[0]
+        return self.raw_eigenvalues[keep], self.raw_weights[keep] / runs
 
     def plot(self, ax: Any = None, *, log: bool = True, **kwargs: Any) -> Any:
         """Plot the density (log scale by default); returns the matplotlib axes."""

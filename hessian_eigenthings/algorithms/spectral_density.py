@@ -129,16 +129,24 @@ def spectral_density(
                     T += torch.diag(run.betas, 1) + torch.diag(run.betas, -1)
                 theta, S = torch.linalg.eigh(T)
                 nodes.append(theta)
-                weights.append(S[0] ** 2 / num_runs)
-    raw_nodes = torch.cat(nodes)
-    raw_weights = torch.cat(weights)
-    lo, hi = float(raw_nodes.min()), float(raw_nodes.max())
+                weights.append(S[0] ** 2)
+    # one row per run (the 1.0 alpha's layout); a run cut short by an exhausted Krylov
+    # space is padded with NaN nodes and zero weights
+    m = max(t.shape[0] for t in nodes)
+    raw_nodes = torch.full((num_runs, m), float("nan"), dtype=torch.float64)
+    raw_weights = torch.zeros((num_runs, m), dtype=torch.float64)
+    for i, (theta, w) in enumerate(zip(nodes, weights, strict=True)):
+        raw_nodes[i, : theta.shape[0]] = theta
+        raw_weights[i, : w.shape[0]] = w
+    flat = ~torch.isnan(raw_nodes)
+    flat_nodes, flat_weights = raw_nodes[flat], raw_weights[flat] / num_runs
+    lo, hi = float(flat_nodes.min()), float(flat_nodes.max())
     span = hi - lo
     if sigma is None:
         sigma = span / (2.0 * steps) if span > 0 else 1e-3 * max(abs(lo), 1.0)
     pad = max(grid_padding * span, 5.0 * sigma)
     grid = torch.linspace(lo - pad, hi + pad, num_grid_points, dtype=torch.float64)
-    density = gaussian_density(raw_nodes, raw_weights, grid, sigma)
+    density = gaussian_density(flat_nodes, flat_weights, grid, sigma)
     return SpectralDensityResult(
         grid=grid,
         density=density,

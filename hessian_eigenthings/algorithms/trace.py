@@ -412,3 +412,6 @@ def trace(
             progress=progress,
         )
     raise ValueError(f"method must be 'hutch++', 'xtrace' or 'hutchinson', got {method!r}")
+
+#: the 1.0 alpha's name for the ``method`` values of :func:`trace`
+Method = Literal["hutchinson", "hutch++"]

@@ -9,7 +9,9 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import os
 import sys
 import warnings
@@ -136,12 +138,35 @@ def message(name: str) -> str:
     return f"Use {entry.replacement}. See {GUIDE}, section '{entry.section}'."
 
 
+# NOTE [once per call site]
+# Python shows a DeprecationWarning once per call site by recording it in the calling
+# module's __warningregistry__; any change of the filter list (warnings.simplefilter,
+# entering or leaving warnings.catch_warnings) invalidates every registry, and the next
+# call warns again. The facade's own path changes no filter. Two libraries do, once, at
+# import time, and the core imports them lazily during its first product: tqdm.auto (the
+# progress bar) and torch.fx.experimental.symbolic_shapes (torch.autograd.grad imports it,
+# and it imports sympy). Imported during the first 0.x call, after its warning, they
+# cleared that record, so a loop warned twice. Importing them before the first warning
+# settles the filters first; later calls find them loaded (a dict lookup each).
+_FILTER_CHANGING_IMPORTS = ("tqdm.auto", "torch.fx.experimental.symbolic_shapes")
+
+
+def _settle_lazy_imports() -> None:
+    for module in _FILTER_CHANGING_IMPORTS:
+        if module not in sys.modules:
+            # an optional dependency absent: nothing will import it
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+
+
 def warn_deprecated(name: str) -> None:
     """Warn that the 0.x ``name`` was used, pointing at the user's line.
 
     Python's default filter shows a ``DeprecationWarning`` once per call site
-    (when the call site is ``__main__``); no state is kept here.
+    (when the call site is ``__main__``); no state is kept here. See NOTE
+    [once per call site].
     """
+    _settle_lazy_imports()
     entry = DEPRECATIONS[name]
     cls = deprecation.UnsupportedWarning if _removed() else deprecation.DeprecatedWarning
     warning = cls(f"hessian_eigenthings 0.x {entry.name}", DEPRECATED_IN, REMOVED_IN, message(name))
@@ -151,9 +176,10 @@ def warn_deprecated(name: str) -> None:
 def warn_cpu_fallback(what: str) -> None:
     """``use_gpu=True`` but CUDA is unavailable: say so once per call site, then run on the CPU."""
     warnings.warn(
-        f"{what}: use_gpu=True but CUDA is not available; running on the CPU "
-        "(0.x raised an error here). In 1.0 computations run on the model's device: drop use_gpu "
-        f"and move the model with model.to(device). See {GUIDE}, section 'Devices and dtypes'.",
+        f"{what}: use_gpu=True (0.x's default, in effect when use_gpu is not passed) but CUDA is "
+        "not available; running on the CPU (0.x raised an error here). Pass use_gpu=False to "
+        "silence this; in 1.0 computations run on the model's device: drop use_gpu and move the "
+        f"model with model.to(device). See {GUIDE}, section 'Devices and dtypes'.",
         CPUFallbackWarning,
         stacklevel=user_stacklevel(),
     )

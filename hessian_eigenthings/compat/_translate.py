@@ -10,38 +10,64 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import warnings
-from collections.abc import Iterator
+from operator import index
 from typing import Any
 
 import numpy as np
 import torch
 
-from hessian_eigenthings.algorithms.result import ConvergenceWarning
+from hessian_eigenthings.algorithms.result import ConvergenceWarning, quiet_convergence_warnings
 from hessian_eigenthings.compat._deprecations import user_stacklevel, warn_cpu_fallback
 from hessian_eigenthings.operators.base import CurvatureOperator
 
+# NOTE [0.x argument values]
+# 0.x validated nothing: flags were read with `if flag:`, counts went to `range()`,
+# thresholds to `<` comparisons. So any truthy or falsy object is a flag (a positional
+# 128 landing in fp16 means fp16), any integer-like (`operator.index`, bools included,
+# as range() takes them) is a count, and any real number a threshold (negative
+# thresholds never stop early: 0.x users pass them to force a fixed number of steps).
+# Only what 0.x itself crashed on raises here, and the message says what 0.x did.
 
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+def operator_size(value: Any) -> int:
+    """A 0.x ``Operator.size``: an int, or a shape ``(n,)`` / ``(n, n)`` (0.x's lanczos took both)."""
+    if isinstance(value, (tuple, list, torch.Size)) and len(value) in (1, 2):
+        value = value[0]
+    try:
+        n = index(value)
+    except TypeError:
+        raise TypeError(
+            f"size must be an int (the length of the flat vector), got {value!r}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"size must be a positive int (the length of the flat vector), got {n}")
+    return n
+
+
+def flag(value: Any) -> bool:
+    """A 0.x flag: truthiness, as 0.x's ``if flag:``."""
     return bool(value)
 
 
-def check_int(name: str, value: Any, *, minimum: int, hint: str) -> int:
-    """An integer argument; ``hint`` names the 1.0 argument it becomes."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({hint})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value} ({hint})")
-    return int(value)
+def count(name: str, value: Any, *, hint: str) -> int:
+    """A 0.x count (anything ``range()`` takes); ``hint`` names the 1.0 argument it becomes."""
+    try:
+        return index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int, got {type(value).__name__} (0.x passed it to range(), which "
+            f"raised TypeError too; {hint})"
+        ) from None
 
 
-def check_float(name: str, value: Any, *, minimum: float, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({hint})")
-    if not value >= minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value} ({hint})")
+def real(name: str, value: Any, *, hint: str) -> float:
+    """A 0.x threshold or coefficient: any real number (0.x compared or multiplied it)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({hint})")
     return float(value)
 
 
@@ -50,7 +76,7 @@ def requested_device(use_gpu: Any, what: str) -> torch.device:
 
     ``use_gpu=True`` without CUDA warns (once per call site) and gives the CPU.
     """
-    if check_bool("use_gpu", use_gpu):
+    if flag(use_gpu):
         if torch.cuda.is_available():
             return torch.device("cuda")
         warn_cpu_fallback(what)
@@ -66,7 +92,7 @@ class _ApplyAdapter(CurvatureOperator):
 
     def __init__(self, obj: Any, device: torch.device) -> None:
         self.obj = obj
-        self._size = int(obj.size)
+        self._size = operator_size(obj.size)
         self._device = device
         self._dtype = torch.float32
 
@@ -126,7 +152,7 @@ def as_core_operator(operator: Any, *, use_gpu: Any, fp16: Any, what: str) -> Cu
     ``apply(vec)`` is adapted. ``fp16=True`` views the operator in float16.
     """
     device = requested_device(use_gpu, what)
-    half = check_bool("fp16", fp16)
+    half = flag(fp16)
     op: CurvatureOperator
     if isinstance(operator, CurvatureOperator):
         op = operator
@@ -192,13 +218,11 @@ def sorted_pairs(
     return host[index], vectors[index.to(vectors.device)]
 
 
-@contextlib.contextmanager
-def core_convergence_warning_off() -> Iterator[None]:
+def core_convergence_warning_off() -> contextlib.AbstractContextManager[None]:
     """Silence the core's ConvergenceWarning: it speaks 1.0 arguments (``max_iter``, the
-    translated ``tol``) and points into the facade; ``warn_unconverged`` says it in 0.x terms."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=ConvergenceWarning)
-        yield
+    translated ``tol``) and points into the facade; ``warn_unconverged`` says it in 0.x terms.
+    No filter change (see NOTE [quiet convergence warnings] in ``algorithms.result``)."""
+    return quiet_convergence_warnings()
 
 
 def warn_unconverged(what: str, converged: torch.Tensor, advice: str) -> None:

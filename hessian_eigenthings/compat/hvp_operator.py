@@ -19,6 +19,7 @@ why, is listed in migration_guide.md ('HVPOperator'):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.compat._deprecations import warn_deprecated
-from hessian_eigenthings.compat._translate import check_bool, check_int, requested_device
+from hessian_eigenthings.compat._translate import flag, real, requested_device
 from hessian_eigenthings.compat.operator import Operator
 from hessian_eigenthings.loss_fns.standard import supervised_loss
 from hessian_eigenthings.operators.hessian import HessianOperator
@@ -55,6 +56,7 @@ def _microbatch_size(dataloader: Iterable[Any], chunk: int) -> int | None:
             return chunk  # the core raises its own error on such a batch
         return None if largest <= chunk else chunk
     return chunk
+
 
 # NOTE [0.x batch weighting]
 # 0.x averaged the per-batch Hessians with equal weights, (1/B) Σ H_i; the 1.0
@@ -89,6 +91,35 @@ def _equal_batches(dataloader: Iterable[Any]) -> bool:
     return False
 
 
+# NOTE [0.x use_gpu]
+# 0.x's HVPOperator called model.cuda() when use_gpu was truthy (the default) and moved
+# every batch to CUDA as it read it; scripts written for 0.x build the model on the CPU
+# and rely on that (running them on the CPU after an upgrade made them several times
+# slower). The facade does the same: the model goes to CUDA in place (nn.Module.cuda()
+# moves the module itself, as in 0.x), and the core moves each batch to the model's
+# device as it reads it. Without CUDA, 0.x crashed; the facade warns and stays on the CPU.
+
+
+def _chunk_size(value: Any) -> int | None:
+    """0.x ``max_possible_gpu_samples`` as a microbatch size; ``None``: never split.
+
+    0.x split a batch of ``B`` samples into ``max(1, B // value)`` chunks, so a
+    negative value never split, zero divided by zero, and a float split as
+    its integer part would.
+    """
+    m = real(
+        "max_possible_gpu_samples", value, hint="1.0: HessianOperator(..., microbatch_size=...)"
+    )
+    if m == 0:
+        raise ValueError(
+            "max_possible_gpu_samples must not be 0 (0.x raised ZeroDivisionError; "
+            "1.0: HessianOperator(..., microbatch_size=...))"
+        )
+    if not m > 0 or math.isinf(m):  # negative or NaN: max(1, B // m) was 1 chunk
+        return None
+    return max(1, int(m))
+
+
 class _HVPOperator(HessianOperator):
     """The 0.x Hessian operator without the deprecation warning (for ``compute_hessian_eigenthings``)."""
 
@@ -107,19 +138,16 @@ class _HVPOperator(HessianOperator):
                 "criterion must be callable as criterion(output, target) (1.0: "
                 "HessianOperator(model, dataloader, supervised_loss(criterion)))"
             )
-        requested_device(use_gpu, "HVPOperator")
-        chunk = check_int(
-            "max_possible_gpu_samples",
-            max_possible_gpu_samples,
-            minimum=1,
-            hint="1.0: HessianOperator(..., microbatch_size=...)",
-        )
+        # See NOTE [0.x use_gpu]
+        if requested_device(use_gpu, "HVPOperator").type == "cuda":
+            model = model.cuda()
+        chunk = _chunk_size(max_possible_gpu_samples)
         super().__init__(
             model,
             dataloader,
             supervised_loss(criterion),
-            full_dataset=check_bool("full_dataset", full_dataset),
-            microbatch_size=_microbatch_size(dataloader, chunk),
+            full_dataset=flag(full_dataset),
+            microbatch_size=None if chunk is None else _microbatch_size(dataloader, chunk),
             # 0.x split BatchNorm batches too; 1.0 asks for consent, which 0.x code cannot give
             microbatch_unsafe=True,
         )
@@ -128,10 +156,10 @@ class _HVPOperator(HessianOperator):
         # the 0.x attributes, for code that reads them
         self.dataloader = dataloader
         self.criterion = criterion
-        self.use_gpu = bool(use_gpu)
-        self.fp16 = check_bool("fp16", fp16)
-        self.full_dataset = bool(full_dataset)
-        self.max_possible_gpu_samples = chunk
+        self.use_gpu = use_gpu
+        self.fp16 = flag(fp16)
+        self.full_dataset = full_dataset
+        self.max_possible_gpu_samples = max_possible_gpu_samples
         if self.fp16:
             self._dtype = torch.float16
 
@@ -152,6 +180,8 @@ class _HVPOperator(HessianOperator):
     def zero_grad(self) -> None:
         """0.x ``zero_grad``: zero the ``.grad`` of the model's parameters (1.0 operators never touch them)."""
         self.model.zero_grad(set_to_none=False)
+
+    _zero_grad = zero_grad  # the name 0.x's HVPOperator used
 
 
 class HVPOperator(_HVPOperator):

@@ -29,10 +29,10 @@ from hessian_eigenthings.compat._deprecations import warn_deprecated
 from hessian_eigenthings.compat._translate import (
     as_core_operator,
     as_numpy,
-    check_float,
-    check_int,
     core_convergence_warning_off,
+    count,
     init_vector,
+    real,
     seed_from_global_rng,
     sorted_pairs,
     warn_unconverged,
@@ -86,34 +86,43 @@ def run_lanczos(
     """The body of 0.x ``lanczos`` without the warning (``compute_hessian_eigenthings`` calls it)."""
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="lanczos")
     n = op.size
-    k = check_int("num_eigenthings", num_eigenthings, minimum=1, hint="1.0: lanczos(op, k=...)")
-    if k > n:
+    k = count("num_eigenthings", num_eigenthings, hint="1.0: lanczos(op, k=...)")
+    if not 0 < k <= n:
         raise ValueError(
-            f"num_eigenthings={k} must be at most the operator size {n} (1.0: lanczos(op, k=...))"
+            f"num_eigenthings={k} must be between 1 and the operator size {n} (0.x's eigsh "
+            "raised here too; 1.0: lanczos(op, k=...))"
         )
     if which not in _CORE_WHICH + _ARPACK_ONLY:
         raise ValueError(
-            f"which must be one of 'LM', 'SM', 'LA', 'SA', 'BE', got {which!r} (1.0: which='LM'|'LA'|'SA')"
+            f"which must be one of 'LM', 'SM', 'LA', 'SA', 'BE', got {which!r} (0.x's eigsh raised "
+            "ValueError too; 1.0: which='LM'|'LA'|'SA')"
         )
-    restarts = check_int(
-        "max_steps",
-        max_steps,
-        minimum=1,
-        hint="ARPACK restarts; 1.0: lanczos(op, max_iter=<products>)",
+    restarts = count(
+        "max_steps", max_steps, hint="ARPACK restarts; 1.0: lanczos(op, max_iter=<products>)"
     )
-    tol = check_float("tol", tol, minimum=0.0, hint="1.0: lanczos(op, tol=...), same meaning")
-    if num_lanczos_vectors is None:
-        ncv = min(n, max(2 * k + 1, 20))  # eigsh's default
-    else:
-        ncv = check_int(
-            "num_lanczos_vectors", num_lanczos_vectors, minimum=1, hint="1.0: lanczos(op, ncv=...)"
+    if restarts < 1:
+        raise ValueError(
+            f"max_steps must be >= 1, got {restarts} (0.x's eigsh raised ValueError too; "
+            "1.0: lanczos(op, max_iter=<products>))"
         )
+    tol = real("tol", tol, hint="1.0: lanczos(op, tol=...), same meaning")
+    tol = max(tol, 0.0)  # ARPACK takes tol <= 0 as machine precision, as the core takes 0
+    if num_lanczos_vectors is None:
+        ncv = min(n, max(2 * k + 1, 20))  # eigsh's default; see the module docstring
+    else:
+        ncv = count("num_lanczos_vectors", num_lanczos_vectors, hint="1.0: lanczos(op, ncv=...)")
         if not k < ncv <= n and not (ncv == k == n):
             raise ValueError(
                 f"num_lanczos_vectors must satisfy num_eigenthings < num_lanczos_vectors <= operator size, "
-                f"got {ncv} with num_eigenthings={k}, size={n} (1.0: lanczos(op, k=..., ncv=...))"
+                f"got {ncv} with num_eigenthings={k}, size={n} (0.x's eigsh raised ValueError too; "
+                "1.0: lanczos(op, k=..., ncv=...))"
             )
     v0 = init_vector(init_vec, op, "init_vec")
+    # 0.x's eigsh saw a float32 operator (its products went through maybe_fp16) and returned
+    # float32 arrays; with fp16=True scipy upcast the half products and returned float64.
+    # A float64 operator keeps float64 (0.x cut it to float32: the facade keeps the precision).
+    half = op.dtype == torch.float16
+    out_dtype = np.float64 if half or op.dtype == torch.float64 else np.float32
 
     if which in _ARPACK_ONLY:
         from scipy.sparse.linalg import eigsh
@@ -122,8 +131,14 @@ def run_lanczos(
         evals, evecs = eigsh(
             op.to_scipy(), k=k, which=which, maxiter=restarts, tol=tol, ncv=ncv, v0=start
         )
-        return evals, np.ascontiguousarray(evecs.T)
+        return evals.astype(out_dtype), np.ascontiguousarray(evecs.T, dtype=out_dtype)
 
+    # NOTE [0.x lanczos convergence]
+    # ARPACK judged convergence by the Ritz estimates ||beta_m s_last||, never by recomputed
+    # residuals, and was silent when they met tol; it raised ArpackNoConvergence otherwise.
+    # The core's residuals="estimate" is that same criterion (and saves the k products of
+    # the recomputation), so the facade is silent where 0.x was silent, and warns (in 0.x
+    # words, at the user's line) where 0.x raised.
     with core_convergence_warning_off():
         result = core_lanczos(
             op,
@@ -134,6 +149,7 @@ def run_lanczos(
             max_iter=ncv + restarts * max(1, ncv - k),
             v0=v0,
             seed=None if v0 is not None else seed_from_global_rng(),
+            residuals="estimate",
         )
     warn_unconverged(
         "lanczos",
@@ -142,4 +158,4 @@ def run_lanczos(
         "(0.x raised ArpackNoConvergence); raise max_steps or num_lanczos_vectors",
     )
     values, vectors = sorted_pairs(result.eigenvalues, result.eigenvectors, descending=False)
-    return as_numpy(values), as_numpy(vectors)
+    return as_numpy(values).astype(out_dtype), as_numpy(vectors).astype(out_dtype, copy=False)

@@ -9,13 +9,28 @@ any floating dtype and device and returns products in the input's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from hessian_eigenthings.compat._deprecations import warn_deprecated
+from hessian_eigenthings.compat._translate import operator_size
 from hessian_eigenthings.operators.base import CurvatureOperator
+
+
+def _as_torch_dtype(value: Any) -> torch.dtype | None:
+    """``value`` (a torch dtype, its name, or a numpy dtype) as a torch dtype; ``None`` if none."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        return getattr(torch, value)
+    try:
+        return torch.from_numpy(np.empty(0, dtype=value)).dtype
+    except (TypeError, ValueError):
+        return None
 
 
 class Operator(CurvatureOperator):
@@ -39,18 +54,49 @@ class Operator(CurvatureOperator):
     def __init__(self, size: int) -> None:
         self.size = size
 
+    # NOTE [0.x operator attributes]
+    # A 0.x Operator was a plain object: subclasses assigned size, device, dtype, shape
+    # or anything else, with or without calling Operator.__init__. The 1.0 base reads
+    # size/device/dtype/shape through properties, so each gets a setter here: size keeps
+    # 0.x's forms (an int or a shape), device and dtype become the operator's own (a
+    # subclass that says where it lives is believed; a device or dtype name reads back as
+    # the torch object it names).
+
     @property
     def size(self) -> int:
         return self._size  # an int: the setter converts
 
     @size.setter
-    def size(self, value: int) -> None:
-        # 0.x stored size as a plain attribute that subclasses assign
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"size must be a positive int (the length of the flat vector), got {value!r}"
-            )
-        self._size = int(value)
+    def size(self, value: Any) -> None:
+        self._size = operator_size(value)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.size, self.size)
+
+    @shape.setter
+    def shape(self, value: Any) -> None:
+        self._size = operator_size(value)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        # not a device (e.g. None): the outputs tell, as for a bare 0.x operator
+        with contextlib.suppress(TypeError, RuntimeError):
+            self._device, self._learned = torch.device(value), True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @dtype.setter
+    def dtype(self, value: Any) -> None:
+        dtype = _as_torch_dtype(value)
+        if dtype is not None:  # otherwise the outputs tell
+            self._dtype, self._learned = dtype, True
 
     def apply(self, vec: torch.Tensor) -> torch.Tensor:
         """``A vec``; 0.x subclasses override this."""

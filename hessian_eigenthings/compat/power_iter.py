@@ -6,9 +6,9 @@ and ``error_threshold`` / ``power_iter_err_threshold`` -> ``tol`` as in
 NOTE [0.x power iteration threshold].
 0.x drew start vectors from torch's global generator; the facade draws the
 1.0 ``seed`` from it, so ``torch.manual_seed`` still makes runs repeatable.
-Results: ``(float, tensor)`` for ``power_iteration``; numpy arrays (or
-tensors with ``to_numpy=False``) sorted by eigenvalue, descending, for
-``deflated_power_iteration``.
+Results: ``(float, tensor)`` for ``power_iteration``; numpy arrays (also
+with ``to_numpy=False``, see NOTE [0.x deflated results]) sorted by
+eigenvalue, descending, for ``deflated_power_iteration``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from hessian_eigenthings.algorithms.power_iteration import (
@@ -26,11 +27,10 @@ from hessian_eigenthings.compat._deprecations import warn_deprecated
 from hessian_eigenthings.compat._translate import (
     as_core_operator,
     as_numpy,
-    check_bool,
-    check_float,
-    check_int,
     core_convergence_warning_off,
+    count,
     init_vector,
+    real,
     seed_from_global_rng,
     sorted_pairs,
 )
@@ -45,8 +45,29 @@ from hessian_eigenthings.compat._translate import (
 # the extra steps a residual of `error_threshold` would take.
 
 
+# NOTE [0.x deflated results]
+# 0.x collected the eigenvalues as Python floats and the eigenvectors as CPU tensors (numpy
+# arrays with to_numpy=True), then called np.array on both lists: the result was two numpy
+# arrays whatever to_numpy said (float64 values; float32 vectors, float16 with fp16=True),
+# so 0.x code calls .copy(), np.save or indexes them as arrays. The facade returns those
+# types; to_numpy changes nothing, as it changed nothing in 0.x. (A float64 operator keeps
+# float64 vectors, where 0.x cut them to float32.)
+
+
 def _tol(name: str, threshold: object, hint: str) -> float:
-    return math.sqrt(check_float(name, threshold, minimum=0.0, hint=hint))
+    # a threshold <= 0 (or NaN) never stopped 0.x early: tol=0 runs the whole budget
+    value = real(name, threshold, hint=hint)
+    return math.sqrt(value) if value > 0 else 0.0
+
+
+def _steps(name: str, value: object, replacement: str) -> int:
+    steps = count(name, value, hint=f"1.0: {replacement}")
+    if steps < 1:
+        raise ValueError(
+            f"{name} must be >= 1, got {steps} (0.x ran no step and crashed with "
+            f"UnboundLocalError; 1.0: {replacement})"
+        )
+    return steps
 
 
 def power_iteration(
@@ -65,11 +86,9 @@ def power_iteration(
     """
     warn_deprecated("power_iteration")
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="power_iteration")
-    steps = check_int("steps", steps, minimum=1, hint="1.0: power_iteration_one(op, max_iter=...)")
+    steps = _steps("steps", steps, "power_iteration_one(op, max_iter=...)")
     tol = _tol("error_threshold", error_threshold, "1.0: power_iteration_one(op, tol=...)")
-    momentum = check_float(
-        "momentum", momentum, minimum=0.0, hint="1.0: power_iteration_one(op, momentum=...)"
-    )
+    momentum = real("momentum", momentum, hint="1.0: power_iteration_one(op, momentum=...)")
     init = init_vector(init_vec, op, "init_vec")
     result = power_iteration_one(
         op,
@@ -95,7 +114,7 @@ def deflated_power_iteration(
     """0.x deflated power iteration. Deprecated: use ``deflated_power_iteration(op, k=...)`` (1.0).
 
     Returns ``(eigenvalues (k,), eigenvectors (k, n))`` sorted by eigenvalue,
-    descending; numpy arrays, or tensors with ``to_numpy=False``.
+    descending; numpy arrays whatever ``to_numpy`` says, as 0.x (NOTE [0.x deflated results]).
     """
     warn_deprecated("deflated_power_iteration")
     return run_deflated_power_iteration(
@@ -122,32 +141,25 @@ def run_deflated_power_iteration(
 ) -> tuple[Any, Any]:
     """The body of 0.x ``deflated_power_iteration`` without the warning."""
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="deflated_power_iteration")
-    k = check_int(
-        "num_eigenthings",
-        num_eigenthings,
-        minimum=1,
-        hint="1.0: deflated_power_iteration(op, k=...)",
-    )
+    k = count("num_eigenthings", num_eigenthings, hint="1.0: deflated_power_iteration(op, k=...)")
     if k > op.size:
         raise ValueError(
-            f"num_eigenthings={k} must be at most the operator size {op.size} "
-            "(1.0: deflated_power_iteration(op, k=...))"
+            f"num_eigenthings={k} must be at most the operator size {op.size} (0.x returned "
+            "spurious pairs of the deflated zero operator; 1.0: deflated_power_iteration(op, k=...))"
         )
-    steps = check_int(
-        "power_iter_steps",
-        power_iter_steps,
-        minimum=1,
-        hint="1.0: deflated_power_iteration(op, max_iter=...)",
+    steps = _steps(
+        "power_iter_steps", power_iter_steps, "deflated_power_iteration(op, max_iter=...)"
     )
     tol = _tol(
         "power_iter_err_threshold",
         power_iter_err_threshold,
         "1.0: deflated_power_iteration(op, tol=...)",
     )
-    momentum = check_float(
-        "momentum", momentum, minimum=0.0, hint="1.0: deflated_power_iteration(op, momentum=...)"
-    )
-    numpy_out = check_bool("to_numpy", to_numpy)
+    momentum = real("momentum", momentum, hint="1.0: deflated_power_iteration(op, momentum=...)")
+    # See NOTE [0.x deflated results]
+    value_dtype, vector_dtype = np.float64, as_numpy(torch.empty(0, dtype=op.dtype)).dtype
+    if k <= 0:  # 0.x's loop ran zero times
+        return np.zeros(0, value_dtype), np.zeros((0, op.size), vector_dtype)
     # 0.x treated power_iter_steps as a budget and never reported convergence; the facade keeps
     # that (1.0 code reads result.converged, and the 1.0 function warns)
     with core_convergence_warning_off():
@@ -155,11 +167,7 @@ def run_deflated_power_iteration(
             op, k=k, max_iter=steps, tol=tol, momentum=momentum, seed=seed_from_global_rng()
         )
     values, vectors = sorted_pairs(result.eigenvalues, result.eigenvectors, descending=True)
-    if vectors.dtype != op.dtype:  # fp16=True: half, as 0.x
-        vectors = vectors.to(op.dtype)
-    if numpy_out:
-        return as_numpy(values), as_numpy(vectors)
-    return values, vectors
+    return as_numpy(values).astype(value_dtype), as_numpy(vectors).astype(vector_dtype, copy=False)
 
 
 __all__ = ["deflated_power_iteration", "power_iteration"]

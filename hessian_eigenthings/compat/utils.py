@@ -6,6 +6,8 @@ Each warns when called and names its standard replacement (``logging``,
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
 import time
 
@@ -14,12 +16,17 @@ import torch
 from hessian_eigenthings.compat._deprecations import warn_deprecated
 
 _BAR_WIDTH = 30
+# module constants 0.x's utils exposed (its progress bar's width, the terminal width,
+# the bar's clock), kept for scripts that read them
+TOTAL_BAR_LENGTH = 65.0
+term_width = shutil.get_terminal_size().columns
+last_time = begin_time = time.time()
 
 
 def log(msg: object) -> None:
-    """Print ``msg`` to stdout with a timestamp."""
+    """``logging.info`` of ``msg`` with a ``[hessian_eigenthings]`` prefix, as 0.x."""
     warn_deprecated("log")
-    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}", flush=True)
+    logging.info("[hessian_eigenthings] " + str(msg))
 
 
 def maybe_fp16(vec: torch.Tensor, fp16: bool) -> torch.Tensor:

@@ -69,6 +69,16 @@ def _check(
         )
 
 
+def _as_bool_mask(valid: torch.Tensor) -> torch.Tensor:
+    """A 0/1 mask of any real dtype as a bool mask; other values are refused (a weight is no mask)."""
+    if valid.is_complex() or not bool(((valid == 0) | (valid == 1)).all()):
+        raise TypeError(
+            f"valid must be a bool mask or hold only 0 and 1, got a {valid.dtype} tensor with other "
+            "values; to weight rows, scale u (or the result) instead"
+        )
+    return valid != 0
+
+
 def cross_entropy_hvp(
     logits: torch.Tensor,
     u: torch.Tensor,
@@ -81,7 +91,8 @@ def cross_entropy_hvp(
     """``(p ⊙ u − p ⟨p, u⟩) · valid / n`` row-wise, ``p = softmax(logits)``.
 
     ``logits``, ``u``: ``(..., V)`` (any strides); ``valid``: boolean
-    ``(...)`` or None; ``n``: number, 0-d tensor (read on device: no host
+    ``(...)``, a 0/1 mask of another dtype (the 1.0 alpha took float masks;
+    checking its values costs one host sync), or None; ``n``: number, 0-d tensor (read on device: no host
     sync), or None (number of valid rows). Result in the logits dtype,
     accumulated in float32 (float64 for float64 logits).
 
@@ -93,6 +104,8 @@ def cross_entropy_hvp(
     imports, else ``torch.compile``. ``out`` (written in full) may alias
     ``u``; the Triton kernel then works in place with no temporary.
     """
+    if valid is not None and valid.dtype != torch.bool:
+        valid = _as_bool_mask(valid)
     _check(logits, u, valid, out)
     from hessian_eigenthings.kernels import _dispatch
 

@@ -25,7 +25,8 @@ convention ``model(**inputs).logits``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -189,3 +190,8 @@ def hf_seq2seq_loss() -> LossFn:
         )
 
     return loss_fn
+
+# the 1.0 alpha's type names, kept importable: the ``fused=`` choices, and the signature of
+# an output-Hessian product ``(output, batch, u) -> H_loss u``
+FusedCEHvpBackend = Literal["auto", "eager", "compile", "triton"]
+LossHvpFn = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]

@@ -1,5 +1,6 @@
 """Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher."""
 
+from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, PerSampleLossFn
 from hessian_eigenthings.operators.base import (
     CurvatureOperator,
     DataCurvatureOperator,
@@ -15,7 +16,7 @@ from hessian_eigenthings.operators.distributed import (
 )
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
-from hessian_eigenthings.operators.hessian import HessianOperator
+from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
 
 __all__ = [
     "CurvatureOperator",
@@ -27,7 +28,12 @@ __all__ = [
     "DistributedProductError",
     "EmpiricalFisherOperator",
     "FSDPHessianOperator",
+    "ForwardFn",
     "GGNOperator",
     "HessianOperator",
+    "HvpMethod",
     "LambdaOperator",
+    "LossFn",
+    "LossOfOutputFn",
+    "PerSampleLossFn",
 ]

@@ -539,7 +539,7 @@ class DataCurvatureOperator(CurvatureOperator):
         self.model = model
         # the module list is walked on every product (modes, buffers): list it once
         self._modules: list[nn.Module] = list(model.modules())
-        self.named_params = select_parameters(model, param_filter)
+        self.named_params = list(select_parameters(model, param_filter).items())
         self.params = [p for _, p in self.named_params]
         self.layout = ParamLayout.from_named(self.named_params)
         self._size = self.layout.size

@@ -96,17 +96,24 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
             **options,
         )
 
+    # NOTE [un-batched per-sample functions]
+    # The 1.0 alpha took per_sample_loss_fn(model, sample) for ONE un-batched sample and
+    # vmapped it over the batch; 1.0 takes a batch and wants (N,) losses. A function that
+    # returns a scalar for the whole batch is taken for the alpha's kind: it is vmapped over
+    # sample_dim from then on (decided once per operator). A batched loss with a mean
+    # reduction lands here too, and is right as well: its mean over one sample is that
+    # sample's loss. If vmapping fails, the error says both ways to write the function.
+    _unbatched_fn: bool = False
+
     def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        losses = self.per_sample_loss_fn(model, batch)
+        losses = self._vmapped(model, batch) if self._unbatched_fn else self.per_sample_loss_fn(model, batch)
         if not isinstance(losses, torch.Tensor):
             raise TypeError(
                 f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}"
             )
         if losses.dim() == 0:
-            raise ValueError(
-                "per_sample_loss_fn returned a scalar; the empirical Fisher needs one loss per sample, "
-                "shape (N,): use reduction='none' (e.g. loss_fns.supervised_per_sample_loss(criterion))"
-            )
+            losses = self._vmapped(model, batch)
+            self._unbatched_fn = True
         if not -losses.dim() <= self.sample_dim < losses.dim():
             raise ValueError(
                 f"sample_dim={self.sample_dim} is out of range for losses of shape {tuple(losses.shape)}"
@@ -123,6 +130,20 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
 
     def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         return u / output.shape[0]
+
+    def _vmapped(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-sample losses of an un-batched ``per_sample_loss_fn``; see NOTE [un-batched per-sample functions]."""
+        try:
+            return torch.func.vmap(
+                lambda sample: self.per_sample_loss_fn(model, sample), in_dims=self.sample_dim
+            )(batch)
+        except Exception as exc:
+            raise ValueError(
+                "per_sample_loss_fn returned a scalar for the batch, and calling it on one sample at a "
+                f"time (vmapped over sample_dim={self.sample_dim}, as the 1.0 alpha did) failed: {exc}. "
+                "Return one loss per sample, shape (N,), with reduction='none' (e.g. "
+                "loss_fns.supervised_per_sample_loss(criterion)), or write it for one un-batched sample"
+            ) from exc
 
     def _loss_hvp(self, state: _OutputState, u: torch.Tensor) -> torch.Tensor:
         # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N

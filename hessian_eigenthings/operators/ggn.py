@@ -620,3 +620,6 @@ class GGNOperator(_OutputSandwichOperator):
             grad, leaf, u, is_grads_batched=True, retain_graph=True, allow_unused=True
         )
         return torch.zeros_like(u) if hu is None else hu
+
+#: the 1.0 alpha's name for the ``loss_hvp`` values
+LossHvpMethod = Literal["analytical", "autograd"]

@@ -268,3 +268,6 @@ class HessianOperator(DataCurvatureOperator):
                 for p, s in zip(self.params, saved, strict=True):
                     p.copy_(s)
         return out
+
+#: the 1.0 alpha's name for the ``method`` values
+HvpMethod = Literal["autograd", "finite_difference"]

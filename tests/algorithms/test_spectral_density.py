@@ -51,7 +51,10 @@ def test_density_close_to_smoothed_truth(kind: str) -> None:
     )
     assert _l1(res.density, truth, res.grid) < 0.03
     assert float(torch.trapezoid(res.density, res.grid)) == pytest.approx(1.0, abs=1e-3)
-    assert float(res.raw_weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    # one row per run, each row's weights sum to 1 (the 1.0 alpha's layout)
+    assert res.raw_eigenvalues.shape == res.raw_weights.shape == (10, 40)
+    torch.testing.assert_close(res.raw_weights.sum(dim=1), torch.ones(10, dtype=torch.float64))
+    assert float(res.quadrature()[1].sum()) == pytest.approx(1.0, abs=1e-12)
 
 
 def test_exact_for_small_operator() -> None:
@@ -60,11 +63,11 @@ def test_exact_for_small_operator() -> None:
     res = spectral_density(
         dense_op(dense_matrix(eigs)), num_runs=3, lanczos_steps=80, seed=0, num_grid_points=500
     )
-    nodes = res.raw_eigenvalues.numpy()
+    nodes = res.quadrature()[0].numpy()
     for e in eigs:
         assert np.abs(nodes - e).min() < 1e-10
-    # the weights of each eigenvalue average to 1/n over runs (Rademacher: noisy, but bounded)
-    assert res.raw_eigenvalues.shape[0] == 15
+    # each run is exhausted after n = 5 steps: (num_runs, 5), no padding
+    assert res.raw_eigenvalues.shape == (3, 5) and nodes.shape == (15,)
 
 
 def test_runs_go_in_lockstep_blocks() -> None:

@@ -36,7 +36,8 @@ WARNING_LINE = re.compile(r"^(?P<file>.+?):(?P<line>\d+): (?P<category>\w+): (?P
 
 def _hessian_spectrum(g: dict[str, Any]) -> np.ndarray:
     op = HessianOperator(g["model"], g["dataloader"], supervised_loss(g["criterion"]))
-    return np.linalg.eigvalsh(op.to_dense().double().numpy())
+    # the model may sit on CUDA (use_gpu moves it there, as 0.x did)
+    return np.linalg.eigvalsh(op.to_dense().double().cpu().numpy())
 
 
 def _top_by_magnitude(spectrum: np.ndarray, k: int) -> np.ndarray:
@@ -100,6 +101,31 @@ def check_gpu_flag_on_cpu(g: dict[str, Any]) -> None:
     )
 
 
+def check_readme_cnn_default_gpu(g: dict[str, Any]) -> None:
+    g = {**g, "model": g["net"], "dataloader": g["loader"], "criterion": g["loss"]}
+    # 10 steps with 0.x's default threshold: 1e-4 relative, as the threshold asks
+    np.testing.assert_allclose(
+        g["eigenvals"], _top_by_magnitude(_hessian_spectrum(g), 3), rtol=1e-4
+    )
+    assert g["eigenvecs"].shape == (3, sum(p.numel() for p in g["net"].parameters()))
+    on_cuda = torch.cuda.is_available()  # 0.x moved the CPU-built model there: so does the facade
+    assert all(p.is_cuda == on_cuda for p in g["net"].parameters())
+
+
+def check_lanczos_microbatch(g: dict[str, Any]) -> None:
+    spectrum = _hessian_spectrum(g)
+    assert g["eigenvals"].dtype == np.float32  # 0.x's ARPACK ran on float32 products
+    np.testing.assert_allclose(g["eigenvals"], np.sort(_top_by_magnitude(spectrum, 5)), rtol=1e-4)
+    assert g["top"][0] == g["eigenvals"][-1]
+
+
+def check_fixed_steps_numpy(g: dict[str, Any]) -> None:
+    # to_numpy=False: numpy arrays all the same, as 0.x (np.array of the collected results)
+    assert isinstance(g["eigs"], np.ndarray) and isinstance(g["vecs"], np.ndarray)
+    np.testing.assert_allclose(g["eigs"], _top_by_magnitude(_hessian_spectrum(g), 2), rtol=1e-4)
+    np.testing.assert_allclose(g["norms"], 1.0, rtol=1e-5)
+
+
 # script -> (check of its numbers, 0.x names that must warn, CPU fallback warnings expected)
 SCRIPTS: dict[str, tuple[Callable[[dict[str, Any]], None], set[str], int]] = {
     "mlp_power_iter.py": (check_mlp_power_iter, {"compute_hessian_eigenthings"}, 1),
@@ -116,6 +142,13 @@ SCRIPTS: dict[str, tuple[Callable[[dict[str, Any]], None], set[str], int]] = {
         check_gpu_flag_on_cpu,
         {"HVPOperator", "deflated_power_iteration", "lanczos"},
         3,
+    ),
+    "readme_cnn_default_gpu.py": (check_readme_cnn_default_gpu, {"compute_hessian_eigenthings"}, 1),
+    "lanczos_microbatch.py": (check_lanczos_microbatch, {"compute_hessian_eigenthings"}, 0),
+    "fixed_steps_numpy.py": (
+        check_fixed_steps_numpy,
+        {"HVPOperator", "deflated_power_iteration"},
+        0,
     ),
 }
 

@@ -113,9 +113,22 @@ def test_input_validation():
     with pytest.raises(ValueError, match="one flag per row"):
         cross_entropy_hvp(z, z, torch.ones(5, dtype=torch.bool))
     with pytest.raises(TypeError, match="bool mask"):
-        cross_entropy_hvp(z, z, torch.ones(3))
+        cross_entropy_hvp(z, z, torch.tensor([1.0, 0.5, 0.0]))  # a weight is no mask
     with pytest.raises(ValueError, match="out must be"):
         cross_entropy_hvp(z, z, out=torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.int64])
+def test_zero_one_masks_of_other_dtypes_mean_the_bool_mask(impl, mask_dtype):
+    # the 1.0 alpha's kernel took a float 0/1 row mask
+    z, u, valid = _inputs((9, 7, 41), torch.float32, masked=True)
+    expected = _ref64(z, u, valid)
+    assert_matches(cross_entropy_hvp(z, u, valid.to(mask_dtype), impl=impl), expected, torch.float32)
+    assert_matches(
+        cross_entropy_hvp(z, u, valid.to(mask_dtype), 5.0, impl=impl), _ref64(z, u, valid, 5.0),
+        torch.float32,
+    )
 
 
 # ---------------------------------------------------------------- compile

@@ -6,7 +6,7 @@ training mode get private buffer copies, as in the operators.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -29,9 +29,11 @@ def jacobian(
     model: nn.Module,
     batch: Batch,
     fn: Callable[[nn.Module, Batch], torch.Tensor],
-    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_params: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
 ) -> torch.Tensor:
     """``∂ fn(model, batch) / ∂θ`` as ``(m, n)``: output flattened, parameters flat."""
+    if isinstance(named_params, Mapping):  # select_parameters' dict
+        named_params = list(named_params.items())
     names = [f"model.{n}" for n, _ in named_params]
     shapes = [p.shape for _, p in named_params]
     theta = torch.cat([p.detach().reshape(-1) for _, p in named_params])
@@ -52,7 +54,7 @@ def dense_ggn(
     batches: Iterable[Batch],
     forward_fn: Callable[[nn.Module, Batch], torch.Tensor],
     loss_of_output: Callable[[torch.Tensor, Batch], torch.Tensor],
-    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_params: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
 ) -> torch.Tensor:
     """``Σ bᵢ Jᵢᵀ H_i Jᵢ / Σ bᵢ`` with ``H_i`` the dense Hessian of the loss at the output."""
     acc: torch.Tensor | None = None
@@ -78,7 +80,7 @@ def dense_empirical_fisher(
     model: nn.Module,
     batches: Iterable[Batch],
     per_sample_loss: Callable[[nn.Module, Batch], torch.Tensor],
-    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_params: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
 ) -> torch.Tensor:
     """``(1/N) Σᵢ gᵢ gᵢᵀ`` from the dense per-sample gradients ``gᵢ`` (rows of the Jacobian)."""
     grads = [jacobian(model, batch, per_sample_loss, named_params) for batch in batches]

@@ -179,7 +179,7 @@ def test_mismatched_parameters_detected_at_construction(ranks: list[dict[str, An
         assert res["layout"]["type"] == "ValueError" and "checksum" in res["layout"]["msg"]
         ctor = res["ctor_failure"]
         if rank == 0:
-            assert ctor["type"] == "ValueError" and "selected no parameter" in ctor["msg"]
+            assert ctor["type"] == "ValueError" and "selected zero parameters" in ctor["msg"]
         else:
             assert ctor["type"] == "DistributedProductError" and f"rank 0 of {world}" in ctor["msg"]
         for case in ("count", "layout", "ctor_failure"):

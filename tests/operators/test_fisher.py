@@ -78,9 +78,27 @@ def test_sample_dim_and_extra_dims() -> None:
     torch.testing.assert_close(EmpiricalFisherOperator(model, data, per_token) @ V, ref)
 
 
+def test_unbatched_per_sample_function_as_in_the_alpha() -> None:
+    # the 1.0 alpha's form: one un-batched sample -> scalar (vmapped over the batch); a
+    # batched loss with a mean reduction is read the same way, and is right too
+    model, data = mlp(), classification_data()
+    ref = fisher_dense(model, data)
+    v = torch.randn(ref.shape[0], dtype=torch.float64)
+    one = nn.CrossEntropyLoss()
+    for fn in (
+        lambda m, sample: one(m(sample[0]), sample[1]),
+        lambda m, b: CE_PER_SAMPLE(m, b).mean(),
+    ):
+        op = EmpiricalFisherOperator(model, data, fn)
+        torch.testing.assert_close(op @ v, ref @ v, rtol=1e-10, atol=1e-12)
+
+
 def test_wrong_per_sample_shapes_are_refused() -> None:
     model, data = mlp(), classification_data()
-    scalar = EmpiricalFisherOperator(model, data, lambda m, b: CE_PER_SAMPLE(m, b).mean())
+    # a scalar for the batch that cannot run on one sample either (it reads a batch axis)
+    scalar = EmpiricalFisherOperator(
+        model, data, lambda m, b: CE_PER_SAMPLE(m, b).sum() / b[0].shape[1]
+    )
     with pytest.raises(ValueError, match="reduction='none'"):
         scalar @ torch.randn(scalar.size, dtype=torch.float64)
     wrong = EmpiricalFisherOperator(model, data, lambda m, b: CE_PER_SAMPLE(m, b)[:2])

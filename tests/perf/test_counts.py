@@ -72,13 +72,14 @@ def _flat() -> CountingOperator:
 # --------------------------------------------------------------------------
 
 
-def test_lanczos_budget_is_max_iter_plus_k() -> None:
+def test_lanczos_budget_is_max_iter_with_the_residuals_in_it() -> None:
     c = _flat()
     res = _quiet(lambda: algorithms.lanczos(c.op, k=K, tol=0.0, ncv=20, max_iter=50, seed=0))
-    # 50 single products (one per step, restarts cost none) + one block of k for the exact residuals
-    assert c.vector_calls == 50
+    # an explicit budget bounds every product (NOTE [explicit lanczos budget]): 50 - k single
+    # products (one per step, restarts cost none) + one block of k for the exact residuals
+    assert c.vector_calls == 50 - K
     assert c.block_sizes == [K]
-    assert c.op.num_matvecs == res.iterations == 50 + K
+    assert c.op.num_matvecs == res.iterations == 50
 
 
 def test_lanczos_estimated_residuals_cost_no_products() -> None:
@@ -110,10 +111,10 @@ def test_block_lanczos_one_call_per_block_step() -> None:
             c.op, k=K, tol=0.0, seed=0, block_size=4, ncv=40, max_iter=60
         )
     )
-    # 60 // 4 = 15 steps, each ONE block call of 4 (never 4 single calls), + one block of k
+    # (60 - k) // 4 = 14 steps, each ONE block call of 4 (never 4 single calls), + one block of k
     assert c.vector_calls == 0
-    assert c.block_sizes == [4] * 15 + [K]
-    assert c.op.num_matvecs == res.iterations == 63
+    assert c.block_sizes == [4] * 14 + [K]
+    assert c.op.num_matvecs == res.iterations == 56 + K
 
 
 def test_block_lanczos_converged_count() -> None:
