@@ -44,7 +44,7 @@ from hessian_eigenthings.batching import (
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.engines import ENGINES, EngineName, EngineSelector
-from hessian_eigenthings.operators.precision import Precision, check_precision, product_precision
+from hessian_eigenthings.operators.precision import Precision, check_precision, precision_flags, product_precision
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 # --------------------------------------------------------------------------
@@ -303,6 +303,17 @@ def private_buffers(model: nn.Module, modules: Sequence[nn.Module] | None = None
 # Graph reuse
 # --------------------------------------------------------------------------
 
+# NOTE [reuse key]
+# A kept state (any engine's) answers for the model only while nothing it read
+# has changed. The key covers every parameter and buffer of the model — selected
+# or not, since frozen and unselected tensors shape the product too — by object
+# and version counter, every module's training flag (dropout and BatchNorm
+# change behaviour with it), the global precision switches (NOTE [product
+# precision]), and the batch (below). Our own forwards never bump the user's
+# versions: training modules get private buffer copies (`private_buffers`), and
+# finite differences perturb copies. Reading it costs a tuple of host integers
+# per product: no tensor reads, no device sync.
+
 # NOTE [graph reuse]
 # A Hessian product from scratch costs forward + backward(create_graph) +
 # double backward. When the data of a product is one batch (or a few), the
@@ -331,7 +342,7 @@ class _Replay:
 @dataclass
 class _CachedGraph:
     raw: tuple[list[Any], tuple[int, ...]]
-    versions: tuple[int, ...]
+    versions: tuple[Any, ...]
     state: Any
     size: int
     nbytes: int
@@ -653,14 +664,15 @@ class DataCurvatureOperator(CurvatureOperator):
         self._cache_bytes = 0
         self._unkept_bytes = 0
 
-    def _versions(self) -> tuple[int, ...]:
-        # Buffers count only in eval mode: in training mode our own forward moves
-        # them (and preserve_model puts them back), and the output of a training
-        # BatchNorm does not read them.
-        params = tuple(p._version for p in self.params)
-        if any(m.training for m in self._modules):
-            return params
-        return params + tuple(b._version for b in self.model.buffers())
+    def _versions(self) -> tuple[Any, ...]:
+        """The reuse key's model part, see NOTE [reuse key]."""
+        tensors = tuple(
+            (id(t), t._version)
+            for m in self._modules
+            for t in itertools.chain(m._parameters.values(), m._buffers.values())
+            if t is not None
+        )
+        return tensors, tuple(m.training for m in self._modules), precision_flags()
 
     def _cached_entry(self, key: tuple[int, int], raw: Batch) -> _CachedGraph | None:
         entry = self._cache.get(key)

@@ -229,45 +229,45 @@ class HessianOperator(DataCurvatureOperator):
         return list(hv)
 
     # -- finite differences ---------------------------------------------------
-    def _grad_at(self, batch: Batch) -> tuple[torch.Tensor | None, ...]:
+    def _grad_at(self, batch: Batch, at: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """``∇L`` with the selected parameters replaced by ``at`` (fresh leaves; see NOTE [perturbed copies])."""
         self.num_forwards += 1
-        loss = _scalar_loss(self.loss_fn(self.model, batch))
-        return torch.autograd.grad(loss, self.params, allow_unused=True)
+        leaves = [t.requires_grad_(True) for t in at]
+        named = dict(zip(self._call_names, leaves, strict=True))
+        loss = _scalar_loss(torch.func.functional_call(self._call, named, (batch,)))
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
 
+    # NOTE [perturbed copies]
+    # Finite differences evaluate the gradient at θ ± h·v̂ on copies of the
+    # selected parameters swapped in through functional_call; the user's
+    # parameters are never written, so their version counters stay put and a
+    # graph the user built before the product (a pending loss.backward()) stays
+    # valid. Tied weights follow (functional_call ties them).
     def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         if self.method == "autograd":
             return super()._product(batch, vecs)
         k = vecs[0].shape[0]
-        saved = [p.detach().clone() for p in self.params]
+        base = [p.detach() for p in self.params]
         out = [torch.empty_like(v) for v in vecs]
-        try:
-            for j in range(k):
-                vj = [v[j] for v in vecs]
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in vj]))
-                # unit step h along v/‖v‖; a zero v gives a zero product (see NOTE [finite-difference step])
-                scale = self.fd_eps / norm.clamp_min(torch.finfo(norm.dtype).tiny ** 0.5)
-                with torch.no_grad():
-                    for p, x in zip(self.params, vj, strict=True):
-                        p.add_(x * scale)
-                g_plus = self._grad_at(batch)
-                with torch.no_grad():
-                    for p, s, x in zip(self.params, saved, vj, strict=True):
-                        p.copy_(s).sub_(x * scale)
-                g_minus = self._grad_at(batch)
-                with torch.no_grad():
-                    for p, s in zip(self.params, saved, strict=True):
-                        p.copy_(s)
-                    inv = 0.5 / scale
-                    for o, gp, gm in zip(out, g_plus, g_minus, strict=True):
-                        if gp is None or gm is None:
-                            o[j].zero_()
-                        else:
-                            torch.mul(gp - gm, inv, out=o[j])
-        finally:
+        for j in range(k):
+            vj = [v[j] for v in vecs]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in vj]))
+            # unit step h along v/‖v‖; a zero v gives a zero product (see NOTE [finite-difference step])
+            scale = self.fd_eps / norm.clamp_min(torch.finfo(norm.dtype).tiny ** 0.5)
             with torch.no_grad():
-                for p, s in zip(self.params, saved, strict=True):
-                    p.copy_(s)
+                plus = [p + x * scale for p, x in zip(base, vj, strict=True)]
+                minus = [p - x * scale for p, x in zip(base, vj, strict=True)]
+            g_plus = self._grad_at(batch, plus)
+            g_minus = self._grad_at(batch, minus)
+            with torch.no_grad():
+                inv = 0.5 / scale
+                for o, gp, gm in zip(out, g_plus, g_minus, strict=True):
+                    if gp is None or gm is None:
+                        o[j].zero_()
+                    else:
+                        torch.mul(gp - gm, inv, out=o[j])
         return out
+
 
 #: the 1.0 alpha's name for the ``method`` values
 HvpMethod = Literal["autograd", "finite_difference"]
