@@ -44,7 +44,12 @@ from hessian_eigenthings.batching import (
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.engines import ENGINES, EngineName, EngineSelector
-from hessian_eigenthings.operators.precision import Precision, check_precision, precision_flags, product_precision
+from hessian_eigenthings.operators.precision import (
+    Precision,
+    check_precision,
+    precision_flags,
+    product_precision,
+)
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 # --------------------------------------------------------------------------

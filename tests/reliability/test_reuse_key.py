@@ -11,7 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss, supervised_loss_of_output
+from hessian_eigenthings.loss_fns import (
+    supervised_forward,
+    supervised_loss,
+    supervised_loss_of_output,
+)
 from hessian_eigenthings.operators import GGNOperator, HessianOperator
 from hessian_eigenthings.param_utils import match_names, select_parameters
 from hessian_eigenthings.testing import dense_hessian
