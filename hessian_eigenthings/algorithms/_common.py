@@ -21,6 +21,12 @@ _NON_FINITE_HINT = (
 )
 
 
+def operator_backend(op: CurvatureOperator, backend: LinAlgBackend | None) -> LinAlgBackend:
+    """``backend`` when given, else the operator's own (``op.backend``: a sharded operator's
+    distributed backend), else the single-device one."""
+    return default_backend(backend if backend is not None else getattr(op, "backend", None))
+
+
 def check_operator(op: Any) -> CurvatureOperator:
     if not isinstance(op, CurvatureOperator):
         raise TypeError(
@@ -260,7 +266,7 @@ def probe_setup(
     """What every randomized estimator starts with: the checked operator, the backend,
     the probe generator and the working dtype (``distribution`` validated)."""
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     check_distribution(distribution)
     return op, backend, make_generator(seed, backend), work_dtype(op, precision)
 

@@ -44,6 +44,7 @@ from hessian_eigenthings.algorithms._common import (
     householder_ok,
     make_generator,
     non_finite_error,
+    operator_backend,
     orthonormalize_rows,
     progress_bar,
     random_rows,
@@ -52,7 +53,7 @@ from hessian_eigenthings.algorithms._common import (
     work_dtype,
 )
 from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag, warn_convergence
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 Which = Literal["LM", "LA", "SA"]
@@ -82,7 +83,7 @@ def check_symmetry(
     ``rtol`` (default: ``100 · eps`` of the operator's dtype, at most 0.1).
     """
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     gen = make_generator(seed, backend)
     wd = work_dtype(op, None)
     X = random_rows(2, op.size, gen, device=op.device, dtype=wd)
@@ -196,7 +197,7 @@ def lanczos(
     subspace) the answer is exact.
     """
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     n = global_size(op)  # caps (k, ncv, exhaustion) use the whole length
     n_local = op.size  # vectors are this rank's shard
     check_k(k, n)
@@ -487,7 +488,7 @@ def lanczos_tridiagonal(
         v0.unsqueeze(0),
         max_iter,
         reorthogonalize=reorthogonalize,
-        backend=default_backend(backend),
+        backend=operator_backend(op, backend),
         precision=precision,
         keep_basis=keep_basis,
     )

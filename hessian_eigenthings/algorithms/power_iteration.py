@@ -32,6 +32,7 @@ from hessian_eigenthings.algorithms._common import (
     global_size,
     make_generator,
     non_finite_error,
+    operator_backend,
     progress_bar,
     random_rows,
     rounding_level,
@@ -39,7 +40,7 @@ from hessian_eigenthings.algorithms._common import (
     work_dtype,
 )
 from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 __all__ = ["PowerIterationResult", "deflated_power_iteration", "power_iteration_one"]
@@ -129,7 +130,7 @@ def power_iteration_one(
     ``converged``).
     """
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     _check_common(max_iter, tol, momentum)
     wd = work_dtype(op, precision)
     op.expect_products(max_iter)
@@ -193,7 +194,7 @@ def deflated_power_iteration(
     Warns :class:`ConvergenceWarning` when some pair misses ``tol``.
     """
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     n = op.size
     check_k(k, global_size(op))
     _check_common(max_iter, tol, momentum)

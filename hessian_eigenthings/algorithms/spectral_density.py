@@ -26,13 +26,14 @@ from hessian_eigenthings.algorithms._common import (
     check_operator,
     global_size,
     make_generator,
+    operator_backend,
     progress_bar,
     random_rows,
     work_dtype,
 )
 from hessian_eigenthings.algorithms.lanczos import tridiagonal_runs
 from hessian_eigenthings.algorithms.result import SpectralDensityResult
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
 __all__ = ["gaussian_density", "spectral_density"]
@@ -86,7 +87,7 @@ def spectral_density(
             it go in further lockstep groups.
     """
     op = check_operator(op)
-    backend = default_backend(backend)
+    backend = operator_backend(op, backend)
     for name, val, least in (
         ("num_runs", num_runs, 1),
         ("lanczos_steps", lanczos_steps, 1),
