@@ -619,6 +619,23 @@ class DataCurvatureOperator(CurvatureOperator):
         """The per-batch product for one direction as a pure function (see ``operators.engines``)."""
         raise NotImplementedError
 
+    def _selected_function(
+        self, call: nn.Module, state: dict[str, torch.Tensor], batch: Batch
+    ) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+        """``call(batch)`` (a :class:`CallWithModel`) as a function of the selected parameters,
+        the other parameters and buffers fixed at ``state``; and the selected values."""
+        names = self.layout.names
+        selected = set(names)
+        fixed = {f"model.{n}": t for n, t in state.items() if n not in selected}
+        call_names = [f"model.{n}" for n in names]
+
+        def f(*values: torch.Tensor) -> Any:
+            full = dict(fixed)
+            full.update(zip(call_names, values, strict=True))
+            return torch.func.functional_call(call, full, (batch,))
+
+        return f, tuple(state[n] for n in names)
+
     @property
     def engine(self) -> str:
         """The engine running products now (``"auto"`` resolves to one after its measurement)."""

@@ -166,15 +166,11 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """``Jᵀ H (J v)`` as a pure function: ``vjp(f)(H · jvp(f)(v))`` (see ``operators.engines``)."""
-        names = list(self.layout.names)
-        fixed = {f"model.{n}": t for n, t in state.items() if n not in set(names)}
+        call, primal = self._selected_function(self._functional_call, state, batch)
 
         def f(*selected: torch.Tensor) -> torch.Tensor:
-            full = dict(fixed)
-            full.update(zip(self._call_names, selected, strict=True))
-            return self._checked_output(torch.func.functional_call(self._functional_call, full, (batch,)))
+            return self._checked_output(call(*selected))
 
-        primal = tuple(state[n] for n in names)
         out, vjp_fn = torch.func.vjp(f, *primal)[:2]
         jv = torch.func.jvp(f, primal, tuple(tangent))[1]
         return list(vjp_fn(self._functional_loss_hvp(out, batch, jv)))

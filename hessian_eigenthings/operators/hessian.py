@@ -145,18 +145,14 @@ class HessianOperator(DataCurvatureOperator):
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """``H v`` by forward-over-reverse: ``jvp(grad(loss))`` (see ``operators.engines``)."""
-        names = list(self.layout.names)
-        fixed = {f"model.{n}": t for n, t in state.items() if n not in set(names)}
+        f, primal = self._selected_function(self._call, state, batch)
 
         def loss(selected: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            full = dict(fixed)
-            full.update(zip(self._call_names, selected, strict=True))
-            value = torch.func.functional_call(self._call, full, (batch,))
+            value = f(*selected)
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise ValueError("loss_fn must return a scalar (mean loss over the batch)")
             return value.reshape(())
 
-        primal = tuple(state[n] for n in names)
         hv = torch.func.jvp(torch.func.grad(loss), (primal,), (tuple(tangent),))[1]
         return list(hv)
 
