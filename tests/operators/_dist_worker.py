@@ -27,7 +27,7 @@ from torch import nn
 import hessian_eigenthings.operators.distributed as hd
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
-from hessian_eigenthings.operators import HessianOperator
+from hessian_eigenthings.operators import GGNOperator, HessianOperator
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -114,6 +114,31 @@ def ddp_autograd() -> dict[str, Any]:
         "model_unchanged": unchanged(model, snap),
         "backend": type(op.backend).__name__,
     }
+
+
+@check
+def ddp_functional_engine() -> dict[str, Any]:
+    ref = HessianOperator(mlp(), ALL, loss_fn)
+    ref_ggn = GGNOperator(mlp(), ALL, lambda m, b: m(b[0]), hd_ce_out())
+    v = rand(ref.size)
+    op = hd.DDPHessianOperator(mlp(), MINE, loss_fn, engine="functional")
+    ggn = hd.DDPGGNOperator(mlp(), MINE, lambda m, b: m(b[0]), hd_ce_out(), engine="functional")
+    auto = hd.DDPHessianOperator(mlp(), MINE, loss_fn)
+    auto.expect_products(10_000)
+    return {
+        "hessian": err(op @ v, ref @ v),
+        "ggn": err(ggn @ v, ref_ggn @ v),
+        "engine": op.engine,
+        "auto": err(auto @ v, ref @ v),
+        "auto_engine": auto.engine,  # ranks never time engines on their own
+        "same_on_ranks": gather_equal(op @ v),
+    }
+
+
+def hd_ce_out() -> Any:
+    from hessian_eigenthings.loss_fns import supervised_loss_of_output
+
+    return supervised_loss_of_output(nn.CrossEntropyLoss())
 
 
 @check

@@ -122,6 +122,13 @@ def test_ddp_equals_single_process_on_union(ranks: list[dict[str, Any]]) -> None
         assert res["backend"] == "SingleDeviceBackend"  # replicated vectors
 
 
+def test_ddp_functional_engine(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_functional_engine"):
+        assert res["hessian"] < ROUNDING and res["ggn"] < ROUNDING and res["auto"] < ROUNDING
+        assert res["engine"] == "functional" and res["auto_engine"] == "autograd"
+        assert res["same_on_ranks"]
+
+
 def test_ddp_finite_difference(ranks: list[dict[str, Any]]) -> None:
     for res in get(ranks, "ddp_finite_difference"):
         assert res["vs_fd"] < ROUNDING
