@@ -221,9 +221,8 @@ def tracing() -> bool:
     launch outside torch's dispatcher must not run then)."""
     if torch.compiler.is_compiling():
         return True
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    return get_proxy_mode() is not None
+    # make_fx's proxy mode on the dispatch-mode stack (the public getter came after 2.4)
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
 @functools.lru_cache(maxsize=1)
