@@ -501,6 +501,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     op = build_operator(
         problem, args.operator, method=args.method, num_batches=args.num_batches, microbatch_size=args.microbatch_size
     )
+    if args.k > op.size:
+        hint = (
+            f"; for all {op.size} eigenvalues at this size, form the dense matrix in Python "
+            "(H = op @ torch.eye(op.size, dtype=op.dtype)) and call torch.linalg.eigvalsh(H)"
+            if op.size <= 10_000 else ""
+        )
+        raise CLIError(f"-k {args.k}: k must be between 1 and the operator size n = {op.size}{hint}")
     what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
     _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
     memory = _memory_estimate(problem, op, args)
@@ -515,7 +522,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     t = time.perf_counter()
-    k = min(args.k, op.size)
+    k = args.k
     eig = lanczos(op, k=k, which=args.which, tol=args.tol, max_iter=args.max_matvecs, seed=args.seed, progress=progress)
     timings["eigenvalues"] = time.perf_counter() - t
     results["eigenvalues"] = {

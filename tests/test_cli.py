@@ -204,3 +204,14 @@ def test_builtin_problem_is_deterministic() -> None:
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert isinstance(a.model, nn.Module) and len(list(a.dataloader)) == 1
+
+
+def test_k_larger_than_operator_is_rejected(user_module: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the library rejects k > n; the CLI used to lower k to n silently and run a huge budget
+    n = 6 * 8 + 8 + 8 * 3 + 3
+    code = cli.main(["--model", f"{user_module}:make", "-o", str(tmp_path / "out"), *SMALL[2:], "-k", str(n + 1)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"k must be between 1 and the operator size n = {n}" in err and "eigvalsh" in err
+    assert not (tmp_path / "out").exists()
