@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -320,6 +321,15 @@ def load_user_problem(spec: str) -> Problem:
         raise CLIError(f"--model {spec}: {location!r} has no attribute {attr!r}")
     if not callable(fn):
         raise CLIError(f"--model {spec}: {attr!r} is not callable")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise CLIError(
+            f"--model {spec}: {attr}{inspect.signature(fn)} needs arguments; the CLI calls it with none. "
+            f"Wrap it in a function without parameters (def make(): return {attr}(...))"
+        ) from None
+    except ValueError:
+        pass  # no signature to inspect (some builtins): just call it
     returned = fn()
     if not isinstance(returned, (tuple, list)) or len(returned) != 3:
         raise CLIError(
@@ -336,6 +346,11 @@ def load_user_problem(spec: str) -> Problem:
         raise CLIError(
             f"--model {spec}: the criterion must be callable as criterion(output, target), "
             f"got {type(criterion).__name__}"
+        )
+    if getattr(criterion, "reduction", "mean") not in ("mean", "sum", "batchmean"):
+        raise CLIError(
+            f"--model {spec}: the criterion must return a scalar loss, but it has "
+            f"reduction={criterion.reduction!r}; use reduction='mean'"
         )
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return Problem(model, dataloader, criterion, f"{spec} ({type(model).__name__}, {n_params} parameters)")
@@ -420,10 +435,45 @@ def _log(quiet: bool, *parts: Any) -> None:
         print(*parts, flush=True)
 
 
-def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+def _first_batch(problem: Problem) -> Any:
+    """The first batch, checked against the --model contract (one-line errors, exit 2)."""
     first = next(iter(problem.dataloader), None)
     if first is None:
         raise CLIError("the dataloader yielded no batch; check that the dataset is not empty")
+    if isinstance(first, Mapping):
+        raise CLIError(
+            f"the dataloader yields dict batches (keys {', '.join(map(repr, first))}); the command line "
+            "takes (inputs, targets) batches only; other layouts need the Python API, with your own "
+            "loss_fn(model, batch) (see docs/quickstart.md)"
+        )
+    if not isinstance(first, (tuple, list)) or len(first) != 2:
+        raise CLIError(
+            f"the dataloader must yield (inputs, targets) batches, got {type(first).__name__}"
+            + (f" of length {len(first)}" if isinstance(first, (tuple, list)) else "")
+        )
+    return first
+
+
+class _ScalarCriterion:
+    """The user's criterion, checked to return a scalar (a reduction='none' criterion
+    would otherwise fail deep inside the first product)."""
+
+    def __init__(self, criterion: Criterion) -> None:
+        self.criterion = criterion
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CLIError(
+                f"the criterion must return a scalar loss (the mean over the batch), got {shape}; "
+                "reduce it, e.g. criterion(output, target).mean()"
+            )
+        return loss
+
+
+def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+    first = _first_batch(problem)
     n = op.size
     # the algorithms run one after another: the largest set of kept vectors counts
     krylov = min(n, max(2 * args.k + 1, 20))
@@ -495,6 +545,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             problem.model.to(dtype=dtype)
         problem.model.to(device=device)
         problem.dataloader = _cast_data(problem.dataloader, device, dtype if args.dtype is not None else None)
+        _first_batch(problem)
+        if not isinstance(problem.criterion, nn.Module):
+            # nn losses keep their type (the GGN recognises cross-entropy and MSE); their
+            # reduction was checked when loading
+            problem.criterion = _ScalarCriterion(problem.criterion)
     timings["setup"] = time.perf_counter() - t0
     _log(quiet, f"model: {problem.description}  [{timings['setup']:.1f} s]")
 

@@ -215,3 +215,49 @@ def test_k_larger_than_operator_is_rejected(user_module: Path, tmp_path: Path, c
     assert len(err.strip().splitlines()) == 1
     assert f"k must be between 1 and the operator size n = {n}" in err and "eigvalsh" in err
     assert not (tmp_path / "out").exists()
+
+
+BAD_USER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def _data():
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(8, 3, generator=gen), torch.randint(0, 2, (8,), generator=gen)
+
+    def unreduced():
+        x, y = _data()
+        return nn.Linear(3, 2), [(x, y)], nn.CrossEntropyLoss(reduction="none")
+
+    def unreduced_function():
+        x, y = _data()
+        return nn.Linear(3, 2), [(x, y)], lambda out, t: (out - torch.nn.functional.one_hot(t, 2)).pow(2).sum(1)
+
+    def dicts():
+        x, y = _data()
+        return nn.Linear(3, 2), [{"x": x, "y": y}], nn.CrossEntropyLoss()
+
+    def needs_args(width, depth=2):
+        raise AssertionError("must not be called")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("unreduced", "reduction='none'"),
+        ("unreduced_function", "must return a scalar loss"),
+        ("dicts", "need the Python API"),
+        ("needs_args", "needs arguments"),
+    ],
+)
+def test_user_model_errors_are_one_line(fn: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "bad_user_model.py"
+    path.write_text(BAD_USER_MODULE)
+    proc = _run_cli(["--model", f"{path}:{fn}", "--no-plot", "-o", "out", *SMALL], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hessian-eigenthings: error:"), proc.stderr
+    assert message in lines[0]
