@@ -261,3 +261,26 @@ def test_user_model_errors_are_one_line(fn: str, message: str, tmp_path: Path) -
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hessian-eigenthings: error:"), proc.stderr
     assert message in lines[0]
+
+
+def test_run_sh_resolves_paths_where_the_user_stands(tmp_path: Path, user_module: Path) -> None:
+    # a checkout whose set-up is already done: stub setup.sh, a .venv python that is this one
+    repo = tmp_path / "checkout"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "run.sh").write_text((REPO / "scripts" / "run.sh").read_text())
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    venv_python = repo / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    proj = user_module.parent / "proj"
+    proj.mkdir()
+    (proj / "cnn_problem.py").write_text(user_module.read_text())
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "run.sh"), "--model", "cnn_problem.py:make", "--no-plot", "-o", "out", *SMALL],
+        cwd=proj, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (proj / "out" / "results.json").is_file()
+    assert not (repo / "out").exists()
