@@ -284,3 +284,43 @@ def test_run_sh_resolves_paths_where_the_user_stands(tmp_path: Path, user_module
     assert proc.returncode == 0, proc.stderr
     assert (proj / "out" / "results.json").is_file()
     assert not (repo / "out").exists()
+
+
+def test_setup_sh_reports_progress_and_no_pip_error(tmp_path: Path) -> None:
+    # setup.sh against a recording stand-in for python/pip: what it runs and prints, no network
+    repo = tmp_path / "checkout"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    log = tmp_path / "pip.log"
+    recorder = (
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{log}"\n'
+        'if [ "$3" = "check" ]; then\n'
+        '  echo "curvlinops-for-pytorch 3.0.1 requires backpack-for-pytorch, which is not installed."\n'
+        "  exit 1\n"
+        "fi\n"
+    )
+    fake = tmp_path / "fakepython"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'mkdir -p "$3/bin"\n'
+        f"cat > \"$3/bin/python\" <<'REC'\n{recorder}REC\n"
+        'chmod +x "$3/bin/python"\n'
+    )
+    fake.chmod(0o755)
+    first = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "ERROR" not in first.stdout + first.stderr
+    assert "[1/5]" in first.stderr and "[5/5]" in first.stderr and "setup: done" in first.stderr
+    installs = [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+    assert installs and all("--no-warn-conflicts" in line for line in installs)
+    assert any("--no-deps curvlinops-for-pytorch" in line for line in installs)
+    second = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert second.returncode == 0 and second.stderr == ""  # stamp present: nothing to do, silent
