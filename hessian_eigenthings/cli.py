@@ -26,6 +26,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from torch import nn
 from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import lanczos, spectral_density, trace
 from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
+from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
     supervised_forward,
@@ -183,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     progress = run_opts.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress bars (default: only on a terminal)")
-    run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors and the files written")
     return parser
 
 
@@ -430,6 +432,18 @@ def build_operator(
     raise CLIError(f"unknown operator {operator!r}")
 
 
+def _data_used(data: Iterable[Any], num_batches: int | None) -> tuple[int, int] | None:
+    """(samples, batches) one product reads; ``None`` when that would need an extra pass
+    over a loader of unknown size."""
+    if num_batches is None and not isinstance(data, (list, tuple)):
+        return None
+    samples = batches = 0
+    for batch in itertools.islice(data, num_batches):
+        samples += batch_size(batch)
+        batches += 1
+    return samples, batches
+
+
 def _log(quiet: bool, *parts: Any) -> None:
     if not quiet:
         print(*parts, flush=True)
@@ -565,6 +579,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError(f"-k {args.k}: k must be between 1 and the operator size n = {op.size}{hint}")
     what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
     _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
+    used = _data_used(problem.dataloader, args.num_batches)
+    dtype_name = str(op.dtype).removeprefix("torch.")
+    data_line = "all batches of the dataloader" if used is None else f"{used[0]} samples in {used[1]} batch{'es' if used[1] != 1 else ''}"
+    _log(quiet, f"data per product: {data_line}" + (f" (--num-batches {args.num_batches})" if args.num_batches else ""))
     memory = _memory_estimate(problem, op, args)
     if memory is not None:
         _log(quiet, memory.summary())
@@ -572,7 +590,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "version": __version__,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": str(op.dtype).removeprefix("torch.")},
+        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": dtype_name},
+        "data": None if used is None else {"samples": used[0], "batches": used[1]},
         "memory_estimate": None if memory is None else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
     }
 
@@ -651,7 +670,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _plot(png, eig, density, title)
             written.append(str(png))
     timings["total"] = time.perf_counter() - t0
-    _log(quiet, f"\nwrote {', '.join(written)}  (total {timings['total']:.1f} s)")
+    # also under -q: where the results went is the one thing a quiet run must say
+    if not quiet:
+        print()
+    print(f"wrote {', '.join(written)}  (total {timings['total']:.1f} s)", flush=True)
     return results
 
 

@@ -324,3 +324,24 @@ def test_setup_sh_reports_progress_and_no_pip_error(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert second.returncode == 0 and second.stderr == ""  # stamp present: nothing to do, silent
+
+
+def test_quiet_num_batches_and_memory_line(tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "q"
+    assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), *SMALL]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wrote {out / 'results.json'}")  # -q keeps the paths
+
+    # the user's data: batches of 16, 16 and 8 samples; --num-batches 2 reads 32 of them
+    assert cli.main(["--model", f"{user_module}:make", "--operator", "ggn", "--num-batches", "2", "--no-plot",
+                     "--no-progress", "-o", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "data per product: 32 samples in 2 batches (--num-batches 2)" in text
+    assert json.loads((out / "results.json").read_text())["data"] == {"samples": 32, "batches": 2}
+    memory_line = next(line for line in text.splitlines() if line.startswith("memory estimate"))
+    assert "(ggn, Jacobian products," in memory_line and "autograd" not in memory_line
+    assert cli.main(["--model", f"{user_module}:make", "--operator", "fisher", "--no-plot", "--no-progress",
+                     "-o", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "data per product: 40 samples in 3 batches\n" in text
+    assert "memory estimate (fisher, per-sample gradients," in text

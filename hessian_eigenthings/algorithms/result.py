@@ -41,11 +41,15 @@ class EigenResult:
         lines = [
             f"EigenResult: {k} pairs, {n_conv}/{k} converged, "
             f"{self.iterations} products, n={self.eigenvectors.shape[-1]}",
-            "    i   eigenvalue        residual   converged",
+            # the solvers' tol is relative (residual <= tol * |λ|): that column is the one to
+            # compare with it; the absolute one is in the unit of the eigenvalues
+            "    i   eigenvalue     residual/|λ|  residual   converged",
         ]
+        tiny = torch.finfo(torch.float64).tiny
         for i in range(k):
+            value, res = float(self.eigenvalues[i]), float(self.residuals[i])
             lines.append(
-                f"{i:5d}  {float(self.eigenvalues[i]): .6e}  {float(self.residuals[i]):.2e}"
+                f"{i:5d}  {value: .6e}  {res / max(abs(value), tiny):.2e}      {res:.2e}"
                 f"   {bool(self.converged[i])}"
             )
         return "\n".join(lines)
@@ -58,6 +62,11 @@ class TraceResult:
     estimate: float
     stderr: float  # standard error of the estimate (from the sample variance)
     samples: torch.Tensor  # (s,) float64 per-probe values whose mean is ``estimate``
+
+    def __repr__(self) -> str:
+        # hundreds of per-probe values would bury the two numbers people look for
+        s = int(self.samples.numel())
+        return f"TraceResult(estimate={self.estimate!r}, stderr={self.stderr!r}, samples=<{s} values>)"
 
 
 @dataclass(frozen=True)
