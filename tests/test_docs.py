@@ -114,3 +114,39 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             # torch >= 2.10: third-party noise, not something the docs could fix
             warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
             exec(compiled, namespace)
+
+
+README = REPO / "README.md"
+
+
+def test_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    blocks = _FENCE.findall(README.read_text())
+    assert blocks, "README has no ```python block"
+    namespace: dict[str, object] = {"__name__": "docs_readme"}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README.md block {i + 1}", "exec"), namespace)
+    # "top" in the README is the largest algebraic eigenvalues: check against the dense matrix
+    op, top = namespace["op"], namespace["top"]
+    dense = (op @ torch.eye(op.size)).double()  # type: ignore[operator, attr-defined]
+    expected = torch.linalg.eigvalsh(0.5 * (dense + dense.T)).flip(0)[:5]
+    torch.testing.assert_close(top.eigenvalues, expected, rtol=1e-3, atol=1e-4)  # type: ignore[attr-defined]
+
+
+def test_readme_install_links_version_and_commands() -> None:
+    import hessian_eigenthings
+    from hessian_eigenthings import cli
+
+    text = README.read_text()
+    version = hessian_eigenthings.__version__
+    assert f"documents version {version}" in text
+    assert f'pip install "hessian-eigenthings[plotting]=={version}"' in text
+    for target in re.findall(r"\]\(((?:docs/)[^)]+)\)", text):
+        assert (REPO / target).is_file(), target
+    assert "(docs/quickstart.md)" in text and "(docs/howto/" in text
+    # the two commands that do all the set-up, and one meaning of "top" shared with the CLI
+    assert "bash scripts/run.sh" in text and "bash scripts/test.sh" in text
+    assert 'which="LA"' in text and "largest algebraic" in text
+    assert cli.build_parser().parse_args([]).which == "LA"
