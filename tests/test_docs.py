@@ -150,3 +150,47 @@ def test_readme_install_links_version_and_commands() -> None:
     assert "bash scripts/run.sh" in text and "bash scripts/test.sh" in text
     assert 'which="LA"' in text and "largest algebraic" in text
     assert cli.build_parser().parse_args([]).which == "LA"
+
+
+def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
+    # one rank of docs/distributed.md's launch script, with the variables torchrun would set
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(code, "docs/distributed.md block 1", "exec"), namespace)
+    torch.save(namespace["result"].eigenvalues, f"{out}/rank{rank}.pt")  # type: ignore[attr-defined]
+
+
+def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    import hessian_eigenthings as he
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    code = _FENCE.findall((DOCS / "distributed.md").read_text())[0]
+    assert "torchrun" in code
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes: the block picks gloo
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
+    values = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)  # every rank gets the same result
+
+    # the reference: the block's model and data in one process, dense Hessian of all 512 samples
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5)).double()
+    x, y = torch.randn(512, 20).double(), torch.randint(0, 5, (512,))
+    op = he.HessianOperator(model, [(x, y)], he.supervised_loss(nn.CrossEntropyLoss()))
+    dense = op @ torch.eye(op.size, dtype=torch.float64)
+    expected = torch.linalg.eigvalsh(0.5 * (dense + dense.T)).flip(0)[:5]
+    torch.testing.assert_close(values[0], expected, rtol=1e-3, atol=1e-5)
