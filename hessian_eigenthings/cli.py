@@ -502,23 +502,43 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
     )
 
 
-def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, title: str) -> None:
+_OPERATOR_NAMES = {"hessian": "Hessian", "ggn": "generalized Gauss-Newton (GGN)", "fisher": "empirical Fisher"}
+_WHICH_WORDS = {
+    "LA": ("top {k} eigenvalues, largest first", "top eigenvalues"),
+    "LM": ("{k} largest-magnitude eigenvalues", "largest |λ|"),
+    "SA": ("bottom {k} eigenvalues, smallest first", "bottom eigenvalues"),
+}
+
+
+def _figure(
+    eig: EigenResult, density: SpectralDensityResult | None, tr: TraceResult | None, which: str, title: str, notes: str
+) -> Any:
+    """The summary figure: density with the computed eigenvalues marked, and those by index."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if density is not None else 1, figsize=(11 if density is not None else 5.5, 4.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if density is not None else 1, figsize=(11 if density is not None else 6, 4.6), squeeze=False
+    )
     values = eig.eigenvalues.numpy()
+    heading, marker = _WHICH_WORDS[which]
+    heading = heading.format(k=len(values))
+    facts = [notes]
+    if tr is not None:
+        facts.append(f"trace ≈ {tr.estimate:.4g} ± {tr.stderr:.2g} (Hutch++)")
+    if which == "SA":
+        facts.append(f"λ_min ≈ {float(values[0]):.4g} (Lanczos)")
+    elif density is not None:
+        facts.append(f"λ_min ≈ {float(density.raw_eigenvalues.min()):.4g} (smallest SLQ node)")
     if density is not None:
         ax = axes[0, 0]
         density.plot(ax, color="C0", lw=1.5, label="SLQ density")
-        peak = float(density.density.max())
-        # below ~1e-7 of the peak the Gaussian tails are invisible noise on a log axis
-        ax.set_ylim(peak * 1e-7, peak * 3)
         for j, v in enumerate(values):
-            ax.axvline(float(v), color="C3", lw=0.8, alpha=0.7, label="top eigenvalues" if j == 0 else None)
-        ax.set_title(f"spectral density (σ = {density.sigma:.2g})")
+            ax.axvline(float(v), color="C3", lw=0.8, alpha=0.7, label=marker if j == 0 else None)
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
     ax = axes[0, -1]
@@ -527,11 +547,19 @@ def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, t
     ax.axhline(0.0, color="0.5", lw=0.8)
     ax.set_xlabel("index i (most wanted first)")
     ax.set_ylabel("eigenvalue λᵢ")
-    ax.set_title(f"top {len(values)} eigenvalues (Lanczos)")
+    ax.set_title(f"{heading} (Lanczos --which {which})")
     ax.set_xticks(idx)
     ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    # long descriptions (a user's module path) wrap instead of running off the figure
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
+    fig.text(0.5, 0.01, "   ·   ".join(facts), ha="center", va="bottom", fontsize=8, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def _plot(path: Path, fig: Any) -> None:
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -606,7 +634,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "converged": [bool(c) for c in eig.converged.tolist()],
         "matvecs": eig.iterations,
     }
-    _log(quiet, f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
+    _log(quiet, f"\n{_WHICH_WORDS[args.which][0].format(k=k)} (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
     _log(quiet, eig.summary())
 
     tr: TraceResult | None = None
@@ -666,8 +694,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         else:
             png = out_dir / "spectrum.png"
-            title = f"{args.operator} of {problem.description}"
-            _plot(png, eig, density, title)
+            title = f"{_OPERATOR_NAMES[args.operator]} of {problem.description}"
+            notes = f"data: {data_line}, {dtype_name} on {device}"
+            _plot(png, _figure(eig, density, tr, args.which, title, notes))
             written.append(str(png))
     timings["total"] = time.perf_counter() - t0
     # also under -q: where the results went is the one thing a quiet run must say

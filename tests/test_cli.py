@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -345,3 +346,37 @@ def test_quiet_num_batches_and_memory_line(tmp_path: Path, user_module: Path, ca
     text = capsys.readouterr().out
     assert "data per product: 40 samples in 3 batches\n" in text
     assert "memory estimate (fisher, per-sample gradients," in text
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_figure_says_what_it_shows(which: str) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    A = torch.diag(torch.linspace(-1.0, 2.0, 60, dtype=torch.float64))
+    op = he.LambdaOperator(lambda v: A @ v, 60, dtype=torch.float64)
+    eig = he.lanczos(op, k=3, which=which, seed=0)
+    density = he.spectral_density(op, num_runs=2, lanczos_steps=20, num_grid_points=200, seed=0)
+    tr = he.trace(op, num_matvecs=9, seed=0)
+    title = "empirical Fisher of " + "a/very/long/path/to/some_users_experiment_module.py:make_problem " * 3
+    fig = cli._figure(eig, density, tr, which, title, "data: 32 samples in 2 batches, float64 on cpu")
+    try:
+        fig.canvas.draw()
+        texts = [t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
+        joined = " ".join(" ".join(texts).split())
+        assert joined.count("empirical Fisher") == 1 and "make_problem" in joined
+        assert ("bottom 3 eigenvalues" if which == "SA" else "top 3 eigenvalues") in joined
+        assert "top" not in joined if which == "SA" else "bottom" not in joined
+        assert f"trace ≈ {tr.estimate:.4g}" in joined
+        lam_min = re.search(r"λ_min ≈ (\S+)", joined)
+        assert lam_min is not None and float(lam_min.group(1)) == pytest.approx(-1.0, abs=1e-2)
+        assert "32 samples in 2 batches, float64" in joined and "σ =" in joined
+        # nothing runs off the figure: every text lies inside the canvas
+        renderer = fig.canvas.get_renderer()
+        width, height = fig.canvas.get_width_height()
+        for t in [*fig.texts, *(ax.title for ax in fig.axes)]:
+            box = t.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, t.get_text()
+    finally:
+        plt.close(fig)

@@ -104,8 +104,15 @@ class SpectralDensityResult:
     raw_weights: torch.Tensor  # (q,) float64, sums to 1
     sigma: float  # width of the Gaussian kernel
 
-    def plot(self, ax: Any = None, *, log: bool = True, **kwargs: Any) -> Any:
-        """Plot the density (log scale by default); returns the matplotlib axes."""
+    def plot(
+        self, ax: Any = None, *, log: bool = True, floor: float = 1e-7, title: str | None = None, **kwargs: Any
+    ) -> Any:
+        """Plot the density (log scale by default); returns the matplotlib axes.
+
+        On the log scale the axis stops at ``floor`` times the peak: below it the
+        Gaussian tails of the smoothing kernel are far under anything the quadrature
+        resolves and would only fill the plot. ``title`` defaults to one that gives σ.
+        """
         try:
             import matplotlib.pyplot as plt
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -113,11 +120,17 @@ class SpectralDensityResult:
                 "SpectralDensityResult.plot needs matplotlib; install it with "
                 "`pip install hessian-eigenthings[plotting]`"
             ) from exc
+        if not 0 < floor < 1:
+            raise ValueError(f"floor must be in (0, 1) (a fraction of the peak), got {floor}")
         if ax is None:
             _, ax = plt.subplots()
         ax.plot(self.grid.numpy(), self.density.numpy(), **kwargs)
         if log:
             ax.set_yscale("log")
-        ax.set_xlabel("eigenvalue")
+            peak = float(self.density.max())
+            if peak > 0:
+                ax.set_ylim(peak * floor, peak * 3)
+        ax.set_xlabel("eigenvalue λ")
         ax.set_ylabel("density")
+        ax.set_title(f"spectral density (SLQ, σ = {self.sigma:.2g})" if title is None else title)
         return ax
