@@ -380,3 +380,18 @@ def test_figure_says_what_it_shows(which: str) -> None:
             assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, t.get_text()
     finally:
         plt.close(fig)
+
+
+def test_progress_lines_off_a_terminal(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hessian_eigenthings.algorithms import _common
+
+    monkeypatch.setattr(_common, "LOG_INTERVAL_S", 0.0)  # a long run, compressed: every update is due
+    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "-o", str(tmp_path), *SMALL]) == 0
+    err = capsys.readouterr().err
+    for stage in ("lanczos (k=3): ", "hutch++: ", "spectral density: "):
+        assert stage in err, err
+    assert "\r" not in err
+    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "--no-progress", "-o", str(tmp_path), *SMALL]) == 0
+    assert capsys.readouterr().err == ""
