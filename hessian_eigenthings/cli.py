@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
+import itertools
 import json
 import math
 import os
@@ -41,6 +43,7 @@ from torch import nn
 from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import lanczos, spectral_density, trace
 from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
+from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
     supervised_forward,
@@ -240,20 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_opts.add_argument("--no-plot", action="store_true", help="write no PNG")
     progress = run_opts.add_mutually_exclusive_group()
-    progress.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_true",
-        default=None,
-        help="always show progress bars",
-    )
-    progress.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="never show progress bars (default: only on a terminal)",
-    )
-    run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
+    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress bars (default: only on a terminal)")
+    run_opts.add_argument("-q", "--quiet", action="store_true", help="print only errors and the files written")
     return parser
 
 
@@ -403,6 +395,15 @@ def load_user_problem(spec: str) -> Problem:
         raise CLIError(f"--model {spec}: {location!r} has no attribute {attr!r}")
     if not callable(fn):
         raise CLIError(f"--model {spec}: {attr!r} is not callable")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise CLIError(
+            f"--model {spec}: {attr}{inspect.signature(fn)} needs arguments; the CLI calls it with none. "
+            f"Wrap it in a function without parameters (def make(): return {attr}(...))"
+        ) from None
+    except ValueError:
+        pass  # no signature to inspect (some builtins): just call it
     returned = fn()
     if not isinstance(returned, (tuple, list)) or len(returned) != 3:
         raise CLIError(
@@ -423,6 +424,11 @@ def load_user_problem(spec: str) -> Problem:
         raise CLIError(
             f"--model {spec}: the criterion must be callable as criterion(output, target), "
             f"got {type(criterion).__name__}"
+        )
+    if getattr(criterion, "reduction", "mean") not in ("mean", "sum", "batchmean"):
+        raise CLIError(
+            f"--model {spec}: the criterion must return a scalar loss, but it has "
+            f"reduction={criterion.reduction!r}; use reduction='mean'"
         )
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return Problem(
@@ -512,17 +518,62 @@ def build_operator(
     raise CLIError(f"unknown operator {operator!r}")
 
 
+def _data_used(data: Iterable[Any], num_batches: int | None) -> tuple[int, int] | None:
+    """(samples, batches) one product reads; ``None`` when that would need an extra pass
+    over a loader of unknown size."""
+    if num_batches is None and not isinstance(data, (list, tuple)):
+        return None
+    samples = batches = 0
+    for batch in itertools.islice(data, num_batches):
+        samples += batch_size(batch)
+        batches += 1
+    return samples, batches
+
+
 def _log(quiet: bool, *parts: Any) -> None:
     if not quiet:
         print(*parts, flush=True)
 
 
-def _memory_estimate(
-    problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace
-) -> MemoryEstimate | None:
+def _first_batch(problem: Problem) -> Any:
+    """The first batch, checked against the --model contract (one-line errors, exit 2)."""
     first = next(iter(problem.dataloader), None)
     if first is None:
         raise CLIError("the dataloader yielded no batch; check that the dataset is not empty")
+    if isinstance(first, Mapping):
+        raise CLIError(
+            f"the dataloader yields dict batches (keys {', '.join(map(repr, first))}); the command line "
+            "takes (inputs, targets) batches only; other layouts need the Python API, with your own "
+            "loss_fn(model, batch) (see docs/quickstart.md)"
+        )
+    if not isinstance(first, (tuple, list)) or len(first) != 2:
+        raise CLIError(
+            f"the dataloader must yield (inputs, targets) batches, got {type(first).__name__}"
+            + (f" of length {len(first)}" if isinstance(first, (tuple, list)) else "")
+        )
+    return first
+
+
+class _ScalarCriterion:
+    """The user's criterion, checked to return a scalar (a reduction='none' criterion
+    would otherwise fail deep inside the first product)."""
+
+    def __init__(self, criterion: Criterion) -> None:
+        self.criterion = criterion
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CLIError(
+                f"the criterion must return a scalar loss (the mean over the batch), got {shape}; "
+                "reduce it, e.g. criterion(output, target).mean()"
+            )
+        return loss
+
+
+def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+    first = _first_batch(problem)
     n = op.size
     # the algorithms run one after another: the largest set of kept vectors counts
     krylov = min(n, max(2 * args.k + 1, 20))
@@ -544,30 +595,43 @@ def _memory_estimate(
     )
 
 
-def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, title: str) -> None:
+_OPERATOR_NAMES = {"hessian": "Hessian", "ggn": "generalized Gauss-Newton (GGN)", "fisher": "empirical Fisher"}
+_WHICH_WORDS = {
+    "LA": ("top {k} eigenvalues, largest first", "top eigenvalues"),
+    "LM": ("{k} largest-magnitude eigenvalues", "largest |λ|"),
+    "SA": ("bottom {k} eigenvalues, smallest first", "bottom eigenvalues"),
+}
+
+
+def _figure(
+    eig: EigenResult, density: SpectralDensityResult | None, tr: TraceResult | None, which: str, title: str, notes: str
+) -> Any:
+    """The summary figure: density with the computed eigenvalues marked, and those by index."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never open a window
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(
-        1,
-        2 if density is not None else 1,
-        figsize=(11 if density is not None else 5.5, 4.2),
-        squeeze=False,
+        1, 2 if density is not None else 1, figsize=(11 if density is not None else 6, 4.6), squeeze=False
     )
     values = eig.eigenvalues.numpy()
+    heading, marker = _WHICH_WORDS[which]
+    heading = heading.format(k=len(values))
+    facts = [notes]
+    if tr is not None:
+        facts.append(f"trace ≈ {tr.estimate:.4g} ± {tr.stderr:.2g} (Hutch++)")
+    if which == "SA":
+        facts.append(f"λ_min ≈ {float(values[0]):.4g} (Lanczos)")
+    elif density is not None:
+        facts.append(f"λ_min ≈ {float(density.quadrature()[0].min()):.4g} (smallest SLQ node)")
     if density is not None:
         ax = axes[0, 0]
         density.plot(ax, color="C0", lw=1.5, label="SLQ density")
-        peak = float(density.density.max())
-        # below ~1e-7 of the peak the Gaussian tails are invisible noise on a log axis
-        ax.set_ylim(peak * 1e-7, peak * 3)
         for j, v in enumerate(values):
-            ax.axvline(
-                float(v), color="C3", lw=0.8, alpha=0.7, label="top eigenvalues" if j == 0 else None
-            )
-        ax.set_title(f"spectral density (σ = {density.sigma:.2g})")
+            ax.axvline(float(v), color="C3", lw=0.8, alpha=0.7, label=marker if j == 0 else None)
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
     ax = axes[0, -1]
@@ -576,11 +640,19 @@ def _plot(path: Path, eig: EigenResult, density: SpectralDensityResult | None, t
     ax.axhline(0.0, color="0.5", lw=0.8)
     ax.set_xlabel("index i (most wanted first)")
     ax.set_ylabel("eigenvalue λᵢ")
-    ax.set_title(f"top {len(values)} eigenvalues (Lanczos)")
+    ax.set_title(f"{heading} (Lanczos --which {which})")
     ax.set_xticks(idx)
     ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    # long descriptions (a user's module path) wrap instead of running off the figure
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
+    fig.text(0.5, 0.01, "   ·   ".join(facts), ha="center", va="bottom", fontsize=8, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def _plot(path: Path, fig: Any) -> None:
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -611,9 +683,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.dtype is not None:
             problem.model.to(dtype=dtype)
         problem.model.to(device=device)
-        problem.dataloader = _cast_data(
-            problem.dataloader, device, dtype if args.dtype is not None else None
-        )
+        problem.dataloader = _cast_data(problem.dataloader, device, dtype if args.dtype is not None else None)
+        _first_batch(problem)
+        if not isinstance(problem.criterion, nn.Module):
+            # nn losses keep their type (the GGN recognises cross-entropy and MSE); their
+            # reduction was checked when loading
+            problem.criterion = _ScalarCriterion(problem.criterion)
     timings["setup"] = time.perf_counter() - t0
     _log(quiet, f"model: {problem.description}  [{timings['setup']:.1f} s]")
 
@@ -624,11 +699,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_batches=args.num_batches,
         microbatch_size=args.microbatch_size,
     )
+    if args.k > op.size:
+        hint = (
+            f"; for all {op.size} eigenvalues at this size, form the dense matrix in Python "
+            "(H = op @ torch.eye(op.size, dtype=op.dtype)) and call torch.linalg.eigvalsh(H)"
+            if op.size <= 10_000 else ""
+        )
+        raise CLIError(f"-k {args.k}: k must be between 1 and the operator size n = {op.size}{hint}")
     what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
-    _log(
-        quiet,
-        f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}",
-    )
+    _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
+    used = _data_used(problem.dataloader, args.num_batches)
+    dtype_name = str(op.dtype).removeprefix("torch.")
+    data_line = "all batches of the dataloader" if used is None else f"{used[0]} samples in {used[1]} batch{'es' if used[1] != 1 else ''}"
+    _log(quiet, f"data per product: {data_line}" + (f" (--num-batches {args.num_batches})" if args.num_batches else ""))
     memory = _memory_estimate(problem, op, args)
     if memory is not None:
         _log(quiet, memory.summary())
@@ -636,28 +719,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "version": __version__,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": {
-            "description": problem.description,
-            "num_parameters": op.size,
-            "device": str(device),
-            "dtype": str(op.dtype).removeprefix("torch."),
-        },
-        "memory_estimate": None
-        if memory is None
-        else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
+        "model": {"description": problem.description, "num_parameters": op.size, "device": str(device), "dtype": dtype_name},
+        "data": None if used is None else {"samples": used[0], "batches": used[1]},
+        "memory_estimate": None if memory is None else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
     }
 
     t = time.perf_counter()
-    k = min(args.k, op.size)
-    eig = lanczos(
-        op,
-        k=k,
-        which=args.which,
-        tol=args.tol,
-        max_iter=args.max_matvecs,
-        seed=args.seed,
-        progress=progress,
-    )
+    k = args.k
+    eig = lanczos(op, k=k, which=args.which, tol=args.tol, max_iter=args.max_matvecs, seed=args.seed, progress=progress)
     timings["eigenvalues"] = time.perf_counter() - t
     results["eigenvalues"] = {
         "which": args.which,
@@ -666,10 +735,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "converged": [bool(c) for c in eig.converged.tolist()],
         "matvecs": eig.iterations,
     }
-    _log(
-        quiet,
-        f"\ntop {k} eigenvalues (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]",
-    )
+    _log(quiet, f"\n{_WHICH_WORDS[args.which][0].format(k=k)} (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]")
     _log(quiet, eig.summary())
 
     tr: TraceResult | None = None
@@ -744,11 +810,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         else:
             png = out_dir / "spectrum.png"
-            title = f"{args.operator} of {problem.description}"
-            _plot(png, eig, density, title)
+            title = f"{_OPERATOR_NAMES[args.operator]} of {problem.description}"
+            notes = f"data: {data_line}, {dtype_name} on {device}"
+            _plot(png, _figure(eig, density, tr, args.which, title, notes))
             written.append(str(png))
     timings["total"] = time.perf_counter() - t0
-    _log(quiet, f"\nwrote {', '.join(written)}  (total {timings['total']:.1f} s)")
+    # also under -q: where the results went is the one thing a quiet run must say
+    if not quiet:
+        print()
+    print(f"wrote {', '.join(written)}  (total {timings['total']:.1f} s)", flush=True)
     return results
 
 

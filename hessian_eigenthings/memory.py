@@ -68,6 +68,10 @@ _EXTRA_VECTORS = {"hessian/autograd": 1, "hessian/finite_difference": 3, "ggn": 
 _HEADROOM = 0.9
 
 
+# What a product of each non-Hessian operator runs, for the summary line.
+_HOW = {"ggn": "Jacobian products", "fisher": "per-sample gradients"}
+
+
 def _key(operator: str, method: str) -> str:
     if operator == "hessian":
         return f"hessian/{method}"
@@ -326,7 +330,7 @@ def estimate_memory(
     )
     return MemoryEstimate(
         operator=operator,
-        method=method if operator == "hessian" else "autograd",
+        method=method if operator == "hessian" else _HOW[operator],
         block_size=block_size,
         krylov_size=krylov_size,
         parameter_bytes=param_bytes,

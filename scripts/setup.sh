@@ -4,18 +4,39 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+say() { echo "setup: $*" >&2; }
+stamp_of() { sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12; }
 if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
     "$PY" -m venv .venv
 fi
-stamp=".venv/.installed-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+stamp=".venv/.installed-$(stamp_of)"
 if [ ! -f "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip
+    say "installing into .venv (first run only; about 2 minutes on a 2-core machine)"
+    # NOTE [curvlinops without backpack]: curvlinops (for the cross-library tests) is installed
+    # without backpack-for-pytorch, which pulls torchvision, which pins another torch with
+    # several GB of CUDA libraries; curvlinops' core does not import it. pip reports that
+    # unmet requirement as an "ERROR" after every later install, although nothing failed, so
+    # the installs skip pip's conflict report and `pip check` at the end reports every
+    # conflict except that one.
+    pipi() { .venv/bin/python -m pip install -q --no-warn-conflicts "$@"; }
+    say "[1/5] pip"
+    pipi --upgrade pip
     # The CPU build of torch 2.13.0 installs from a local file on these machines.
-    .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[dev]"
-    # curvlinops for the cross-library tests, without backpack (it pulls torchvision, which
-    # pins another torch with several GB of CUDA libraries); curvlinops' core does not import it.
-    .venv/bin/python -m pip install -q --no-deps "curvlinops-for-pytorch==3.0.1"
-    .venv/bin/python -m pip install -q einconv einops linear_operator opt-einsum
+    say "[2/5] torch 2.13.0"
+    pipi "torch==2.13.0"
+    say "[3/5] hessian-eigenthings (editable) with its dev dependencies"
+    pipi -e ".[dev]"
+    say "[4/5] curvlinops and its dependencies except backpack"
+    pipi einconv einops linear_operator opt-einsum
+    pipi --no-deps "curvlinops-for-pytorch==3.0.1"
+    say "[5/5] pip check"
+    conflicts="$(.venv/bin/python -m pip check 2>&1 \
+        | grep -v -e '^curvlinops-for-pytorch .* requires backpack-for-pytorch' -e '^No broken requirements' || true)"
+    if [ -n "$conflicts" ]; then
+        say "warning: pip check reports conflicting requirements:"
+        echo "$conflicts" >&2
+    fi
     touch "$stamp"
+    say "done"
 fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -204,3 +205,193 @@ def test_builtin_problem_is_deterministic() -> None:
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert isinstance(a.model, nn.Module) and len(list(a.dataloader)) == 1
+
+
+def test_k_larger_than_operator_is_rejected(user_module: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the library rejects k > n; the CLI used to lower k to n silently and run a huge budget
+    n = 6 * 8 + 8 + 8 * 3 + 3
+    code = cli.main(["--model", f"{user_module}:make", "-o", str(tmp_path / "out"), *SMALL[2:], "-k", str(n + 1)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"k must be between 1 and the operator size n = {n}" in err and "eigvalsh" in err
+    assert not (tmp_path / "out").exists()
+
+
+BAD_USER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def _data():
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(8, 3, generator=gen), torch.randint(0, 2, (8,), generator=gen)
+
+    def unreduced():
+        x, y = _data()
+        return nn.Linear(3, 2), [(x, y)], nn.CrossEntropyLoss(reduction="none")
+
+    def unreduced_function():
+        x, y = _data()
+        return nn.Linear(3, 2), [(x, y)], lambda out, t: (out - torch.nn.functional.one_hot(t, 2)).pow(2).sum(1)
+
+    def dicts():
+        x, y = _data()
+        return nn.Linear(3, 2), [{"x": x, "y": y}], nn.CrossEntropyLoss()
+
+    def needs_args(width, depth=2):
+        raise AssertionError("must not be called")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("unreduced", "reduction='none'"),
+        ("unreduced_function", "must return a scalar loss"),
+        ("dicts", "need the Python API"),
+        ("needs_args", "needs arguments"),
+    ],
+)
+def test_user_model_errors_are_one_line(fn: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "bad_user_model.py"
+    path.write_text(BAD_USER_MODULE)
+    proc = _run_cli(["--model", f"{path}:{fn}", "--no-plot", "-o", "out", *SMALL], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hessian-eigenthings: error:"), proc.stderr
+    assert message in lines[0]
+
+
+def test_run_sh_resolves_paths_where_the_user_stands(tmp_path: Path, user_module: Path) -> None:
+    # a checkout whose set-up is already done: stub setup.sh, a .venv python that is this one
+    repo = tmp_path / "checkout"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "run.sh").write_text((REPO / "scripts" / "run.sh").read_text())
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    venv_python = repo / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    proj = user_module.parent / "proj"
+    proj.mkdir()
+    (proj / "cnn_problem.py").write_text(user_module.read_text())
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "run.sh"), "--model", "cnn_problem.py:make", "--no-plot", "-o", "out", *SMALL],
+        cwd=proj, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (proj / "out" / "results.json").is_file()
+    assert not (repo / "out").exists()
+
+
+def test_setup_sh_reports_progress_and_no_pip_error(tmp_path: Path) -> None:
+    # setup.sh against a recording stand-in for python/pip: what it runs and prints, no network
+    repo = tmp_path / "checkout"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    log = tmp_path / "pip.log"
+    recorder = (
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{log}"\n'
+        'if [ "$3" = "check" ]; then\n'
+        '  echo "curvlinops-for-pytorch 3.0.1 requires backpack-for-pytorch, which is not installed."\n'
+        "  exit 1\n"
+        "fi\n"
+    )
+    fake = tmp_path / "fakepython"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'mkdir -p "$3/bin"\n'
+        f"cat > \"$3/bin/python\" <<'REC'\n{recorder}REC\n"
+        'chmod +x "$3/bin/python"\n'
+    )
+    fake.chmod(0o755)
+    first = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "ERROR" not in first.stdout + first.stderr
+    assert "[1/5]" in first.stderr and "[5/5]" in first.stderr and "setup: done" in first.stderr
+    installs = [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+    assert installs and all("--no-warn-conflicts" in line for line in installs)
+    assert any("--no-deps curvlinops-for-pytorch" in line for line in installs)
+    second = subprocess.run(
+        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert second.returncode == 0 and second.stderr == ""  # stamp present: nothing to do, silent
+
+
+def test_quiet_num_batches_and_memory_line(tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "q"
+    assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), *SMALL]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wrote {out / 'results.json'}")  # -q keeps the paths
+
+    # the user's data: batches of 16, 16 and 8 samples; --num-batches 2 reads 32 of them
+    assert cli.main(["--model", f"{user_module}:make", "--operator", "ggn", "--num-batches", "2", "--no-plot",
+                     "--no-progress", "-o", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "data per product: 32 samples in 2 batches (--num-batches 2)" in text
+    assert json.loads((out / "results.json").read_text())["data"] == {"samples": 32, "batches": 2}
+    memory_line = next(line for line in text.splitlines() if line.startswith("memory estimate"))
+    assert "(ggn, Jacobian products," in memory_line and "autograd" not in memory_line
+    assert cli.main(["--model", f"{user_module}:make", "--operator", "fisher", "--no-plot", "--no-progress",
+                     "-o", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "data per product: 40 samples in 3 batches\n" in text
+    assert "memory estimate (fisher, per-sample gradients," in text
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_figure_says_what_it_shows(which: str) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    A = torch.diag(torch.linspace(-1.0, 2.0, 60, dtype=torch.float64))
+    op = he.LambdaOperator(lambda v: A @ v, 60, dtype=torch.float64)
+    eig = he.lanczos(op, k=3, which=which, seed=0)
+    density = he.spectral_density(op, num_runs=2, lanczos_steps=20, num_grid_points=200, seed=0)
+    tr = he.trace(op, num_matvecs=9, seed=0)
+    title = "empirical Fisher of " + "a/very/long/path/to/some_users_experiment_module.py:make_problem " * 3
+    fig = cli._figure(eig, density, tr, which, title, "data: 32 samples in 2 batches, float64 on cpu")
+    try:
+        fig.canvas.draw()
+        texts = [t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
+        joined = " ".join(" ".join(texts).split())
+        assert joined.count("empirical Fisher") == 1 and "make_problem" in joined
+        assert ("bottom 3 eigenvalues" if which == "SA" else "top 3 eigenvalues") in joined
+        assert "top" not in joined if which == "SA" else "bottom" not in joined
+        assert f"trace ≈ {tr.estimate:.4g}" in joined
+        lam_min = re.search(r"λ_min ≈ (\S+)", joined)
+        assert lam_min is not None and float(lam_min.group(1)) == pytest.approx(-1.0, abs=1e-2)
+        assert "32 samples in 2 batches, float64" in joined and "σ =" in joined
+        # nothing runs off the figure: every text lies inside the canvas
+        renderer = fig.canvas.get_renderer()
+        width, height = fig.canvas.get_width_height()
+        for t in [*fig.texts, *(ax.title for ax in fig.axes)]:
+            box = t.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, t.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_progress_lines_off_a_terminal(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hessian_eigenthings.algorithms import _common
+
+    monkeypatch.setattr(_common, "LOG_INTERVAL_S", 0.0)  # a long run, compressed: every update is due
+    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "-o", str(tmp_path), *SMALL]) == 0
+    err = capsys.readouterr().err
+    for stage in ("lanczos (k=3): ", "hutch++: ", "spectral density: "):
+        assert stage in err, err
+    assert "\r" not in err
+    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "--no-progress", "-o", str(tmp_path), *SMALL]) == 0
+    assert capsys.readouterr().err == ""

@@ -114,3 +114,83 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             # torch >= 2.10: third-party noise, not something the docs could fix
             warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
             exec(compiled, namespace)
+
+
+README = REPO / "README.md"
+
+
+def test_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    blocks = _FENCE.findall(README.read_text())
+    assert blocks, "README has no ```python block"
+    namespace: dict[str, object] = {"__name__": "docs_readme"}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README.md block {i + 1}", "exec"), namespace)
+    # "top" in the README is the largest algebraic eigenvalues: check against the dense matrix
+    op, top = namespace["op"], namespace["top"]
+    dense = (op @ torch.eye(op.size)).double()  # type: ignore[operator, attr-defined]
+    expected = torch.linalg.eigvalsh(0.5 * (dense + dense.T)).flip(0)[:5]
+    torch.testing.assert_close(top.eigenvalues, expected, rtol=1e-3, atol=1e-4)  # type: ignore[attr-defined]
+
+
+def test_readme_install_links_version_and_commands() -> None:
+    import hessian_eigenthings
+    from hessian_eigenthings import cli
+
+    text = README.read_text()
+    version = hessian_eigenthings.__version__
+    assert f"documents version {version}" in text
+    assert f'pip install "hessian-eigenthings[plotting]=={version}"' in text
+    for target in re.findall(r"\]\(((?:docs/)[^)]+)\)", text):
+        assert (REPO / target).is_file(), target
+    assert "(docs/quickstart.md)" in text and "(docs/howto/" in text
+    # the two commands that do all the set-up, and one meaning of "top" shared with the CLI
+    assert "bash scripts/run.sh" in text and "bash scripts/test.sh" in text
+    assert 'which="LA"' in text and "largest algebraic" in text
+    assert cli.build_parser().parse_args([]).which == "LA"
+
+
+def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
+    # one rank of docs/distributed.md's launch script, with the variables torchrun would set
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(code, "docs/distributed.md block 1", "exec"), namespace)
+    torch.save(namespace["result"].eigenvalues, f"{out}/rank{rank}.pt")  # type: ignore[attr-defined]
+
+
+def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    import hessian_eigenthings as he
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    code = _FENCE.findall((DOCS / "distributed.md").read_text())[0]
+    assert "torchrun" in code
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes: the block picks gloo
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
+    values = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)  # every rank gets the same result
+
+    # the reference: the block's model and data in one process, dense Hessian of all 512 samples
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5)).double()
+    x, y = torch.randn(512, 20).double(), torch.randint(0, 5, (512,))
+    op = he.HessianOperator(model, [(x, y)], he.supervised_loss(nn.CrossEntropyLoss()))
+    dense = op @ torch.eye(op.size, dtype=torch.float64)
+    expected = torch.linalg.eigvalsh(0.5 * (dense + dense.T)).flip(0)[:5]
+    torch.testing.assert_close(values[0], expected, rtol=1e-3, atol=1e-5)

@@ -4,7 +4,9 @@ progress bars and block orthonormalization through the linear-algebra backend.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -234,14 +236,75 @@ def orthonormalize_rows(
     return out
 
 
+# NOTE [progress where people work]
+# A tqdm bar needs a terminal or a notebook front end to redraw in place. Jupyter's
+# streams say isatty() == False, so the bar is also shown when an IPython kernel runs
+# us (tqdm.auto then draws a notebook widget). Anywhere else (logs of batch jobs, CI,
+# `cmd > file`), a redrawn bar would be noise, but a long run must not be silent
+# either: one plain line every LOG_INTERVAL_S seconds says how far it got.
+LOG_INTERVAL_S = 30.0
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None or "ipykernel" not in sys.modules:
+        return False
+    get_ipython = getattr(shell, "get_ipython", None)
+    ip = get_ipython() if callable(get_ipython) else None
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def show_progress(progress: bool | None) -> bool:
+    """``progress=None`` means: a bar on a terminal or in a Jupyter notebook."""
+    if progress is not None:
+        return bool(progress)
+    return bool(getattr(sys.stderr, "isatty", lambda: False)()) or _in_notebook()
+
+
+class _LogLines:
+    """Progress as a plain line on stderr every ``LOG_INTERVAL_S`` seconds (no redraws)."""
+
+    def __init__(self, total: int | None, desc: str) -> None:
+        self.total = total
+        self.desc = desc
+        self.n = 0
+        self.postfix = ""
+        self.start = time.monotonic()
+        self.last = self.start
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= LOG_INTERVAL_S:
+            self.last = now
+            of = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: {self.n}{of} products{self.postfix}, {now - self.start:.0f} s elapsed",
+                  file=sys.stderr, flush=True)
+
+    def set_postfix(self, **values: Any) -> None:
+        self.postfix = "".join(f", {k} {v}" for k, v in values.items())
+
+    def close(self) -> None:
+        pass
+
+
 @contextmanager
 def progress_bar(total: int | None, desc: str, progress: bool | None) -> Iterator[Any]:
-    """A tqdm bar on stderr; ``progress=None`` shows it only when stderr is a terminal."""
+    """A tqdm bar on stderr (on a terminal or in Jupyter when ``progress=None``; always with
+    ``progress=True``); with ``progress=None`` elsewhere, a log line every ``LOG_INTERVAL_S``
+    seconds; nothing with ``progress=False``. See NOTE [progress where people work]."""
     from tqdm.auto import tqdm
 
-    if progress is None:
-        progress = bool(getattr(sys.stderr, "isatty", lambda: False)())
-    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    bar: Any
+    if show_progress(progress):
+        if _in_notebook() and importlib.util.find_spec("ipywidgets") is None:
+            # the notebook widget needs ipywidgets; the text bar redraws fine in Jupyter
+            from tqdm.std import tqdm
+        bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
+    elif progress is None:
+        bar = _LogLines(total, desc)
+    else:
+        bar = tqdm(total=total, desc=desc, disable=True)
     try:
         yield bar
     finally:

@@ -189,7 +189,8 @@ def lanczos(
             product of the ``k`` vectors; ``"estimate"`` reports the Lanczos
             estimate ``||R s_last||`` (equal in exact arithmetic, no products).
         check_symmetric: spend 2 products checking that ``op`` is symmetric.
-        progress: tqdm bar; ``None`` shows it only when stderr is a terminal.
+        progress: ``True`` a tqdm bar, ``False`` nothing; ``None`` a bar on a terminal or in
+            Jupyter, elsewhere a log line on stderr every 30 s of a long run.
 
     Returns an :class:`EigenResult` (most wanted first). Warns
     :class:`ConvergenceWarning` when the budget ends before all ``k`` pairs
@@ -300,7 +301,9 @@ def lanczos(
     noise = rounding_level(wd, op.dtype)
     eps = float(torch.finfo(wd).eps)
 
-    with progress_bar(max_iter, f"lanczos (k={k})", progress) as bar:
+    # the bar counts products with no total: max_iter is a cap that a converging run never
+    # reaches, and a percentage of it would promise an ETA many times too long
+    with progress_bar(None, f"lanczos (k={k})", progress) as bar:
         while True:
             it += 1
             top = j + b
@@ -349,7 +352,7 @@ def lanczos(
                 want = order[:k]
                 thresh = np.maximum(tol * np.abs(theta[want]), noise * anorm)
                 n_conv = int((est[want] <= thresh).sum())
-                bar.set_postfix(converged=n_conv)
+                bar.set_postfix(converged=f"{n_conv}/{k}")
                 # with exactly k Ritz values every one is "wanted": insist on one more to compare
                 if exhausted or (top > k and n_conv == k):
                     break

@@ -80,11 +80,15 @@ class EigenResult:
         lines = [
             f"EigenResult: {k} pairs, {n_conv}/{k} converged, "
             f"{self.iterations} products, n={self.eigenvectors.shape[-1]}",
-            "    i   eigenvalue        residual   converged",
+            # the solvers' tol is relative (residual <= tol * |λ|): that column is the one to
+            # compare with it; the absolute one is in the unit of the eigenvalues
+            "    i   eigenvalue     residual/|λ|  residual   converged",
         ]
+        tiny = torch.finfo(torch.float64).tiny
         for i in range(k):
+            value, res = float(self.eigenvalues[i]), float(self.residuals[i])
             lines.append(
-                f"{i:5d}  {float(self.eigenvalues[i]): .6e}  {float(self.residuals[i]):.2e}"
+                f"{i:5d}  {value: .6e}  {res / max(abs(value), tiny):.2e}      {res:.2e}"
                 f"   {bool(self.converged[i])}"
             )
         return "\n".join(lines)
@@ -97,6 +101,11 @@ class TraceResult:
     estimate: float
     stderr: float  # standard error of the estimate (from the sample variance)
     samples: torch.Tensor  # (s,) float64 per-probe values whose mean is ``estimate``
+
+    def __repr__(self) -> str:
+        # hundreds of per-probe values would bury the two numbers people look for
+        s = int(self.samples.numel())
+        return f"TraceResult(estimate={self.estimate!r}, stderr={self.stderr!r}, samples=<{s} values>)"
 
 
 @dataclass(frozen=True)
@@ -143,8 +152,15 @@ class SpectralDensityResult:
         runs = self.raw_weights.shape[0]
         return self.raw_eigenvalues[keep], self.raw_weights[keep] / runs
 
-    def plot(self, ax: Any = None, *, log: bool = True, **kwargs: Any) -> Any:
-        """Plot the density (log scale by default); returns the matplotlib axes."""
+    def plot(
+        self, ax: Any = None, *, log: bool = True, floor: float = 1e-7, title: str | None = None, **kwargs: Any
+    ) -> Any:
+        """Plot the density (log scale by default); returns the matplotlib axes.
+
+        On the log scale the axis stops at ``floor`` times the peak: below it the
+        Gaussian tails of the smoothing kernel are far under anything the quadrature
+        resolves and would only fill the plot. ``title`` defaults to one that gives σ.
+        """
         try:
             import matplotlib.pyplot as plt
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -152,11 +168,17 @@ class SpectralDensityResult:
                 "SpectralDensityResult.plot needs matplotlib; install it with "
                 "`pip install hessian-eigenthings[plotting]`"
             ) from exc
+        if not 0 < floor < 1:
+            raise ValueError(f"floor must be in (0, 1) (a fraction of the peak), got {floor}")
         if ax is None:
             _, ax = plt.subplots()
         ax.plot(self.grid.numpy(), self.density.numpy(), **kwargs)
         if log:
             ax.set_yscale("log")
-        ax.set_xlabel("eigenvalue")
+            peak = float(self.density.max())
+            if peak > 0:
+                ax.set_ylim(peak * floor, peak * 3)
+        ax.set_xlabel("eigenvalue λ")
         ax.set_ylabel("density")
+        ax.set_title(f"spectral density (SLQ, σ = {self.sigma:.2g})" if title is None else title)
         return ax

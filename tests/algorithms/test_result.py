@@ -18,3 +18,25 @@ def test_eigen_result_summary_and_frozen() -> None:
     assert isinstance(res, EigenResult)
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.iterations = 3  # type: ignore[misc]
+
+
+def test_summary_shows_the_relative_residual_that_tol_bounds() -> None:
+    import torch
+
+    from hessian_eigenthings.algorithms import TraceResult
+
+    res = EigenResult(
+        eigenvalues=torch.tensor([2.0, -0.5], dtype=torch.float64),
+        eigenvectors=torch.eye(2, 3),
+        residuals=torch.tensor([2e-4, 1e-5], dtype=torch.float64),
+        iterations=7,
+        converged=torch.tensor([True, True]),
+    )
+    rows = res.summary().splitlines()
+    assert "residual/|λ|" in rows[1]
+    assert "1.00e-04" in rows[2] and "2.00e-04" in rows[2]  # relative, then absolute
+    assert "2.00e-05" in rows[3] and "1.00e-05" in rows[3]
+
+    tr = TraceResult(estimate=1.5, stderr=0.25, samples=torch.arange(500, dtype=torch.float64))
+    text = repr(tr)
+    assert text == "TraceResult(estimate=1.5, stderr=0.25, samples=<500 values>)"

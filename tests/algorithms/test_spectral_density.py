@@ -109,6 +109,14 @@ def test_plot() -> None:
     )
     ax = res.plot()
     assert ax.get_yscale() == "log"
+    # a floor under the Gaussian tails (on wide grids they reach 1e-28 of the peak), a title with σ
+    peak = float(res.density.max())
+    lo, hi = ax.get_ylim()
+    assert lo == pytest.approx(peak * 1e-7) and hi == pytest.approx(peak * 3)
+    assert f"σ = {res.sigma:.2g}" in ax.get_title()
+    assert res.plot(title="mine", floor=1e-3).get_title() == "mine"
+    with pytest.raises(ValueError, match="floor must be"):
+        res.plot(floor=0.0)
 
 
 def test_errors() -> None:
