@@ -50,15 +50,19 @@ from hessian_eigenthings.loss_fns import (
 )
 from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
 from hessian_eigenthings.operators import (
+    CompileFallbackWarning,
     CurvatureOperator,
     DDPEmpiricalFisherOperator,
     DDPGGNOperator,
     DDPHessianOperator,
     EmpiricalFisherOperator,
+    EngineMismatchWarning,
+    EngineUnsupportedError,
     FSDPHessianOperator,
     GGNOperator,
     HessianOperator,
     LambdaOperator,
+    RandomForwardWarning,
 )
 from hessian_eigenthings.param_utils import (
     ParamFilter,
@@ -74,6 +78,7 @@ name = "hessian_eigenthings"
 del _lanczos_module
 
 __all__ = [
+    "CompileFallbackWarning",
     "ConvergenceWarning",
     "CurvatureOperator",
     "DDPEmpiricalFisherOperator",
@@ -83,6 +88,8 @@ __all__ = [
     "DistributedBackend",
     "EigenResult",
     "EmpiricalFisherOperator",
+    "EngineMismatchWarning",
+    "EngineUnsupportedError",
     "FSDPHessianOperator",
     "GGNOperator",
     "HVPOperator",
@@ -92,6 +99,7 @@ __all__ = [
     "MemoryEstimate",
     "OutputHessianLoss",
     "ParamFilter",
+    "RandomForwardWarning",
     "SpectralDensityResult",
     "TraceResult",
     "__version__",

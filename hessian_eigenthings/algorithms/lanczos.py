@@ -96,9 +96,11 @@ def check_symmetry(
     if not math.isfinite(rel) or rel > limit:
         raise ValueError(
             f"the operator is not symmetric: <u, Av> and <Au, v> differ by {rel:.2e} relative "
-            f"(allowed {limit:.1e}). Curvature algorithms need a symmetric operator; check the "
-            "matvec function (e.g. a missing transpose, or data that changes between products "
-            "such as full_dataset=False or dropout in train mode)"
+            f"(allowed {limit:.1e}). Curvature algorithms need a symmetric operator; "
+            + (
+                "; ".join(op.inconsistency_causes())
+                or "check the matvec function (e.g. a missing transpose, or data that changes between products)"
+            )
         )
     return rel
 
@@ -399,11 +401,12 @@ def lanczos(
     if not bool(converged.all()):
         hint = "raise max_iter or ncv, or loosen tol"
         if residuals == "exact" and bool((torch.from_numpy(est[want].copy()) <= thresh_t).all()):
+            causes = op.inconsistency_causes()
             hint = (
                 "the Ritz estimates met tol but the recomputed residuals did not, so the products are "
-                "not consistent at that level: on CUDA, TF32 matmuls and convolutions "
-                "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) limit float32 "
-                "products to about 1e-3, and half-precision products likewise; loosen tol or turn TF32 off"
+                "not consistent at that level"
+                + (f" ({'; '.join(causes)})" if causes else " (a product that is random or of low precision)")
+                + "; loosen tol"
             )
         warn_convergence(
             f"lanczos: {int(converged.sum())} of {k} eigenpairs converged to tol={tol:g} within "

@@ -5,6 +5,7 @@ from hessian_eigenthings.operators.base import (
     CurvatureOperator,
     DataCurvatureOperator,
     LambdaOperator,
+    RandomForwardWarning,
 )
 from hessian_eigenthings.operators.distributed import (
     DataParallelMixin,
@@ -14,11 +15,17 @@ from hessian_eigenthings.operators.distributed import (
     DistributedProductError,
     FSDPHessianOperator,
 )
+from hessian_eigenthings.operators.engines import (
+    CompileFallbackWarning,
+    EngineMismatchWarning,
+    EngineUnsupportedError,
+)
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
 
 __all__ = [
+    "CompileFallbackWarning",
     "CurvatureOperator",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
@@ -27,6 +34,8 @@ __all__ = [
     "DataParallelMixin",
     "DistributedProductError",
     "EmpiricalFisherOperator",
+    "EngineMismatchWarning",
+    "EngineUnsupportedError",
     "FSDPHessianOperator",
     "ForwardFn",
     "GGNOperator",
@@ -36,4 +45,5 @@ __all__ = [
     "LossFn",
     "LossOfOutputFn",
     "PerSampleLossFn",
+    "RandomForwardWarning",
 ]

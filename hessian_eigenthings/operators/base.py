@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
     BatchSource,
@@ -152,6 +153,14 @@ class CurvatureOperator(ABC):
         out = self._matmat_rows(V.T.contiguous())
         self.num_matvecs += V.shape[1]
         return out.T
+
+    def inconsistency_causes(self) -> list[str]:
+        """Why repeated products of this operator could disagree beyond rounding (for the
+        algorithms' messages); empty when nothing specific is known."""
+        causes = []
+        if self.dtype in (torch.float16, torch.bfloat16):
+            causes.append(f"{str(self.dtype).removeprefix('torch.')} products carry about 1e-3 (float16) to 1e-2 (bfloat16) relative error")
+        return causes
 
     def expect_products(self, n: int) -> None:  # noqa: B027 - optional hook, not abstract
         """Declare that about ``n`` products are coming (algorithms call this with their budget);
@@ -473,6 +482,17 @@ def _same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
 Reuse = bool | Literal["auto"]
 
 
+class RandomForwardWarning(UserWarning):
+    """The model draws random numbers in its forward (dropout in training mode)."""
+
+
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _draws_randomly(m: nn.Module) -> bool:
+    return m.training and isinstance(m, _RANDOM_MODULES) and getattr(m, "p", 0.0) > 0
+
+
 class DataOptions(TypedDict, total=False):
     """Block, graph-reuse and CUDA-graph options every data operator accepts (``**options``)."""
 
@@ -635,6 +655,37 @@ class DataCurvatureOperator(CurvatureOperator):
             return torch.func.functional_call(call, full, (batch,))
 
         return f, tuple(state[n] for n in names)
+
+    def inconsistency_causes(self) -> list[str]:
+        causes = super().inconsistency_causes()
+        random = [name or type(m).__name__ for name, m in self.model.named_modules() if _draws_randomly(m)]
+        if random:
+            causes.append(
+                f"modules in training mode draw random masks on every forward ({', '.join(random[:3])}"
+                f"{', ...' if len(random) > 3 else ''}): call model.eval()"
+            )
+        if not self.source.full_dataset:
+            causes.append("full_dataset=False takes another batch for every product")
+        if self.precision == "tf32":
+            causes.append("precision='tf32' runs products with TF32 (about 1e-3 relative error)")
+        return causes
+
+    def _warn_random_forward(self) -> None:
+        """Once per operator: a forward that draws random masks makes the operator a different
+        matrix on every product (or, with a kept state, one arbitrary draw)."""
+        if self.__dict__.get("_random_checked"):
+            return
+        self._random_checked = True
+        random = [name or type(m).__name__ for name, m in self.model.named_modules() if _draws_randomly(m)]
+        if random:
+            warnings.warn(
+                f"{type(self).__name__}: {', '.join(random[:3])}{', ...' if len(random) > 3 else ''} "
+                "in training mode draw a new random mask on every forward, so the curvature is of one random "
+                "draw (kept between products) or changes between products; call model.eval() for the "
+                "curvature of the deterministic model",
+                RandomForwardWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     @property
     def engine(self) -> str:
@@ -1000,6 +1051,7 @@ class DataCurvatureOperator(CurvatureOperator):
         return max(1, min(limit, k))
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        self._warn_random_forward()
         k = V.shape[0]
         out = self.layout.empty(k)
         start = 0

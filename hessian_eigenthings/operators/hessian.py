@@ -141,6 +141,15 @@ class HessianOperator(DataCurvatureOperator):
     def functional_unsupported_reason(self) -> str:
         return "method='finite_difference' runs ordinary gradients, not a traced product"
 
+    def inconsistency_causes(self) -> list[str]:
+        causes = super().inconsistency_causes()
+        if self.method == "finite_difference":
+            causes.append(
+                f"finite differences (fd_eps={self.fd_eps:g}) carry truncation and rounding error of about "
+                "fd_eps² and eps/fd_eps relative"
+            )
+        return causes
+
     def functional_product(
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
