@@ -233,6 +233,18 @@ class LambdaOperator(CurvatureOperator):
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         return self._fn(v)
 
+    def inconsistency_causes(self) -> list[str]:
+        causes = super().inconsistency_causes()
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            tf32 = [n for n, on in (("matmul", torch.backends.cuda.matmul.allow_tf32),
+                                    ("cudnn", torch.backends.cudnn.allow_tf32)) if on]
+            if tf32:
+                causes.append(
+                    f"TF32 is on for {' and '.join(tf32)} (torch.backends.*.allow_tf32): float32 products of "
+                    "your function carry about 1e-3 relative error"
+                )
+        return causes
+
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         if self._block_fn is not None:
             return self._block_fn(V)

@@ -350,4 +350,6 @@ def test_noisy_products_are_named_as_the_cause() -> None:
         res = lanczos(op, k=5, tol=1e-6, seed=0)
     assert not res.converged.any()
     messages = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
-    assert len(messages) == 1 and "TF32" in messages[0] and "Ritz estimates met tol" in messages[0]
+    # a bare float64 operator on the CPU: no TF32 to blame, the generic cause is named
+    assert len(messages) == 1 and "Ritz estimates met tol" in messages[0]
+    assert "random or of low precision" in messages[0] and "TF32" not in messages[0]

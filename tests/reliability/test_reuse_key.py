@@ -16,7 +16,7 @@ from hessian_eigenthings.loss_fns import (
     supervised_loss,
     supervised_loss_of_output,
 )
-from hessian_eigenthings.operators import GGNOperator, HessianOperator
+from hessian_eigenthings.operators import GGNOperator, HessianOperator, RandomForwardWarning
 from hessian_eigenthings.param_utils import match_names, select_parameters
 from hessian_eigenthings.testing import dense_hessian
 from tests.operators.curvature_oracles import dense_ggn
@@ -75,7 +75,8 @@ def test_train_eval_switch_is_seen(make: str) -> None:
         op = GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(CE))
     v = torch.randn(op.size, dtype=torch.float64)
     model.train()
-    op @ v  # a dropout-masked product, kept
+    with pytest.warns(RandomForwardWarning):
+        op @ v  # a dropout-masked product, kept
     model.eval()
     names = select_parameters(model)
     if make == "hessian":
