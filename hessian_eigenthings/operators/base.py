@@ -691,10 +691,10 @@ class DataCurvatureOperator(CurvatureOperator):
         random = [name or type(m).__name__ for name, m in self.model.named_modules() if _draws_randomly(m)]
         if random:
             warnings.warn(
-                f"{type(self).__name__}: {', '.join(random[:3])}{', ...' if len(random) > 3 else ''} "
-                "in training mode draw a new random mask on every forward, so the curvature is of one random "
-                "draw (kept between products) or changes between products; call model.eval() for the "
-                "curvature of the deterministic model",
+                f"{type(self).__name__}: dropout in training mode ({', '.join(random[:3])}"
+                f"{', ...' if len(random) > 3 else ''}) draws a new random mask on every forward, so the "
+                "curvature is of one random draw (kept between products) or changes between products; call "
+                "model.eval() for the curvature of the deterministic model",
                 RandomForwardWarning,
                 stacklevel=user_stacklevel(),
             )
