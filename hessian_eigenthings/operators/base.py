@@ -685,8 +685,8 @@ class DataCurvatureOperator(CurvatureOperator):
     def _warn_random_forward(self) -> None:
         """Once per operator: a forward that draws random masks makes the operator a different
         matrix on every product (or, with a kept state, one arbitrary draw)."""
-        if self.__dict__.get("_random_checked"):
-            return
+        if self.__dict__.get("_random_checked") or self._engines.traced:
+            return  # a traced engine refuses such a model with its own error
         self._random_checked = True
         random = [name or type(m).__name__ for name, m in self.model.named_modules() if _draws_randomly(m)]
         if random:
