@@ -183,7 +183,7 @@ def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_ddp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
-    values = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    values = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)  # every rank gets the same result
 
     # the reference: the block's model and data in one process, dense Hessian of all 512 samples
