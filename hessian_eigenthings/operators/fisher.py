@@ -30,6 +30,7 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.loss_fns.protocols import PerSampleLossFn
 from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.ggn import JvpMethod, _OutputSandwichOperator, _OutputState
@@ -77,6 +78,7 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
             raise TypeError(
                 "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
             )
+        check_loss_argument(per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss")
         if not isinstance(sample_dim, int):
             raise TypeError(f"sample_dim must be an int, got {type(sample_dim).__name__}")
         self.per_sample_loss_fn = per_sample_loss_fn

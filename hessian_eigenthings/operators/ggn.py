@@ -45,6 +45,7 @@ from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.kernels import lm_head_ce_ggn
 from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMForward, HFCausalLMLoss
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, OutputHessianLoss
 from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
@@ -422,6 +423,8 @@ class GGNOperator(_OutputSandwichOperator):
             raise TypeError(
                 "loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar"
             )
+        check_loss_argument(loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output")
+        check_loss_argument(forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output")
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
         if loss_hvp == "analytical" and not isinstance(loss_of_output_fn, OutputHessianLoss):

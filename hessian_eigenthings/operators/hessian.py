@@ -24,6 +24,7 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
+from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -110,6 +111,7 @@ class HessianOperator(DataCurvatureOperator):
     ) -> None:
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        check_loss_argument(loss_fn, name="loss_fn", wrap="supervised_loss")
         if method not in ("autograd", "finite_difference"):
             raise ValueError(f"method must be 'autograd' or 'finite_difference', got {method!r}")
         super().__init__(
