@@ -137,6 +137,14 @@ def check_microbatching(model: nn.Module, microbatch_size: int | None, unsafe: b
         )
 
 
+# NOTE [one operator, one dataset]
+# `full_dataset=True` promises one fixed matrix: every product reads the same
+# batches (the first `num_batches` of them when set). That needs data that can
+# be iterated again; a generator or any other one-shot iterator would hand the
+# first product its batches and later products the next ones (or none), so
+# such inputs are refused when the operator is built.
+
+
 class BatchSource:
     """The batches one product runs over.
 
@@ -161,8 +169,18 @@ class BatchSource:
             )
         if not isinstance(dataloader, Iterable):
             raise TypeError(f"dataloader must be iterable, got {type(dataloader).__name__}")
-        if num_batches is not None and num_batches < 1:
-            raise ValueError(f"num_batches must be >= 1 or None, got {num_batches}")
+        if isinstance(dataloader, Iterator):
+            # a generator or an iterator is used up by the first product: every later product
+            # would see other batches, or none (NOTE [one operator, one dataset])
+            raise TypeError(
+                f"dataloader is a one-shot iterator ({type(dataloader).__name__}): an operator reads its data on "
+                "every product, and an iterator is used up by the first. Pass something that can be iterated "
+                "again: a list of batches (list(your_generator)), a torch DataLoader, or a class with __iter__"
+            )
+        if num_batches is not None and (
+            isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1
+        ):
+            raise ValueError(f"num_batches must be an int >= 1 or None, got {num_batches!r}")
         self.dataloader = dataloader
         self.full_dataset = full_dataset
         self.num_batches = num_batches
