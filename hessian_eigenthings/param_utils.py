@@ -86,9 +86,17 @@ def select_parameters(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     flt = _as_filter(param_filter)
+    # a tied parameter has several names (GPT-2's lm_head.weight is transformer.wte.weight):
+    # a filter that accepts any of them selects it, listed under its first (registered) name
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
     selected: dict[str, nn.Parameter] = {}
     for name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
-        keep = p.requires_grad if flt is None else bool(flt(name, p))
+        if flt is None:
+            keep = p.requires_grad
+        else:
+            keep = any(bool(flt(alias, p)) for alias in aliases.get(id(p), [name]))
         if keep:
             selected[name] = p
     if not selected:
@@ -97,10 +105,11 @@ def select_parameters(
                 "the model has no parameter with requires_grad=True; unfreeze some or pass "
                 "param_filter=match_names(...) to select them explicitly"
             )
-        names = [n for n, _ in model.named_parameters()][:8]
+        names = [n for n, _ in model.named_parameters()]
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
         raise ValueError(
             f"param_filter {getattr(flt, '__qualname__', flt)!r} selected zero parameters; "
-            f"the model's parameters are named like {names}"
+            f"the model's parameters are: {shown}"
         )
     return selected
 
