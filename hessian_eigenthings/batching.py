@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hessian_eigenthings._checks import check_count
+
 Batch = Any
 
 
@@ -177,10 +179,7 @@ class BatchSource:
                 "every product, and an iterator is used up by the first. Pass something that can be iterated "
                 "again: a list of batches (list(your_generator)), a torch DataLoader, or a class with __iter__"
             )
-        if num_batches is not None and (
-            isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1
-        ):
-            raise ValueError(f"num_batches must be an int >= 1 or None, got {num_batches!r}")
+        num_batches = check_count("num_batches", num_batches, allow_none=True)
         self.dataloader = dataloader
         self.full_dataset = full_dataset
         self.num_batches = num_batches

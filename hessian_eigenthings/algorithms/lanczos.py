@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
     check_k,
@@ -224,6 +225,8 @@ def lanczos(
     # of max_iter and the Lanczos residual estimates are reported (equal in exact
     # arithmetic; zero once the space is exhausted). The default budget (None) is for the
     # iteration alone, and the residual check comes on top.
+    max_iter = check_count("max_iter", max_iter, allow_none=True)
+    ncv = check_count("ncv", ncv, allow_none=True)
     explicit_budget = max_iter is not None
     itemsize = torch.empty((), dtype=work_dtype(op, precision)).element_size()
     if ncv is None and max_iter is not None and max_iter >= n and n * n * itemsize <= 2**28:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
     check_k,
@@ -55,8 +56,7 @@ class PowerIterationResult(NamedTuple):
 
 
 def _check_common(max_iter: int, tol: float, momentum: float) -> None:
-    if not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive int (number of products), got {max_iter!r}")
+    check_count("max_iter", max_iter)
     if not (tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol}")
     # a negative momentum is a shift (A + |m| I), which 0.x users passed: any finite value

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
@@ -575,10 +576,9 @@ class DataCurvatureOperator(CurvatureOperator):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if microbatch_size is not None and (not isinstance(microbatch_size, int) or microbatch_size < 1):
-            raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}")
-        if max_block_size is not None and max_block_size < 1:
-            raise ValueError(f"max_block_size must be >= 1 or None, got {max_block_size}")
+        microbatch_size = check_count("microbatch_size", microbatch_size, allow_none=True)
+        max_block_size = check_count("max_block_size", max_block_size, allow_none=True)
+        graph_reuse_max_batches = check_count("graph_reuse_max_batches", graph_reuse_max_batches, minimum=0)  # type: ignore[assignment]
         if graph_reuse not in (True, False, "auto"):
             raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
         if not isinstance(cuda_graphs, bool):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
@@ -79,8 +80,7 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
                 "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
             )
         check_loss_argument(per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss")
-        if not isinstance(sample_dim, int):
-            raise TypeError(f"sample_dim must be an int, got {type(sample_dim).__name__}")
+        sample_dim = check_count("sample_dim", sample_dim, minimum=None)  # type: ignore[assignment]
         self.per_sample_loss_fn = per_sample_loss_fn
         self.sample_dim = sample_dim
         super().__init__(

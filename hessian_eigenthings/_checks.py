@@ -1,0 +1,24 @@
+"""One check for every integer argument of the 1.0 core (the 0.x facade translates 0.x's looser
+values before calling in): ``True`` is not 1 here, ``2.5`` is not a count, and the message names
+the argument."""
+
+from __future__ import annotations
+
+import operator
+
+
+def check_count(name: str, value: object, *, minimum: int | None = 1, allow_none: bool = False) -> int | None:
+    """``value`` as an int (anything with ``__index__`` but a bool), at least ``minimum``."""
+    if value is None and allow_none:
+        return None
+    bound = "" if minimum is None else f" >= {minimum}"
+    what = f"an int{bound}" + (" or None" if allow_none else "")
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {what}, got {value!r} (a bool)")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be {what}, got {number}")
+    return number
