@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -189,11 +190,14 @@ MAX_SPECIALIZED = 4
 
 
 def _batch_identity(batch: Batch, model: nn.Module) -> tuple[Any, ...]:
-    """The batch's tensor objects and versions, its plain values and the modules' modes: a
-    specialized program (values baked in) is valid while all of these are unchanged."""
+    """What a specialized program may have baked in: the values its Python read can come from
+    the batch or from any parameter or buffer, so it is valid while the batch's tensors, its
+    plain values, every parameter and buffer (object and version) and the modules' modes are
+    unchanged."""
     leaves = pytree.tree_leaves(batch)
     return (
         tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("V", repr(x)) for x in leaves),
+        tuple((id(t), t._version) for t in itertools.chain(model.parameters(), model.buffers())),
         tuple(m.training for m in model.modules()),
     )
 
@@ -391,12 +395,18 @@ class FunctionalEngine:
 # - one artifact per tangent program and block width; a program is shared by
 #   every batch of one signature, so an uneven last batch costs one more
 #   program, hence one more compilation (`num_compilations` counts them);
+# - at most MAX_COMPILATIONS per operator: a model traced per batch (its Python
+#   reads tensor values, NOTE [tangent split]) would otherwise compile once per
+#   new batch; past the bound it warns and runs the functional engine;
 # - a compile failure warns once (`CompileFallbackWarning`) and the products
 #   continue on the functional engine: never an exception;
 # - compile time (the compilation and its first run) is summed in `compile_s`
 #   and recorded in a small JSON file beside inductor's on-disk cache, which
 #   `auto` reads to decide whether compiling pays; a second process hits
 #   inductor's cache and compiles in a fraction of the time.
+
+
+MAX_COMPILATIONS = 16
 
 
 class CompiledEngine(FunctionalEngine):
@@ -415,10 +425,19 @@ class CompiledEngine(FunctionalEngine):
         fn = prog.compiled.get(k, ...)
         if fn is None:
             return super().run(prog, k, args)
-        # the compiled code assumes the layouts it was compiled for: contiguous, always
-        args = tuple(a if a.is_contiguous() else a.contiguous() for a in args)
+        # The compiled code assumes the layouts it was compiled for. Kept values come out of the
+        # same primal graph every time (same layouts, passed as they are: no copy per product);
+        # directions are views of the caller's block, made contiguous (a copy only for k > 1).
+        m = prog.num_kept
+        args = args[:m] + tuple(a if a.is_contiguous() else a.contiguous() for a in args[m:])
         if fn is not ...:
             return fn(*args)
+        if self.num_compilations >= MAX_COMPILATIONS:
+            self._fallback(prog, k, RuntimeError(
+                f"{MAX_COMPILATIONS} compilations already: this model is traced per batch (its Python reads "
+                "tensor values), so every new batch would compile again"
+            ))
+            return super().run(prog, k, args)
         tangent = self.tangent_fn(prog, k, args)
         t0 = time.perf_counter()
         try:

@@ -362,3 +362,36 @@ def test_no_warning_filter_is_left_behind() -> None:
     op = HessianOperator(model, data, SUP, engine="functional")
     op @ torch.randn(op.size, dtype=torch.float64)
     assert list(warnings.filters) == filters
+
+
+def _reads_a_parameter(model: nn.Module, batch: object) -> torch.Tensor:
+    # Python reads a parameter's value: the program is traced per batch with it baked in
+    scale = 1.0 + abs(float(model[0].bias.sum()))  # type: ignore[index]
+    return scale * SUP(model, batch)
+
+
+def test_a_program_specialized_to_a_batch_is_retraced_when_a_parameter_changes() -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, _reads_a_parameter, engine="functional", graph_reuse=False)
+    ref = HessianOperator(model, data, _reads_a_parameter, engine="autograd", graph_reuse=False)
+    v = torch.randn(op.size, dtype=torch.float64)
+    torch.testing.assert_close(op @ v, ref @ v, rtol=1e-10, atol=1e-12)
+    op @ v
+    assert op.engine_report["traces"] == 1  # unchanged batch and model: the program is reused
+    with torch.no_grad():
+        model[0].bias.add_(0.5)  # type: ignore[index]
+    torch.testing.assert_close(op @ v, ref @ v, rtol=1e-10, atol=1e-12)
+    assert op.engine_report["traces"] == 2
+
+
+@compile_only
+def test_compilations_are_bounded_per_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines_mod, "MAX_COMPILATIONS", 1)
+    model, data = mlp(), classification_data(n=10, batch=4)  # two batch signatures
+    op = HessianOperator(model, data, SUP, engine="compiled")
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(op.size, dtype=torch.float64)
+    with pytest.warns(CompileFallbackWarning, match="1 compilations already"):
+        out = op @ v
+    torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)
+    assert op.engine_report["compilations"] == 1 and op.engine_report["fallbacks"] == 1
