@@ -935,8 +935,12 @@ class DataCurvatureOperator(CurvatureOperator):
         """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
         k = vecs[0].shape[0]
         entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
-        # room for the recording's pool, conservatively (k + 1) times the kept state
-        if not self._room_for((k + 1) * entry.nbytes):
+        # room for the recording's pool, conservatively: an autograd backward through a kept
+        # graph may hold about the graph again per vector, plus one; a traced tangent program
+        # reads the kept values in place and its temporaries (tangents of kept values) are
+        # about the kept state per vector
+        factor = k if self._engines.traced else k + 1
+        if not self._room_for(factor * entry.nbytes):
             return None
         inputs = [torch.empty_like(v) for v in vecs]
         recorded = self._record("the kept backward", k, lambda: self._engines.apply(entry.state, inputs, retain=True))

@@ -678,10 +678,10 @@ class EngineSelector:
 
     @property
     def recordable(self) -> bool:
-        """Whether the operator may record this engine's products as CUDA graphs: the functional
-        engine's are plain aten programs; compiled code is left to inductor (it checks input
-        layouts and picks its stream itself, which a recording must not second-guess)."""
-        return self.active == "functional"
+        """Whether the operator may record this engine's products as CUDA graphs: both traced
+        engines' are plain tensor programs (the compiled one's first run, which compiles, is
+        eager; the recording reads the kept values in place and copies only the directions)."""
+        return self.active in ("functional", "compiled")
 
     def expect(self, n: int) -> None:
         self.expected_products = max(1, int(n))

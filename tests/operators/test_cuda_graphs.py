@@ -66,6 +66,24 @@ def test_replayed_products_equal_eager_products(k: int) -> None:
     assert graphed.num_forwards == 1 and eager.num_replays == 0
 
 
+@cuda
+@pytest.mark.parametrize("engine", ["functional", "compiled"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_traced_engines_replay_their_products(engine: str, k: int) -> None:
+    """Both traced engines' products on a kept batch are recorded (the compiled one after its
+    compiling first run) and replay the autograd engine's numbers."""
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    traced = HessianOperator(model, data, loss, engine=engine)
+    reference = HessianOperator(model, data, loss, engine="autograd", cuda_graphs=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(4):
+        V = torch.randn(traced.size, k, device="cuda", generator=g).squeeze(-1)
+        torch.testing.assert_close(traced @ V, reference @ V, rtol=1e-4, atol=1e-5)
+        assert traced.num_replays == max(0, step)
+    assert traced.engine_report["active"] == engine
+
+
 def _recorded_then_stepped(graph_reuse: bool) -> tuple[nn.Module, list[Any], Any, HessianOperator, torch.Tensor, torch.Tensor]:
     """An operator past its recording, then an in-place update of every parameter (an
     optimizer step); returns ``(model, data, loss, operator, v, eager product after the step)``."""
