@@ -52,7 +52,12 @@ from hessian_eigenthings.operators.precision import (
     precision_flags,
     product_precision,
 )
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+from hessian_eigenthings.param_utils import (
+    ParamFilter,
+    ParamLayout,
+    call_with_values,
+    select_parameters,
+)
 
 # --------------------------------------------------------------------------
 # The protocol
@@ -664,7 +669,7 @@ class DataCurvatureOperator(CurvatureOperator):
         def f(*values: torch.Tensor) -> Any:
             full = dict(fixed)
             full.update(zip(call_names, values, strict=True))
-            return torch.func.functional_call(call, full, (batch,))
+            return call_with_values(call, full, (batch,))
 
         return f, tuple(state[n] for n in names)
 
