@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -245,3 +245,38 @@ def vector_to_params(
         ):
             p.copy_(view)
     return None
+
+
+# NOTE [each slot once]
+# torch.func.functional_call(..., tie_weights=True) substitutes a value under every name of
+# the tensor it replaces. A module object registered twice (nn.Sequential(blk, blk),
+# nn.ModuleList([blk] * 2)) gives one attribute slot two names, so torch swaps that slot
+# twice: the second swap records the first's substitute as the "original", and the restore
+# leaves the substitute (a plain tensor, or a tracer's proxy) in the model. Here every slot is
+# named once (named_modules() lists each module object once) and receives the value of any
+# name it was given under; genuinely tied weights (one tensor in two slots, GPT-2's
+# lm_head.weight and transformer.wte.weight) still get the value in both slots. The call
+# then runs with tie_weights=False: the mapping is already complete.
+def slot_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` (qualified name of a parameter or buffer -> substitute) re-keyed so that each
+    attribute slot holding one of those tensors appears once; see NOTE [each slot once]."""
+    by_name: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    by_name.update(module.named_buffers(remove_duplicate=False))
+    slots: dict[int, list[str]] = {}
+    for prefix, m in module.named_modules():
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None:
+                slots.setdefault(id(t), []).append(f"{prefix}.{attr}" if prefix else attr)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in values.items():
+        current = by_name.get(name)
+        for slot in [name] if current is None else slots[id(current)]:
+            if out.setdefault(slot, value) is not value:
+                raise ValueError(f"two values were given for {slot!r} (under two of its names)")
+    return out
+
+
+def call_with_values(module: nn.Module, values: Mapping[str, torch.Tensor], args: tuple[Any, ...]) -> Any:
+    """``module(*args)`` with the named parameters and buffers replaced by ``values`` (any of a
+    tensor's names will do) for the call only; the module is left as it was."""
+    return torch.func.functional_call(module, slot_values(module, values), args, tie_weights=False)

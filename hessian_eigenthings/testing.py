@@ -23,6 +23,18 @@ def _pairs(
     return list(named.items()) if isinstance(named, Mapping) else list(named)
 
 
+def _each_slot(model: nn.Module, by_id: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Substitutes keyed by attribute slot, each slot once: a tied tensor (embedding = LM head)
+    is replaced in every slot that holds it, and a module registered under two names
+    (``nn.Sequential(blk, blk)``) is swapped once, so restoring it puts the parameters back."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in model.named_modules():  # each module object once
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and id(t) in by_id:
+                out[f"{prefix}.{attr}" if prefix else attr] = by_id[id(t)]
+    return out
+
+
 def _flat_fn(
     model: nn.Module,
     names: Sequence[str],
@@ -31,19 +43,20 @@ def _flat_fn(
     batch: Batch,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     sizes = [s.numel() for s in shapes]
+    current = dict(model.named_parameters(remove_duplicate=False))
+    ids = [id(current[n]) for n in names]
 
     def f(theta: torch.Tensor) -> torch.Tensor:
         parts = torch.split(theta, sizes)
-        params = {n: p.view(s) for n, p, s in zip(names, parts, shapes, strict=True)}
+        by_id = {i: p.view(s) for i, p, s in zip(ids, parts, shapes, strict=True)}
         # fresh buffer copies: BatchNorm in training mode updates its statistics in place
-        params.update({n: b.clone() for n, b in model.named_buffers()})
+        by_id.update({id(b): b.clone() for b in model.buffers()})
 
         class _Call(nn.Module):
             def forward(self_inner) -> torch.Tensor:
                 return fn(model, batch)
 
-        # tie_weights: a tied tensor (embedding = LM head) must be substituted at every use
-        with torch.nn.utils.stateless._reparametrize_module(model, params, tie_weights=True):
+        with torch.nn.utils.stateless._reparametrize_module(model, _each_slot(model, by_id)):
             return _Call()()
 
     return f

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
 from hessian_eigenthings.memory import available_memory
 from hessian_eigenthings.operators.base import CurvatureOperator
@@ -134,11 +135,12 @@ def make_generator(seed: int | None, backend: LinAlgBackend) -> torch.Generator:
     A sharded backend that exposes ``rank`` gets a different stream per rank
     so that the shards of one probe are independent.
     """
+    seed = check_count("seed", seed, minimum=None, allow_none=True)
     g = torch.Generator(device="cpu")
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(int(seed) + 1_000_003 * int(getattr(backend, "rank", 0)))
+        g.manual_seed(seed + 1_000_003 * int(getattr(backend, "rank", 0)))
     return g
 
 

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
     device_free_bytes,
@@ -43,7 +44,6 @@ from hessian_eigenthings.algorithms._common import (
 from hessian_eigenthings.algorithms.result import DiagonalResult
 from hessian_eigenthings.algorithms.trace import (
     _blocks,
-    _check_count,
     check_exchangeable_budget,
     leave_one_out_sketch,
     sketch_range,
@@ -84,12 +84,17 @@ def diagonal(
     """
     if method not in ("diag++", "xdiag", "hutchinson"):
         raise ValueError(f"method must be 'diag++', 'xdiag' or 'hutchinson', got {method!r}")
+    s = 0
+    if method == "xdiag":
+        s = check_exchangeable_budget(num_matvecs, "xdiag")
+        num_matvecs = 2 * s
+    else:
+        num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3 if method == "diag++" else 1)  # type: ignore[assignment]
+    block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_matvecs)
     if method == "xdiag":
-        s = check_exchangeable_budget(num_matvecs, "xdiag")
         return _xdiag(op, s, gen, distribution, block_size, backend, wd, progress)
-    _check_count("num_matvecs", num_matvecs, 3 if method == "diag++" else 1)
     acc = torch.float64 if wd == torch.float64 else torch.float32
     n = op.size
     exact = torch.zeros(n, dtype=acc, device=op.device)

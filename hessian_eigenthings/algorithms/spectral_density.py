@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     check_operator,
     global_size,
@@ -88,13 +89,11 @@ def spectral_density(
     """
     op = check_operator(op)
     backend = operator_backend(op, backend)
-    for name, val, least in (
-        ("num_runs", num_runs, 1),
-        ("lanczos_steps", lanczos_steps, 1),
-        ("num_grid_points", num_grid_points, 2),
-    ):
-        if not isinstance(val, int) or isinstance(val, bool) or val < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {val!r}")
+    num_runs = check_count("num_runs", num_runs)  # type: ignore[assignment]
+    lanczos_steps = check_count("lanczos_steps", lanczos_steps)  # type: ignore[assignment]
+    num_grid_points = check_count("num_grid_points", num_grid_points, minimum=2)  # type: ignore[assignment]
+    memory_budget = check_count("memory_budget", memory_budget)  # type: ignore[assignment]
+    check_count("seed", seed, minimum=None, allow_none=True)
     if sigma is not None and not sigma > 0:
         raise ValueError(f"sigma must be > 0 or None, got {sigma}")
     if not grid_padding >= 0:

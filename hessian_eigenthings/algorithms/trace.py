@@ -37,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     apply_blocks,
     apply_rows,
@@ -59,11 +60,6 @@ __all__ = ["hutch_plus_plus", "hutchinson", "trace", "xtrace"]
 Distribution = Literal["rademacher", "gaussian"]
 
 _DEFAULT_BLOCK = 32
-
-
-def _check_count(name: str, value: int, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def _blocks(total: int, block_size: int | None, fit: int | None = None) -> list[int]:
@@ -140,7 +136,8 @@ def hutchinson(
     progress: bool | None = None,
 ) -> TraceResult:
     """Hutchinson's estimate of ``tr(A)`` from ``num_samples`` probes (one product each)."""
-    _check_count("num_samples", num_samples, 1)
+    num_samples = check_count("num_samples", num_samples)  # type: ignore[assignment]
+    block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_samples)
     with progress_bar(num_samples, "hutchinson", progress) as bar:
@@ -176,7 +173,8 @@ def hutch_plus_plus(
     ``tr(QᵀAQ) + zᵢᵀ P A P zᵢ`` per probe (their mean is the estimate; the
     stderr is the probes' conditional standard error given the sketch).
     """
-    _check_count("num_matvecs", num_matvecs, 3)
+    num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3)  # type: ignore[assignment]
+    block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_matvecs)
     s = num_matvecs // 3
@@ -247,17 +245,16 @@ class LeaveOneOutSketch:
 
 def check_exchangeable_budget(num_matvecs: int, method: str) -> int:
     """Number of probes ``s = num_matvecs / 2``; the budget must be even and at least 4."""
-    if (
-        not isinstance(num_matvecs, int)
-        or isinstance(num_matvecs, bool)
-        or num_matvecs < 4
-        or num_matvecs % 2
-    ):
+    try:
+        count = check_count("num_matvecs", num_matvecs, minimum=4)
+    except ValueError:
+        count = None  # this message says more: even, and why
+    if count is None or count % 2:
         raise ValueError(
             f"{method} needs an even num_matvecs >= 4 (half for the probes ω, half for A·Q; "
             f"leave-one-out needs at least 2 probes), got {num_matvecs!r}"
         )
-    return num_matvecs // 2
+    return count // 2
 
 
 def leave_one_out_sketch(
@@ -319,6 +316,8 @@ def xtrace(
     fewer than ``num_matvecs`` products are spent.
     """
     s = check_exchangeable_budget(num_matvecs, "xtrace")
+    num_matvecs = 2 * s
+    block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_matvecs)
     with progress_bar(num_matvecs, "xtrace", progress) as bar:
@@ -401,6 +400,8 @@ def trace(
             progress=progress,
         )
     if method == "hutchinson":
+        # checked here: hutchinson() would name the budget num_samples
+        num_matvecs = check_count("num_matvecs", num_matvecs)  # type: ignore[assignment]
         return hutchinson(
             op,
             num_samples=num_matvecs,

@@ -3,12 +3,16 @@
 from hessian_eigenthings.loss_fns.huggingface import (
     HFCausalLMForward,
     HFCausalLMLoss,
+    HFCausalLMPerTokenLoss,
     hf_lm_forward,
     hf_lm_loss,
     hf_lm_loss_of_output,
+    hf_lm_per_sequence_loss,
+    hf_lm_per_token_loss,
     hf_seq2seq_loss,
 )
 from hessian_eigenthings.loss_fns.protocols import (
+    CountedPerSampleLoss,
     ForwardFn,
     LossFn,
     LossOfOutputFn,
@@ -33,10 +37,12 @@ from hessian_eigenthings.loss_fns.transformer_lens import (
 )
 
 __all__ = [
+    "CountedPerSampleLoss",
     "CrossEntropyOutputLoss",
     "ForwardFn",
     "HFCausalLMForward",
     "HFCausalLMLoss",
+    "HFCausalLMPerTokenLoss",
     "LossFn",
     "LossOfOutputFn",
     "MSEOutputLoss",
@@ -47,6 +53,8 @@ __all__ = [
     "hf_lm_forward",
     "hf_lm_loss",
     "hf_lm_loss_of_output",
+    "hf_lm_per_sequence_loss",
+    "hf_lm_per_token_loss",
     "hf_seq2seq_loss",
     "mse_loss_of_output",
     "supervised_forward",

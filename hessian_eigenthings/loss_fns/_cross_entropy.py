@@ -95,6 +95,17 @@ class ShiftedCrossEntropy:
             rows.reshape(-1, rows.shape[-1]), masked.reshape(-1), ignore_index=IGNORE_INDEX
         )
 
+    def token_losses(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target position's own loss ``(B, T-1)``, exactly 0 and without gradient where
+        the position does not count; and the mask ``(B, T-1)`` of the positions that count."""
+        tgt, valid = self._checked(logits, batch)
+        rows = upcast(logits[:, :-1])
+        masked = tgt.masked_fill(~valid, IGNORE_INDEX)
+        losses = F.cross_entropy(
+            rows.reshape(-1, rows.shape[-1]), masked.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        return losses.view(valid.shape), valid
+
     def hvp(self, logits: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         _, valid = self._checked(logits, batch)
         # the kernel gets the unshifted logits with the last position masked out: no

@@ -16,6 +16,8 @@ from hessian_eigenthings.loss_fns.huggingface import (
     hf_lm_forward,
     hf_lm_loss,
     hf_lm_loss_of_output,
+    hf_lm_per_sequence_loss,
+    hf_lm_per_token_loss,
     hf_seq2seq_loss,
 )
 from hessian_eigenthings.loss_fns.standard import (
@@ -36,6 +38,8 @@ _NO_ARGUMENT: tuple[Callable[..., Any], ...] = (
     hf_lm_forward,
     hf_lm_loss,
     hf_lm_loss_of_output,
+    hf_lm_per_sequence_loss,
+    hf_lm_per_token_loss,
     hf_seq2seq_loss,
     tlens_forward,
     tlens_loss,

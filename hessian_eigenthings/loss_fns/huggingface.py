@@ -19,6 +19,11 @@ row and zero on the last position (:func:`hf_lm_loss_of_output`, via
 :func:`hessian_eigenthings.kernels.cross_entropy_hvp`). Logits in half
 precision are upcast to float32 for the loss value, as HuggingFace does.
 
+Per-sample losses for the empirical Fisher ``(1/N) Σ gᵢgᵢᵀ`` take one of two
+meanings of "sample" (NOTE [language-model samples]):
+:func:`hf_lm_per_sequence_loss` (a sequence, ``N = B``) and
+:func:`hf_lm_per_token_loss` (a target token that counts, ``N`` = their number).
+
 Nothing from ``transformers`` is imported: the helpers use only the calling
 convention ``model(**inputs).logits``.
 """
@@ -39,7 +44,7 @@ from hessian_eigenthings.loss_fns._cross_entropy import (
     ShiftedCrossEntropy,
     upcast,
 )
-from hessian_eigenthings.loss_fns.protocols import LossFn
+from hessian_eigenthings.loss_fns.protocols import LossFn, PerSampleLossFn
 
 
 def _is_mapping(batch: object) -> bool:
@@ -153,15 +158,95 @@ def hf_lm_loss_of_output(*, fused: Impl = "auto") -> HFCausalLMLoss:
     return HFCausalLMLoss(fused=fused)
 
 
+class HFCausalLMBatchLoss:
+    """``loss_fn(model, batch)``: the batch's mean shifted causal-LM cross-entropy."""
+
+    def __init__(self) -> None:
+        self.forward = hf_lm_forward()
+        self.loss = HFCausalLMLoss()
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self.loss(self.forward(model, batch), batch)
+
+    def __repr__(self) -> str:
+        return "hf_lm_loss()"
+
+
 def hf_lm_loss() -> LossFn:
     """``loss_fn(model, batch)``: shifted causal-LM cross-entropy (``ignore_index=-100``)."""
+    return HFCausalLMBatchLoss()
+
+
+# NOTE [language-model samples]
+# The empirical Fisher (1/N) Σ gᵢgᵢᵀ needs a choice of what a sample i is; for a causal LM
+# there are two, and they give different matrices:
+# - a sequence (hf_lm_per_sequence_loss): ℓᵢ = the mean loss over sequence i's target tokens
+#   that count, N = B rows. Every sequence weighs the same, however many tokens count in it.
+#   A sequence with none has ℓᵢ = 0 (gᵢ = 0) and still counts in N.
+# - a token (hf_lm_per_token_loss): ℓ_(i,t) = the loss of one target token that counts, N =
+#   the number of such tokens in the data. Every token weighs the same; a batch weighs its
+#   token count. This is the sample the batch loss hf_lm_loss() averages over.
+# The per-token losses come back as the full (B·(T-1),) grid with exact zeros (no gradient)
+# where a position does not count, not as the (N,) vector of counted tokens: picking those
+# out has a data-dependent shape, which costs a host sync per forward and cannot be traced
+# by the functional and compiled engines. The zeros add nothing to Σ gᵢgᵢᵀ, and N comes from
+# sample_count(batch) (the CountedPerSampleLoss protocol), not from the number of entries.
+
+
+def hf_lm_per_sequence_loss() -> PerSampleLossFn:
+    """``per_sample_loss_fn(model, batch) -> (B,)``: each sequence's mean shifted causal-LM
+    cross-entropy over its target tokens that count, for
+    :class:`~hessian_eigenthings.operators.EmpiricalFisherOperator`.
+
+    Targets and the tokens that count are those of :func:`hf_lm_loss` (``labels`` shifted by
+    one, ``-100`` left out). One sample per sequence: every sequence weighs the same, so
+    the mean of these losses equals :func:`hf_lm_loss` only when every sequence has as many
+    tokens that count. A sequence without any has loss 0 (no gradient) and still counts as
+    a sample. See NOTE [language-model samples].
+    """
     forward = hf_lm_forward()
     loss = HFCausalLMLoss()
 
-    def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
-        return loss(forward(model, batch), batch)
+    def per_sequence(model: nn.Module, batch: Batch) -> torch.Tensor:
+        tokens, valid = loss.token_losses(forward(model, batch), batch)
+        return tokens.sum(1) / valid.sum(1).clamp_min(1).to(tokens.dtype)
 
-    return loss_fn
+    return per_sequence
+
+
+class HFCausalLMPerTokenLoss:
+    """Per-token shifted causal-LM cross-entropy: ``(B·(T-1),)`` losses, exactly 0 where the
+    target token does not count; ``sample_count(batch)``: the tokens that count.
+    Implements :class:`~hessian_eigenthings.loss_fns.CountedPerSampleLoss`."""
+
+    def __init__(self) -> None:
+        self.forward = hf_lm_forward()
+        self.loss = HFCausalLMLoss()
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        tokens, _ = self.loss.token_losses(self.forward(model, batch), batch)
+        return tokens.reshape(-1)
+
+    def sample_count(self, batch: Batch) -> torch.Tensor:
+        return self.loss.targets(batch)[1].sum()
+
+    def __repr__(self) -> str:
+        return "hf_lm_per_token_loss()"
+
+
+def hf_lm_per_token_loss() -> HFCausalLMPerTokenLoss:
+    """``per_sample_loss_fn(model, batch)``: one sample per target token that counts, for
+    :class:`~hessian_eigenthings.operators.EmpiricalFisherOperator`.
+
+    Targets and the tokens that count are those of :func:`hf_lm_loss` (``labels`` shifted
+    by one, ``-100`` left out), so ``N`` is the number of tokens that count over the data
+    and the mean of the per-token losses is :func:`hf_lm_loss`. Every token weighs the
+    same; a batch weighs its number of counted tokens. The losses come back as the whole
+    ``(B·(T-1),)`` grid with exact zeros at positions that do not count; the operator
+    divides by ``sample_count(batch)``, not by the grid's size. See NOTE [language-model
+    samples].
+    """
+    return HFCausalLMPerTokenLoss()
 
 
 def hf_seq2seq_loss() -> LossFn:

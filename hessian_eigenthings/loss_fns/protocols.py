@@ -10,6 +10,9 @@ Three kinds of callables meet the operators:
 - ``PerSampleLossFn``: ``per_sample_loss_fn(model, batch) -> (N,)``, one
   loss per sample, not divided by ``N``
   (:class:`~hessian_eigenthings.operators.EmpiricalFisherOperator`).
+  A per-sample loss whose samples are not the batch's rows (tokens of a
+  language model) implements :class:`CountedPerSampleLoss`: it says how many
+  samples a batch holds.
 
 A loss of the output that knows its Hessian with respect to the output
 implements :class:`OutputHessianLoss`; the GGN then applies that Hessian in
@@ -30,6 +33,23 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 ForwardFn = Callable[[nn.Module, Batch], torch.Tensor]
 LossOfOutputFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 PerSampleLossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@runtime_checkable
+class CountedPerSampleLoss(Protocol):
+    """Per-sample losses whose samples are not the rows of the batch (e.g. tokens).
+
+    ``loss(model, batch)`` returns the losses in any shape (flattened by the
+    operator); an entry that is not a sample must be exactly 0 and must not
+    depend on the parameters (a masked position), so it adds nothing to
+    ``Σ gᵢgᵢᵀ``. ``loss.sample_count(batch)`` is the number of samples
+    ``N`` in the batch (an int or a 0-dim integer tensor): the mean divides by
+    it, and batches are weighted by it. Each sample weighs the same.
+    """
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
+
+    def sample_count(self, batch: Batch) -> torch.Tensor | int: ...
 
 
 @runtime_checkable

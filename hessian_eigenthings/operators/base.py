@@ -52,7 +52,12 @@ from hessian_eigenthings.operators.precision import (
     precision_flags,
     product_precision,
 )
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+from hessian_eigenthings.param_utils import (
+    ParamFilter,
+    ParamLayout,
+    call_with_values,
+    select_parameters,
+)
 
 # --------------------------------------------------------------------------
 # The protocol
@@ -664,7 +669,7 @@ class DataCurvatureOperator(CurvatureOperator):
         def f(*values: torch.Tensor) -> Any:
             full = dict(fixed)
             full.update(zip(call_names, values, strict=True))
-            return torch.func.functional_call(call, full, (batch,))
+            return call_with_values(call, full, (batch,))
 
         return f, tuple(state[n] for n in names)
 
@@ -804,7 +809,7 @@ class DataCurvatureOperator(CurvatureOperator):
             self._unkept_bytes = nbytes
             return state, False
         self._unkept_bytes = 0
-        self._cache[key] = _CachedGraph(raw=raw_key, versions=versions, state=state, size=batch_size(chunk), nbytes=nbytes)
+        self._cache[key] = _CachedGraph(raw=raw_key, versions=versions, state=state, size=self._samples(chunk), nbytes=nbytes)
         self._cache_bytes += nbytes
         return state, True
 
@@ -1149,7 +1154,7 @@ class DataCurvatureOperator(CurvatureOperator):
             if not reuse:
                 for chunk in self._chunks(raw):
                     self.num_passes += 1
-                    yield self._fresh_product(chunk, vecs), self._weight(batch_size(chunk), raw)
+                    yield self._fresh_product(chunk, vecs), self._weight(self._samples(chunk), raw)
                 continue
             chunks: list[Batch] | None = None
             n_chunks = 1
@@ -1166,14 +1171,14 @@ class DataCurvatureOperator(CurvatureOperator):
                 chunk = chunks[c]
                 self.num_passes += 1
                 if not self._may_keep():
-                    yield self._fresh_product(chunk, vecs), self._weight(batch_size(chunk), raw)
+                    yield self._fresh_product(chunk, vecs), self._weight(self._samples(chunk), raw)
                     continue
                 state, kept = self._build_state(key, raw, chunk)
                 if kept:
                     prods = self._apply_kept(self._cache[key], vecs)
                 else:
                     prods = self._apply_own_stream(state, vecs, retain=False)
-                yield prods, self._weight(batch_size(chunk), raw)
+                yield prods, self._weight(self._samples(chunk), raw)
 
     # NOTE [batch weighting]
     # The default weights each chunk by its samples, so the product is that of
@@ -1186,4 +1191,8 @@ class DataCurvatureOperator(CurvatureOperator):
         """Weight of a chunk of ``samples`` samples cut from the batch ``raw``."""
         if self.batch_weighting == "size":
             return samples
-        return samples / batch_size(raw)
+        return samples / self._samples(raw)
+
+    def _samples(self, chunk: Batch) -> int:
+        """Samples in a chunk (the empirical Fisher counts tokens for a per-token loss)."""
+        return batch_size(chunk)

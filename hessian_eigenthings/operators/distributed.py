@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hessian_eigenthings.batching import Batch, batch_size
+from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.linalg_distributed import (
     DistributedBackend,
@@ -537,7 +537,7 @@ class FSDPHessianOperator(HessianOperator):
                         pending = self._chunks(raw)
                 if pending:
                     chunk = pending.pop(0)
-                    weight = self._weight(batch_size(chunk), raw)
+                    weight = self._weight(self._samples(chunk), raw)
             except Exception as exc:
                 failure = exc
             table = ranks.exchange([float(failure is not None), float(chunk is not None)])

@@ -12,7 +12,10 @@ by one backward of ``⟨ℓ, w⟩``. This is the GGN of the per-sample losses
 under the loss ``‖ℓ‖²/2N`` and shares its machinery (NOTE [GGN
 Jacobian-vector products] in ``ggn``). Each batch's product is its own mean
 ``(1/b) Σ gᵢgᵢᵀ``, and batches are weighted by size, so the result is the
-mean over all samples. Cost per product and batch: one forward (kept across
+mean over all samples. A loss whose samples are not the batch's rows (per-token losses,
+:class:`~hessian_eigenthings.loss_fns.CountedPerSampleLoss`) says how many it holds: the
+batch's product divides by that count and the batch weighs it (one host sync per batch
+read, none on a kept state). Cost per product and batch: one forward (kept across
 products with graph reuse), one forward-mode pass, one backward.
 
 ``F`` is not the Hessian of the mean loss, nor the Fisher information of
@@ -32,7 +35,8 @@ from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
-from hessian_eigenthings.loss_fns.protocols import PerSampleLossFn
+from hessian_eigenthings.loss_fns.huggingface import HFCausalLMBatchLoss
+from hessian_eigenthings.loss_fns.protocols import CountedPerSampleLoss, PerSampleLossFn
 from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.ggn import JvpMethod, _OutputSandwichOperator, _OutputState
 from hessian_eigenthings.param_utils import ParamFilter
@@ -52,6 +56,13 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
       further dimensions (e.g. per-token losses ``(N, T)``) are averaged into
       their sample's loss. The number of samples must equal the batch's size
       (its leading dimension), which the data loop weights batches by.
+    - Unless the function has a ``sample_count(batch)`` method
+      (:class:`~hessian_eigenthings.loss_fns.CountedPerSampleLoss`): then
+      its losses, in any shape, are flattened, ``N`` per batch is
+      ``sample_count(batch)`` and batches weigh their ``N``; ``sample_dim``
+      does not apply. :func:`~hessian_eigenthings.loss_fns.hf_lm_per_token_loss`
+      is one (a sample per token); for a sample per sequence use
+      :func:`~hessian_eigenthings.loss_fns.hf_lm_per_sequence_loss`.
     - ``jvp`` / ``fd_eps``: how ``J v`` is computed, as for
       :class:`~hessian_eigenthings.operators.GGNOperator`.
     """
@@ -80,9 +91,21 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
                 "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
             )
         check_loss_argument(per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss")
+        if isinstance(per_sample_loss_fn, HFCausalLMBatchLoss):
+            raise TypeError(
+                "per_sample_loss_fn got hf_lm_loss(), the mean loss of a batch; the empirical Fisher needs "
+                f"one loss per sample: {_HF_HELPERS}"
+            )
         sample_dim = check_count("sample_dim", sample_dim, minimum=None)  # type: ignore[assignment]
         self.per_sample_loss_fn = per_sample_loss_fn
         self.sample_dim = sample_dim
+        #: the loss when it counts its own samples (CountedPerSampleLoss), else None
+        self._counted = per_sample_loss_fn if isinstance(per_sample_loss_fn, CountedPerSampleLoss) else None
+        if self._counted is not None and sample_dim != 0:
+            raise ValueError(
+                f"sample_dim={sample_dim} does not apply to {per_sample_loss_fn!r}: it counts its own samples "
+                "(sample_count); leave sample_dim at 0"
+            )
         super().__init__(
             model,
             dataloader,
@@ -108,6 +131,13 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
     _unbatched_fn: bool = False
 
     def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        if self._counted is not None:
+            counted = self._counted(model, batch)
+            if not isinstance(counted, torch.Tensor):
+                raise TypeError(
+                    f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(counted).__name__}"
+                )
+            return counted.reshape(-1)
         losses = self._vmapped(model, batch) if self._unbatched_fn else self.per_sample_loss_fn(model, batch)
         if not isinstance(losses, torch.Tensor):
             raise TypeError(
@@ -126,12 +156,42 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
             raise ValueError(
                 f"per_sample_loss_fn returned {losses.shape[0]} losses along sample_dim={self.sample_dim} for a "
                 f"batch of {n} samples (its leading dimension); batches are weighted by that size, so the two "
-                "must agree: return one loss per sample, or set sample_dim"
+                "must agree: return one loss per sample, or set sample_dim; losses of other samples "
+                "(tokens) need a sample_count(batch) method (loss_fns.CountedPerSampleLoss, e.g. "
+                "hf_lm_per_token_loss())"
             )
         return losses.reshape(n, -1).mean(1) if losses.dim() > 1 else losses
 
+    def _count(self, batch: Batch, output: torch.Tensor) -> torch.Tensor | int:
+        """``N`` of one batch: the mean's denominator."""
+        if self._counted is None:
+            return output.shape[0]
+        n = self._counted.sample_count(batch)
+        n = n if isinstance(n, torch.Tensor) else torch.tensor(n)
+        # a batch without samples has all-zero losses: a zero product, not 0/0
+        return n.to(device=output.device, dtype=output.dtype).clamp_min(1)
+
+    def _samples(self, chunk: Batch) -> int:
+        if self._counted is None:
+            return super()._samples(chunk)
+        return int(self._counted.sample_count(chunk))  # the host sync of a batch read
+
+    def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
+        if total == 0:
+            raise ValueError(
+                f"{self.per_sample_loss_fn!r} counted no sample in the data (sample_count was 0 for every "
+                "batch: are all labels -100?)"
+            )
+        super()._finish_pass(out, count, total)
+
     def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        return u / output.shape[0]
+        return u / self._count(batch, output)
+
+    def _loss_state(self, state: _OutputState) -> None:
+        if self._counted is not None:
+            n = self._count(state.batch, state.output)
+            assert isinstance(n, torch.Tensor)
+            state.n = n
 
     def _vmapped(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Per-sample losses of an un-batched ``per_sample_loss_fn``; see NOTE [un-batched per-sample functions]."""
@@ -140,13 +200,24 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
                 lambda sample: self.per_sample_loss_fn(model, sample), in_dims=self.sample_dim
             )(batch)
         except Exception as exc:
+            helper = (
+                _HF_HELPERS
+                if hasattr(batch, "keys")  # a dict or BatchEncoding: HuggingFace inputs
+                else "e.g. loss_fns.supervised_per_sample_loss(criterion) for (inputs, targets) batches"
+            )
             raise ValueError(
                 "per_sample_loss_fn returned a scalar for the batch, and calling it on one sample at a "
                 f"time (vmapped over sample_dim={self.sample_dim}, as the 1.0 alpha did) failed: {exc}. "
-                "Return one loss per sample, shape (N,), with reduction='none' (e.g. "
-                "loss_fns.supervised_per_sample_loss(criterion)), or write it for one un-batched sample"
+                "Return one loss per sample, shape (N,), with reduction='none' "
+                f"({helper}), or write it for one un-batched sample"
             ) from exc
 
     def _loss_hvp(self, state: _OutputState, u: torch.Tensor) -> torch.Tensor:
         # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
-        return u / state.output.shape[0]
+        return u / (state.n if state.n is not None else state.output.shape[0])
+
+
+_HF_HELPERS = (
+    "for HuggingFace causal LMs pass loss_fns.hf_lm_per_sequence_loss() (a sample per sequence) or "
+    "hf_lm_per_token_loss() (a sample per token that counts)"
+)

@@ -50,7 +50,7 @@ from hessian_eigenthings.loss_fns.huggingface import HFCausalLMForward, HFCausal
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, OutputHessianLoss
 from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
 from hessian_eigenthings.operators.hessian import default_fd_eps
-from hessian_eigenthings.param_utils import ParamFilter
+from hessian_eigenthings.param_utils import ParamFilter, call_with_values
 
 JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
 
@@ -238,7 +238,7 @@ class _OutputSandwichOperator(DataCurvatureOperator):
         return named
 
     def _call_at(self, tensors: Sequence[torch.Tensor], batch: Batch) -> torch.Tensor:
-        out = torch.func.functional_call(self._call, self._param_dict(tensors), (batch,))
+        out = call_with_values(self._call, self._param_dict(tensors), (batch,))
         return self._checked_output(out)
 
     def _jvp(self, batch: Batch, vecs: list[torch.Tensor]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
-from hessian_eigenthings.param_utils import ParamFilter
+from hessian_eigenthings.param_utils import ParamFilter, call_with_values
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -177,7 +177,7 @@ class HessianOperator(DataCurvatureOperator):
         else:  # see NOTE [CUDA graphs] in base
             inputs = leaves
             named = dict(zip(self._call_names, leaves, strict=True))
-            loss = _scalar_loss(torch.func.functional_call(self._call, named, (batch,)))
+            loss = _scalar_loss(call_with_values(self._call, named, (batch,)))
         grads = torch.autograd.grad(loss, inputs, create_graph=True, allow_unused=True)
         # a gradient without graph is constant in θ: its Hessian rows are zero
         return _GradState([g if g is not None and g.requires_grad else None for g in grads], inputs)
@@ -241,7 +241,7 @@ class HessianOperator(DataCurvatureOperator):
         self.num_forwards += 1
         leaves = [t.requires_grad_(True) for t in at]
         named = dict(zip(self._call_names, leaves, strict=True))
-        loss = _scalar_loss(torch.func.functional_call(self._call, named, (batch,)))
+        loss = _scalar_loss(call_with_values(self._call, named, (batch,)))
         return torch.autograd.grad(loss, leaves, allow_unused=True)
 
     # NOTE [perturbed copies]

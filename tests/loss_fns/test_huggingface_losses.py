@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hessian_eigenthings.loss_fns import (
+    CountedPerSampleLoss,
     HFCausalLMLoss,
     OutputHessianLoss,
     hf_lm_forward,
     hf_lm_loss,
     hf_lm_loss_of_output,
+    hf_lm_per_sequence_loss,
+    hf_lm_per_token_loss,
     hf_seq2seq_loss,
 )
 
@@ -68,6 +72,34 @@ def test_lm_loss_of_output_hvp_equals_autograd_hessian() -> None:
     got = loss.hvp(logits, batch, U)
     torch.testing.assert_close(got.reshape(2, -1), U.reshape(2, -1) @ H.T, rtol=1e-10, atol=1e-12)
     assert torch.all(got[:, :, -1] == 0)  # the last position predicts nothing
+
+
+def test_per_sequence_and_per_token_losses() -> None:
+    model, batch = gpt2(), lm_batch()
+    batch["labels"][0] = -100  # a sequence without a token that counts
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    valid = labels != -100
+    # each target token's own loss, one cross_entropy call per token
+    own = torch.zeros(labels.shape, dtype=torch.float64)
+    for i, t in valid.nonzero().tolist():
+        own[i, t] = F.cross_entropy(logits[i, t], labels[i, t])
+    per_token = hf_lm_per_token_loss()
+    assert isinstance(per_token, CountedPerSampleLoss)
+    torch.testing.assert_close(per_token(model, batch), own.reshape(-1), rtol=1e-12, atol=1e-12)
+    assert int(per_token.sample_count(batch)) == int(valid.sum())
+    # tokens weigh the same: their mean is the batch loss
+    torch.testing.assert_close(own.sum() / valid.sum(), hf_lm_loss()(model, batch), rtol=1e-12, atol=0)
+    seq = hf_lm_per_sequence_loss()(model, batch)
+    assert seq.shape == (3,) and seq[0] == 0
+    for i in (1, 2):
+        torch.testing.assert_close(seq[i], own[i][valid[i]].mean(), rtol=1e-12, atol=0)
+    # without labels: padding targets are left out, as hf_lm_loss does
+    no_labels = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    assert int(per_token.sample_count(no_labels)) == int(batch["attention_mask"][:, 1:].sum())
+    torch.testing.assert_close(
+        per_token(model, no_labels).sum() / per_token.sample_count(no_labels), hf_lm_loss()(model, no_labels)
+    )
 
 
 def test_half_precision_logits_loss_in_float32() -> None:
