@@ -572,6 +572,8 @@ class InverseOperator(CurvatureOperator):
             self.backend = op.backend
         if hasattr(op, "global_size"):
             self.global_size = op.global_size
+        if hasattr(op, "layout"):
+            self.layout = op.layout  # the same parameters: the curvlinops adapter reads it
 
     def _solve(self, b: torch.Tensor) -> torch.Tensor:
         result = solve(self.op, b, damping=self.damping, method=self.method, **self.solve_kwargs)

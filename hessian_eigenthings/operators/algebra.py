@@ -97,7 +97,8 @@ class LinearCombinationOperator(CurvatureOperator):
 
     ``terms`` is a tuple of ``(coefficient, operator)``. A product is one product of every
     part (a block as one block), so each part counts it in its own ``num_matvecs`` too.
-    ``expect_products``, ``inconsistency_causes`` and ``backend`` are forwarded from the parts.
+    ``expect_products``, ``inconsistency_causes`` and ``backend`` are forwarded from the parts,
+    and ``layout`` when every part has the same parameters.
     """
 
     def __init__(self, terms: Sequence[tuple[float, CurvatureOperator]]) -> None:
@@ -117,6 +118,13 @@ class LinearCombinationOperator(CurvatureOperator):
         self.backend = getattr(ops[0], "backend", None) or SingleDeviceBackend()
         if hasattr(ops[0], "global_size"):
             self.global_size = ops[0].global_size
+        # parts over the same parameters share their layout (the curvlinops adapter reads it)
+        layouts = [getattr(op, "layout", None) for op in ops]
+        first = layouts[0]
+        if first is not None and all(
+            lay is not None and lay.names == first.names and lay.shapes == first.shapes for lay in layouts
+        ):
+            self.layout = first
 
     def _combine(self, products: list[torch.Tensor]) -> torch.Tensor:
         # a fresh output: a part may hand back a tensor it still uses (a user's LambdaOperator)

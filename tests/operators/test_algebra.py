@@ -145,6 +145,29 @@ def test_sums_of_real_operators_against_dense_oracles() -> None:
     assert hess.num_matvecs == ggn.num_matvecs == 2 * hess.size
 
 
+def test_combinations_of_model_operators_keep_the_parameter_layout() -> None:
+    curvlinops = pytest.importorskip("curvlinops")
+    from hessian_eigenthings import interop
+
+    model = mlp()
+    data = classification_data(n=10)
+    ce = nn.CrossEntropyLoss()
+    hess = HessianOperator(model, data, supervised_loss(ce))
+    ggn = GGNOperator(model, data, supervised_forward, supervised_loss_of_output(ce))
+    s = hess - 2 * ggn
+    assert s.layout is hess.layout  # type: ignore[attr-defined]
+    A = interop.to_curvlinops(s)
+    assert isinstance(A, curvlinops._torch_base.PyTorchLinearOperator)
+    # the tensor-list format, in the parameters' shapes
+    xs = [torch.randn(*p.shape, dtype=torch.float64) for p in model.parameters()]
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    expected = hess @ flat - 2 * (ggn @ flat)
+    torch.testing.assert_close(torch.cat([y.reshape(-1) for y in A @ xs]), expected, rtol=1e-10, atol=1e-12)
+    # a part over other parameters: no shared layout, a flat operator
+    last = HessianOperator(model, data, supervised_loss(ce), param_filter="2.*")
+    assert not hasattr(last + LambdaOperator(lambda v: v, last.size, dtype=torch.float64) + last.submatrix(slice(None)), "layout")
+
+
 @pytest.mark.parametrize(
     "rows",
     [torch.tensor([0, 3, 4, 8]), [0, 3, 4, 8], slice(2, 7), torch.arange(N) % 2 == 0, range(1, 9, 3)],
