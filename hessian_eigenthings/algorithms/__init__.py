@@ -1,4 +1,4 @@
-"""Algorithms on curvature operators: eigensolvers, trace, diagonal, spectral density.
+"""Algorithms on curvature operators: eigensolvers, trace, diagonal, spectral density, solves.
 
 They see operators only through :class:`~hessian_eigenthings.operators.base.CurvatureOperator`
 (``size``, ``device``, ``dtype``, ``matvec``, ``matmat``) and do every
@@ -17,9 +17,11 @@ from hessian_eigenthings.algorithms.result import (
     DiagonalResult,
     EigenResult,
     LanczosTridiag,
+    SolveResult,
     SpectralDensityResult,
     TraceResult,
 )
+from hessian_eigenthings.algorithms.solve import InverseOperator, inverse, solve
 from hessian_eigenthings.algorithms.spectral_density import spectral_density
 from hessian_eigenthings.algorithms.trace import hutch_plus_plus, hutchinson, trace, xtrace
 
@@ -27,8 +29,10 @@ __all__ = [
     "ConvergenceWarning",
     "DiagonalResult",
     "EigenResult",
+    "InverseOperator",
     "LanczosTridiag",
     "PowerIterationResult",
+    "SolveResult",
     "SpectralDensityResult",
     "TraceResult",
     "check_symmetry",
@@ -36,9 +40,11 @@ __all__ = [
     "diagonal",
     "hutch_plus_plus",
     "hutchinson",
+    "inverse",
     "lanczos",
     "lanczos_tridiagonal",
     "power_iteration_one",
+    "solve",
     "spectral_density",
     "trace",
     "xtrace",

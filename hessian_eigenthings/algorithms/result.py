@@ -95,6 +95,32 @@ class EigenResult:
 
 
 @dataclass(frozen=True)
+class SolveResult:
+    """Solutions of ``(A + λI) x = b`` for a vector or a block of ``k`` right-hand sides.
+
+    ``residual_norms[j]`` is ``||b_j - (A + λI) x_j|| / ||b_j||``: recomputed with one block
+    product at the end (``residuals="exact"``, the default) or the solver's recursive value
+    (``"estimate"``); ``converged[j]`` says whether it met ``tol``. A vector ``b`` gives
+    ``k = 1``.
+    """
+
+    x: torch.Tensor  # (n,) or (n, k) like b; working dtype (the operator's for fp32/fp64), its device
+    residual_norms: torch.Tensor  # (k,) float64 on the CPU, relative to ||b_j||
+    iterations: int  # iterations of the longest-running column (one block product each)
+    converged: torch.Tensor  # (k,) bool
+    num_matvecs: int  # operator products spent (a block of b counts b), final residual included
+    negative_curvature: torch.Tensor  # (k,) bool: CG met pᵀ(A + λI)p <= 0 there and stopped
+
+    def __str__(self) -> str:
+        k = int(self.converged.numel())
+        worst = float(self.residual_norms.max()) if k else 0.0
+        return (
+            f"SolveResult: {int(self.converged.sum())}/{k} columns converged in {self.iterations} "
+            f"iterations, {self.num_matvecs} products, largest relative residual {worst:.2e}"
+        )
+
+
+@dataclass(frozen=True)
 class TraceResult:
     """A stochastic trace estimate ``tr(A)``."""
 

@@ -1,6 +1,11 @@
-"""Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher."""
+"""Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher, and their algebra."""
 
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, PerSampleLossFn
+from hessian_eigenthings.operators.algebra import (
+    LinearCombinationOperator,
+    RectangularSubmatrix,
+    SubmatrixOperator,
+)
 from hessian_eigenthings.operators.base import (
     CurvatureOperator,
     DataCurvatureOperator,
@@ -42,8 +47,11 @@ __all__ = [
     "HessianOperator",
     "HvpMethod",
     "LambdaOperator",
+    "LinearCombinationOperator",
     "LossFn",
     "LossOfOutputFn",
     "PerSampleLossFn",
     "RandomForwardWarning",
+    "RectangularSubmatrix",
+    "SubmatrixOperator",
 ]

@@ -209,6 +209,25 @@ class CurvatureOperator(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, dtype={self.dtype}, device={self.device})"
 
+    # -- algebra (A + B, A - B, c * A, A / c, -A, X @ A, submatrix): see operators/algebra.py
+    def __add__(self, other: object) -> CurvatureOperator: return _algebra().linear_combination(self, other, 1.0)
+    def __sub__(self, other: object) -> CurvatureOperator: return _algebra().linear_combination(self, other, -1.0)
+    def __mul__(self, c: object) -> CurvatureOperator: return _algebra().scale(self, c)
+    __rmul__ = __mul__
+    def __truediv__(self, c: object) -> CurvatureOperator: return _algebra().scale(self, c, divide=True)
+    def __neg__(self) -> CurvatureOperator: return _algebra().scale(self, -1.0)
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor: return _algebra().left_multiply(self, x)
+    def submatrix(self, rows: Any, cols: Any = None) -> Any:
+        """``A[rows][:, cols]`` (slices, int sequences or tensors, bool masks): a symmetric operator
+        when ``cols`` is omitted or equal to ``rows``, else a rectangular one (``operators.algebra``)."""
+        return _algebra().submatrix(self, rows, cols)
+
+
+def _algebra() -> Any:
+    from hessian_eigenthings.operators import algebra  # it imports this module: bound on first use
+
+    return algebra
+
 
 class LambdaOperator(CurvatureOperator):
     """An operator from a function ``v (n,) -> A v (n,)``.
