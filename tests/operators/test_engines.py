@@ -395,3 +395,55 @@ def test_compilations_are_bounded_per_operator(monkeypatch: pytest.MonkeyPatch) 
         out = op @ v
     torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)
     assert op.engine_report["compilations"] == 1 and op.engine_report["fallbacks"] == 1
+
+
+# -- losses whose backward has no usable forward-mode rule ------------------------------
+
+
+REGRESSION_LOSSES = {
+    "mse": nn.MSELoss(),
+    "mse_sum": nn.MSELoss(reduction="sum"),
+    "huber": nn.HuberLoss(delta=0.5),
+    "soft_margin": None,  # targets in {-1, 1}, below
+}
+
+
+@pytest.mark.parametrize("name", list(REGRESSION_LOSSES))
+def test_regression_losses_trace_without_forward_mode_rules(name: str) -> None:
+    """NOTE [losses without forward-mode rules]: mse_loss's backward has a broken forward-mode
+    rule in torch 2.13 (tracing it crashed the process), huber's and soft margin's have none.
+    Every traced engine computes them elementwise while tracing: same values as the oracle, and
+    the user's torch functions are as they were afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X = torch.randn(10, 3, dtype=torch.float64)
+    Y = torch.randn(10, 2, dtype=torch.float64)
+    crit = REGRESSION_LOSSES[name]
+    if crit is None:
+        crit, Y = nn.SoftMarginLoss(), Y.sign()
+    data = [(X[:6], Y[:6]), (X[6:], Y[6:])]
+    loss = supervised_loss(crit)
+    op = HessianOperator(model, data, loss, engine="functional")
+    with warnings.catch_warnings():  # the oracle's batched backward: torch's batching-rule notice
+        warnings.filterwarnings("ignore", message=".*batching rule", category=UserWarning)
+        dense = dense_hessian(model, data, loss, select_parameters(model))
+        dense_g = dense_ggn(model, data, supervised_forward, supervised_loss_of_output(crit), select_parameters(model))
+    check_contract(op, dense, model)
+    closed_form = isinstance(crit, nn.MSELoss)
+    ggn = GGNOperator(model, data, supervised_forward, supervised_loss_of_output(crit), engine="functional",
+                      loss_hvp="analytical" if closed_form else "autograd")
+    check_contract(ggn, dense_g, model)
+    assert torch.overrides._get_current_function_mode() is None
+    assert nn.functional.mse_loss(torch.ones(2), torch.zeros(2)).item() == 1.0
+
+
+def test_legacy_loss_arguments_keep_torchs_own_loss() -> None:
+    """A legacy ``size_average``/``reduce`` argument is not rewritten (torch's own code runs)."""
+    mode = engines_mod._ElementwiseLosses()
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    with mode:
+        torch.testing.assert_close(nn.functional.mse_loss(a, b), ((a - b) ** 2).mean())
+        torch.testing.assert_close(nn.functional.huber_loss(a, b, delta=0.3), nn.functional.huber_loss(a, b, delta=0.3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's deprecation of size_average
+            torch.testing.assert_close(nn.functional.mse_loss(a, b, size_average=False), ((a - b) ** 2).sum())
