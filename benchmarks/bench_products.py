@@ -127,9 +127,9 @@ def run_workload(w: Workload, device: torch.device, repeats: int, warmup: int) -
     # correctness of replays: the reuse operator (replaying by now on CUDA) equals a fresh product
     rel_reuse = float(((reuse @ v) - got).norm() / got.norm())
     kept_mib = {
-        "reuse": reuse._cache_bytes / 2**20,
-        "reuse, no CUDA graph": eager._cache_bytes / 2**20,
-        "no reuse (recorded products)": fresh._cache_bytes / 2**20,
+        "reuse": reuse.held_bytes / 2**20,
+        "reuse, no CUDA graph": eager.held_bytes / 2**20,
+        "no reuse (recorded products)": fresh.held_bytes / 2**20,
     }
     return {"workload": w.name, "params": n, "rel_err_vs_0x": rel, "rel_err_reuse_vs_fresh": rel_reuse,
             "replays": reuse.num_replays, "kept_mib": kept_mib, "rows": rows,

@@ -146,7 +146,7 @@ def main() -> None:
         if eng == "autograd":
             del op
             continue
-        entry = next(iter(op._cache.values()))
+        entry = next(iter(op._states.entries.values()))
         state = entry.state
         prog = state.program
         kept = state.kept

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.kernels import lm_head_ce_ggn
 from hessian_eigenthings.loss_fns._cross_entropy import (
     IGNORE_INDEX,
     Impl,
@@ -147,6 +148,47 @@ class HFCausalLMLoss(ShiftedCrossEntropy):
         if "attention_mask" in keys and batch["attention_mask"] is not None:
             return tgt, batch["attention_mask"][:, 1:].bool()
         return tgt, torch.ones_like(tgt, dtype=torch.bool)
+
+
+    # -- the chunked LM head (loss_fns.protocols.LinearHeadLoss) ---------------------
+    def head_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions that count, ``(B, T - 1)`` (position t predicts token t + 1), and
+        their number (at least 1)."""
+        _, valid = self.targets(batch)
+        return valid, valid.sum().clamp_min(1)
+
+    def head_ggn(
+        self,
+        h: torch.Tensor,
+        W: torch.Tensor,
+        b: torch.Tensor | None,
+        dh: torch.Tensor,
+        dW: torch.Tensor | None,
+        db: torch.Tensor | None,
+        valid: torch.Tensor,
+        n: torch.Tensor,
+        *,
+        chunk_rows: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """GGN pull-backs through the head for k directions, by
+        :func:`hessian_eigenthings.kernels.lm_head_ce_ggn` (``fused`` is its ``impl``).
+        ``h`` ``(B, T, d)``; the last position predicts nothing: its pull-back is zero."""
+        k = dh.shape[0]
+        g_h = torch.zeros_like(dh)
+        g_w = None if dW is None else torch.empty_like(dW)
+        g_b = None if db is None else torch.empty_like(db)
+        rows = h[:, :-1]
+        for j in range(k):
+            gh, gw, gb = lm_head_ce_ggn(
+                rows, W, b, dh[j, :, :-1], None if dW is None else dW[j], None if db is None else db[j],
+                valid, n, chunk_rows=chunk_rows, impl=self.fused,
+            )
+            g_h[j, :, :-1] = gh
+            if g_w is not None:
+                g_w[j] = gw
+            if g_b is not None and gb is not None:
+                g_b[j] = gb
+        return g_h, g_w, g_b
 
 
 def hf_lm_loss_of_output(*, fused: Impl = "auto") -> HFCausalLMLoss:

@@ -65,3 +65,53 @@ class OutputHessianLoss(Protocol):
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor: ...
 
     def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HiddenStatesForward(Protocol):
+    """A forward whose output is the logits of a linear head (the model's
+    ``get_output_embeddings()``) and that can return the head's input instead.
+
+    ``forward(model, batch)`` returns the logits; ``forward.hidden_states(model,
+    batch)`` the last hidden states the head maps to them, ``(..., d)``.
+    """
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
+
+    def hidden_states(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LinearHeadLoss(Protocol):
+    """A loss of a linear head's logits that applies its GGN through the head from the
+    head's input, chunk by chunk, without forming the logits.
+
+    ``loss.head_targets(batch)`` returns what the loss counts (``valid``, its
+    own layout) and the count ``n`` (the mean's denominator);
+    ``loss.head_ggn(h, W, b, dh, dW, db, valid, n, chunk_rows=...)`` takes the
+    hidden states ``h`` ``(..., d)``, the head's weight ``W`` ``(V, d)`` and
+    bias ``b``, and for a block of k directions the tangents ``dh`` ``(k, ...,
+    d)`` of the hidden states and ``dW`` / ``db`` of the head (``None``: not
+    selected); it returns the pull-backs ``(g_h, g_W, g_b)`` of ``H_L`` times
+    the logits' tangent, in the shapes of ``dh``, ``dW``, ``db``. Exact, no
+    autograd graph.
+    """
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+
+    def head_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def head_ggn(
+        self,
+        h: torch.Tensor,
+        W: torch.Tensor,
+        b: torch.Tensor | None,
+        dh: torch.Tensor,
+        dW: torch.Tensor | None,
+        db: torch.Tensor | None,
+        valid: torch.Tensor,
+        n: torch.Tensor,
+        *,
+        chunk_rows: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+

@@ -56,10 +56,11 @@ from hessian_eigenthings.linalg_distributed import (
     is_main_process,
     resolve_process_group,
 )
-from hessian_eigenthings.operators.base import DataCurvatureOperator, private_buffers
+from hessian_eigenthings.operators.autodiff import scalar_loss
+from hessian_eigenthings.operators.base import DataCurvatureOperator
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
-from hessian_eigenthings.operators.hessian import HessianOperator, LossFn, _scalar_loss
+from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
 
 __all__ = [
@@ -455,6 +456,7 @@ class FSDPHessianOperator(HessianOperator):
         self.rank = ranks.rank
         self.world_size = ranks.world_size
         self._scales: torch.Tensor | None = None
+        self._chunk_weight = 0.0  # the weight of the chunk the ranks agreed on last (_fresh_chunks)
         failure: BaseException | None = None
         signature = (0, 0, 0)
         try:
@@ -517,30 +519,23 @@ class FSDPHessianOperator(HessianOperator):
             for p, g in zip(self.params, user_grads, strict=True):
                 p.grad = g
 
-    def _contributions(
-        self, vecs: list[torch.Tensor]
-    ) -> Iterator[tuple[Sequence[torch.Tensor | None], float]]:
-        # FSDP forward/backward passes are collectives: all ranks must run the
-        # same number of chunks, so they agree on "one more chunk?" before each.
+    def _fresh_chunks(self) -> Iterator[tuple[Batch, Batch]]:
+        """The base's chunks of a pass, with the ranks agreeing before each: FSDP forward and
+        backward passes are collectives, so all ranks run the same number of chunks. A chunk's
+        weight is read inside the agreement too (a batch whose size cannot be read fails on
+        every rank, not only on its own)."""
         ranks = self._ranks
-        batches = self.source.batches()
-        pending: list[Batch] = []
-        raw: Batch | None = None
+        chunks = super()._fresh_chunks()
         while True:
             failure: BaseException | None = None
-            chunk: Batch | None = None
-            weight = 0.0
+            item: tuple[Batch, Batch] | None = None
             try:
-                if not pending:
-                    raw = next(batches, None)
-                    if raw is not None:
-                        pending = self._chunks(raw)
-                if pending:
-                    chunk = pending.pop(0)
-                    weight = self._weight(self._samples(chunk), raw)
+                item = next(chunks, None)
+                if item is not None:
+                    self._chunk_weight = self._weight(self._samples(item[1]), item[0])
             except Exception as exc:
                 failure = exc
-            table = ranks.exchange([float(failure is not None), float(chunk is not None)])
+            table = ranks.exchange([float(failure is not None), float(item is not None)])
             ranks.raise_for(
                 [r for r in range(ranks.world_size) if table[r, 0] > 0], failure, "reading the data"
             )
@@ -554,10 +549,14 @@ class FSDPHessianOperator(HessianOperator):
                     "every rank must yield the same number of batches (and microbatches) per product; "
                     "their sizes may differ"
                 )
-            assert chunk is not None
-            self.num_passes += 1
-            with private_buffers(self.model):
-                yield self._sharded_product(chunk, weight, vecs)
+            assert item is not None
+            yield item
+
+    def _chunk_product(
+        self, raw: Batch, chunk: Batch, vecs: list[torch.Tensor]
+    ) -> tuple[Sequence[torch.Tensor | None], float]:
+        with self.guard.private_buffers():
+            return self._sharded_product(chunk, self._chunk_weight, vecs)
 
     def _sharded_product(
         self, chunk: Batch, weight: float, vecs: list[torch.Tensor]
@@ -614,7 +613,7 @@ class FSDPHessianOperator(HessianOperator):
         failure: BaseException | None = None
         loss: torch.Tensor | None = None
         try:
-            loss = _scalar_loss(self.loss_fn(self.model, chunk))
+            loss = scalar_loss(self.loss_fn(self.model, chunk))
         except Exception as exc:
             failure = exc
         # agree before the backward: its reduce-scatters would wait forever for a failed rank

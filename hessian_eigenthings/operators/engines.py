@@ -669,7 +669,8 @@ class EngineHost(FunctionalCurvature, Protocol):
 
     def _reuse_enabled(self) -> bool: ...
 
-    def _may_keep(self) -> bool: ...
+    @property
+    def _states(self) -> Any: ...
 
     def functional_unsupported_reason(self) -> str: ...
 
@@ -765,7 +766,7 @@ class EngineSelector:
         if not getattr(self.op, "auto_trials", True):
             a.chosen, a.reason = "autograd", "ranks must agree: distributed operators take engine= explicitly"
             return False
-        if not (self.op._reuse_enabled() and self.op._may_keep()):
+        if not (self.op._reuse_enabled() and self.op._states.may_keep()):
             a.chosen, a.reason = "autograd", "batches are not kept between products (no state for a traced engine to reuse)"
             return False
         try:

@@ -38,11 +38,11 @@ from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMBatchLoss
 from hessian_eigenthings.loss_fns.protocols import CountedPerSampleLoss, PerSampleLossFn
 from hessian_eigenthings.operators.base import DataOptions
-from hessian_eigenthings.operators.ggn import JvpMethod, _OutputSandwichOperator, _OutputState
+from hessian_eigenthings.operators.sandwich import JvpMethod, OutputSandwichOperator, OutputState
 from hessian_eigenthings.param_utils import ParamFilter
 
 
-class EmpiricalFisherOperator(_OutputSandwichOperator):
+class EmpiricalFisherOperator(OutputSandwichOperator):
     """``(1/N) Σᵢ ∇ℓᵢ ∇ℓᵢᵀ`` over all samples of the data.
 
     ``EmpiricalFisherOperator(model, dataloader, per_sample_loss_fn, *,
@@ -187,7 +187,7 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
     def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         return u / self._count(batch, output)
 
-    def _loss_state(self, state: _OutputState) -> None:
+    def _loss_state(self, state: OutputState) -> None:
         if self._counted is not None:
             n = self._count(state.batch, state.output)
             assert isinstance(n, torch.Tensor)
@@ -212,7 +212,7 @@ class EmpiricalFisherOperator(_OutputSandwichOperator):
                 f"({helper}), or write it for one un-batched sample"
             ) from exc
 
-    def _loss_hvp(self, state: _OutputState, u: torch.Tensor) -> torch.Tensor:
+    def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
         # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
         return u / (state.n if state.n is not None else state.output.shape[0])
 

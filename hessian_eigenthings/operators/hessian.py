@@ -3,20 +3,20 @@
 ``method="autograd"``: reverse-over-reverse. One forward and one backward
 with ``create_graph`` build ``g = ∇L``; a second backward of ``⟨g, v⟩``
 gives ``H v``. A block of k vectors goes through the second backward at once
-(``is_grads_batched``). With graph reuse (NOTE [graph reuse] in ``base``) the
+(``is_grads_batched``). With graph reuse (NOTE [graph reuse] in ``graph_reuse``) the
 first two steps are paid once and each product costs one backward.
 
 ``method="finite_difference"``: ``H v ≈ (g(θ + h v̂) − g(θ − h v̂)) ‖v‖ / 2h``
 (central difference, error O(h²)), two ordinary forward–backward passes per
 vector, no double backward: works with kernels that have none (flash
-attention, fused ops) and with sharded models. See NOTE [finite-difference step].
+attention, fused ops) and with sharded models. See NOTE [finite-difference step] in ``autodiff``.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +25,14 @@ from typing_extensions import Unpack
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
-from hessian_eigenthings.operators.base import CallWithModel, DataCurvatureOperator, DataOptions
+from hessian_eigenthings.operators.autodiff import (
+    CallWithModel,
+    central_points,
+    default_fd_eps,
+    scalar_loss,
+    selected_function,
+)
+from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
 from hessian_eigenthings.param_utils import ParamFilter, call_with_values
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -39,42 +46,6 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 # The forward and first backward are still shared by the block. On
 # accelerators the vmapped backward is the faster one (GPU: 0.45-0.57x the
 # gradient per vector on the MLP and ResNet-18 against 0.8-0.9x for one).
-
-# NOTE [finite-difference step]
-# The central difference has truncation error O(h²‖∇³L‖) and rounding error
-# O(ε_mach‖∇L‖/h); their sum is smallest near h ~ ε_mach^(1/3). Defaults per
-# dtype (f64 6e-6, f32 5e-3, f16 5e-2, bf16 0.2) are that cube root, rounded.
-# The step is taken along the unit vector v/‖v‖ so that h is a distance in
-# parameter space whatever the scale of v; the norm stays a device tensor.
-FD_EPS: dict[torch.dtype, float] = {
-    torch.float64: 6e-6,
-    torch.float32: 5e-3,
-    torch.float16: 5e-2,
-    torch.bfloat16: 0.2,
-}
-
-
-def default_fd_eps(dtype: torch.dtype) -> float:
-    """Finite-difference step for ``dtype`` (see NOTE [finite-difference step])."""
-    if dtype not in FD_EPS:
-        raise TypeError(f"finite differences need a floating dtype, got {dtype}")
-    return FD_EPS[dtype]
-
-
-def _scalar_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss_fn must return a scalar (mean loss over the batch), got shape {tuple(loss.shape)}"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not depend on the selected parameters (no autograd graph); check that "
-            "loss_fn calls the model and that the parameters require grad"
-        )
-    return loss.reshape(())
-
 
 class _GradState(NamedTuple):
     """The first-order graph of one batch: ``∇L`` (``None`` where constant) and what it is taken with respect to."""
@@ -156,7 +127,7 @@ class HessianOperator(DataCurvatureOperator):
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """``H v`` by forward-over-reverse: ``jvp(grad(loss))`` (see ``operators.engines``)."""
-        f, primal = self._selected_function(self._call, state, batch)
+        f, primal = selected_function(self._call, self.layout.names, state, batch)
 
         def loss(selected: tuple[torch.Tensor, ...]) -> torch.Tensor:
             value = f(*selected)
@@ -170,14 +141,14 @@ class HessianOperator(DataCurvatureOperator):
     # -- autograd ---------------------------------------------------------------
     def _prepare(self, batch: Batch) -> _GradState:
         self.num_forwards += 1
-        leaves = self._private_leaves()
+        leaves = self.recorder.private_leaves()
         if leaves is None:
             inputs: Sequence[torch.Tensor] = self.params
-            loss = _scalar_loss(self.loss_fn(self.model, batch))
-        else:  # see NOTE [CUDA graphs] in base
+            loss = scalar_loss(self.loss_fn(self.model, batch))
+        else:  # see NOTE [CUDA graphs] in cuda_graphs
             inputs = leaves
             named = dict(zip(self._call_names, leaves, strict=True))
-            loss = _scalar_loss(call_with_values(self._call, named, (batch,)))
+            loss = scalar_loss(call_with_values(self._call, named, (batch,)))
         grads = torch.autograd.grad(loss, inputs, create_graph=True, allow_unused=True)
         # a gradient without graph is constant in θ: its Hessian rows are zero
         return _GradState([g if g is not None and g.requires_grad else None for g in grads], inputs)
@@ -241,7 +212,7 @@ class HessianOperator(DataCurvatureOperator):
         self.num_forwards += 1
         leaves = [t.requires_grad_(True) for t in at]
         named = dict(zip(self._call_names, leaves, strict=True))
-        loss = _scalar_loss(call_with_values(self._call, named, (batch,)))
+        loss = scalar_loss(call_with_values(self._call, named, (batch,)))
         return torch.autograd.grad(loss, leaves, allow_unused=True)
 
     # NOTE [perturbed copies]
@@ -257,17 +228,10 @@ class HessianOperator(DataCurvatureOperator):
         base = [p.detach() for p in self.params]
         out = [torch.empty_like(v) for v in vecs]
         for j in range(k):
-            vj = [v[j] for v in vecs]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in vj]))
-            # unit step h along v/‖v‖; a zero v gives a zero product (see NOTE [finite-difference step])
-            scale = self.fd_eps / norm.clamp_min(torch.finfo(norm.dtype).tiny ** 0.5)
-            with torch.no_grad():
-                plus = [p + x * scale for p, x in zip(base, vj, strict=True)]
-                minus = [p - x * scale for p, x in zip(base, vj, strict=True)]
+            plus, minus, inv = central_points(base, [v[j] for v in vecs], self.fd_eps)
             g_plus = self._grad_at(batch, plus)
             g_minus = self._grad_at(batch, minus)
             with torch.no_grad():
-                inv = 0.5 / scale
                 for o, gp, gm in zip(out, g_plus, g_minus, strict=True):
                     if gp is None or gm is None:
                         o[j].zero_()

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of products on a kept state (NOTE [CUDA graphs] in operators.base).
+"""CUDA-graph replay of products on a kept state (NOTE [CUDA graphs] in operators.cuda_graphs).
 
 Replays run the recorded kernels, so results must equal eager products with
 graphs off; the cost counters say how many products were replayed.
@@ -14,7 +14,7 @@ from torch import nn
 
 from hessian_eigenthings.loss_fns import supervised_loss
 from hessian_eigenthings.operators import HessianOperator
-from hessian_eigenthings.operators.base import _leaves
+from hessian_eigenthings.operators.graph_reuse import batch_leaves
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -156,7 +156,7 @@ def test_a_capture_that_fails_warns_once_and_falls_back(reuse: bool, what: str) 
         got = graphed @ v
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(graphed @ v, expected)  # no second attempt, no second warning
-    assert graphed.num_replays == 0 and not graphed._recorded
+    assert graphed.num_replays == 0 and not graphed.recorder.recorded
     torch.randn(3, device="cuda")  # the failed capture left the random generator usable
 
 
@@ -169,9 +169,9 @@ def test_private_leaves_give_the_same_products() -> None:
     op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()), graph_reuse=False)
     V = torch.randn(op.size, 3)
     expected = op @ V
-    op._in_own_stream = True  # what the CUDA path sets while it builds a state to record
+    op.recorder.in_own_stream = True  # what the CUDA path sets while it builds a state to record
     got = op @ V
-    op._in_own_stream = False
+    op.recorder.in_own_stream = False
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -209,7 +209,7 @@ def test_signatures_key_recordings_by_shapes_and_modes() -> None:
     op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()), graph_reuse=False)
 
     def sig(batch: object, k: int) -> object:
-        return op._signature(_leaves(batch), k)
+        return op.recorder.signature(batch_leaves(batch), k)
 
     a, b = _batches("cpu", [16, 16])
     assert sig(a, 1) == sig(b, 1)
@@ -236,7 +236,7 @@ def test_recorded_products_equal_eager_products(k: int) -> None:
         # the first product runs eagerly, the second records and replays, later ones replay
         assert graphed.num_replays == step
     assert graphed.num_forwards == 4 and graphed.num_passes == 4 and eager.num_replays == 0
-    assert graphed._cache_bytes > 0 and not graphed._cache  # a recording, no kept graph
+    assert graphed.held_bytes > 0 and not graphed._states.entries  # a recording, no kept graph
 
 
 @cuda
@@ -249,7 +249,7 @@ def test_one_recording_serves_every_batch_of_its_shape() -> None:
     v = torch.randn(graphed.size, device="cuda")
     for _ in range(3):
         torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
-    assert len(graphed._recorded) == 2
+    assert len(graphed.recorder.recorded) == 2
     # 4 batches per product. Pass 1: the first batch warms, the second records and replays,
     # the third replays, the short batch warms its own signature; then 4 replays per pass
     assert graphed.num_replays == 2 + 4 + 4
@@ -310,7 +310,7 @@ def test_no_recording_past_the_memory_budget() -> None:
     v = torch.randn(op.size, device="cuda")
     for _ in range(3):
         op @ v
-    assert op.num_replays == 0 and op._cache_bytes == 0
+    assert op.num_replays == 0 and op.held_bytes == 0
 
 
 @cuda
@@ -323,7 +323,7 @@ def test_states_past_the_kept_count_are_recorded_products() -> None:
     v = torch.randn(graphed.size, device="cuda")
     for _ in range(4):
         torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
-    assert len(graphed._cache) == 1 and len(graphed._recorded) == 1
+    assert len(graphed._states.entries) == 1 and len(graphed.recorder.recorded) == 1
     # both batches run eagerly in the first product (batch 1 builds its kept graph, batch 2
     # warms its signature), then both are recorded in the second and replayed from then on
     assert graphed.num_replays == 3 + 3

@@ -103,13 +103,13 @@ def test_precision_switch_invalidates_the_kept_state() -> None:
     model, batches = TwoLayer().double(), data()
     op = HessianOperator(model, batches, SUP, engine="functional")
     op @ torch.randn(op.size, dtype=torch.float64)
-    versions = op._versions()
+    versions = op._states.versions()
     op.precision = "tf32"
     with torch.no_grad():  # the key is read under the product's own precision
         from hessian_eigenthings.operators.precision import product_precision
 
         with product_precision("tf32"):
-            assert op._versions() != versions
+            assert op._states.versions() != versions
 
 
 def test_finite_differences_leave_the_users_pending_graph_valid() -> None:

@@ -1,0 +1,363 @@
+"""CUDA-graph recording and replay of products (NOTE [CUDA graphs], NOTE [recorded products]).
+
+:class:`GraphRecorder` runs an operator's work on its own CUDA stream, records
+the products of kept states (and whole products of batch signatures without
+one) into CUDA graphs, and replays them: the same kernels without the host
+work of launching them one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings.batching import Batch, map_tensors
+from hessian_eigenthings.operators.graph_reuse import KeptState, batch_leaves
+from hessian_eigenthings.operators.protocol import same_device
+
+if TYPE_CHECKING:
+    from hessian_eigenthings.operators.base import DataCurvatureOperator
+
+# a failed capture is undone by restoring the CUDA generator (torch >= 2.4 can)
+_RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "clone_state")
+
+
+@dataclass
+class Replay:
+    """A recorded product on a kept state, see NOTE [CUDA graphs]."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: Sequence[torch.Tensor | None]
+
+
+@dataclass
+class RecordedProduct:
+    """A whole product recorded for one batch signature, see NOTE [recorded products]."""
+
+    #: storage addresses of the model's parameters and buffers the graph reads
+    pointers: tuple[int, ...]
+    #: the static batch the recording reads, and its tensors in ``_leaves`` order
+    batch: Batch
+    batch_inputs: list[torch.Tensor]
+    replay: Replay
+    nbytes: int
+
+
+# NOTE [CUDA graphs]
+# With graph reuse, every product on a kept state is the same backward: the
+# same kernels on the same saved tensors, only the input vectors differ. On
+# CUDA the host side of that backward (autograd's engine visiting thousands
+# of nodes, one launch per kernel) often costs more than the kernels: for a
+# ResNet-18 at batch 128 most of a product is launch overhead. So the second
+# product of a given block width on a kept state records the backward into a
+# CUDA graph, and later products copy their vectors into its static inputs
+# and replay it: the same kernels, without the host work.
+# - All work on a kept state (its forward and first backward, every product)
+#   runs on the operator's own stream, ordered against the caller's stream
+#   on entry and exit. Autograd runs each backward node on the stream of its
+#   forward, and a capture cannot involve the legacy default stream.
+# - The first product of each width runs eagerly: cuDNN autotuning, cuBLAS
+#   workspaces and lazy initialisation happen outside the capture.
+# - A failed capture (an op that syncs with the host or cannot be captured)
+#   turns the feature off for the operator with a warning; products then run
+#   eagerly. Results never depend on it: replay runs the recorded kernels.
+# - A graph reads the state's saved tensors by address, so it lives and dies
+#   with its cache entry (invalidated as in NOTE [graph reuse]); its memory
+#   pool counts against ``graph_memory_budget``.
+# - Memory cannot be returned to the device during a capture, and a capture
+#   that runs out of memory can leave torch's caching allocator broken (seen
+#   on a 12-layer GPT-2 with blocks of 8). So a width is recorded only when
+#   (k + 1) times the kept state fits the budget and the free device memory
+#   after emptying the cache; otherwise it stays eager.
+
+# NOTE [recorded products]
+# A product without a kept state (graph_reuse=False, more batches than the
+# budget keeps, a batch that changes on every product) runs the forward and
+# both backwards. Their host cost is the same as on a kept state, three times
+# over, so such products are recorded too: the whole product, for one batch
+# signature (block width, shapes and dtypes of the batch's tensors, its other
+# leaves, the modules' train/eval modes). Later products with that signature
+# copy their batch tensors and vectors into the recording's static inputs and
+# replay it; a dataloader of equal-shaped batches replays one recording.
+# - The graph reads the parameters and buffers by address: in-place updates
+#   (an optimizer step) are seen by the next replay; a parameter or buffer
+#   given new storage drops the recording (addresses checked per product).
+# - BatchNorm buffers of training modules are copied inside the recording
+#   (``private_buffers``), so the user's buffers stay untouched. Dropout in a
+#   training module draws fresh masks on every replay, as eager products do,
+#   from a different position of the generator's stream.
+# - The first product of a signature runs eagerly and measures the state it
+#   builds; the second records when (k + 1) times that (what the pool will
+#   hold, at most) fits the budget and (k + 2) times that is free. The pool
+#   then holds about one product's peak between products (``cuda_graphs=False``
+#   holds nothing). At most ``graph_reuse_max_batches`` signatures are recorded.
+
+
+class GraphRecorder:
+    """The CUDA stream, graph pool and recordings of one operator (option ``cuda_graphs``)."""
+
+    def __init__(self, op: DataCurvatureOperator) -> None:
+        self.op = op
+        self.stream: Any = None  # the operator's CUDA stream
+        self.pool: Any = None
+        self.failures: set[int] = set()  # block widths whose capture failed
+        self.in_own_stream = False
+        self.warned = False
+        # NOTE [recorded products]: recordings by signature, state sizes measured by the
+        # eager first product of each signature, signatures whose recording was attempted
+        self.recorded: dict[tuple[Any, ...], RecordedProduct] = {}
+        self.warm_products: dict[tuple[Any, ...], int] = {}
+        self.attempted_products: set[tuple[Any, ...]] = set()
+
+    def clear(self) -> None:
+        self.recorded.clear()
+        self.attempted_products.clear()
+
+    def on(self) -> bool:
+        # a traced engine's products are plain tensor programs: recordable whatever the curvature
+        recordable = self.op.supports_cuda_graphs if not self.op._engines.traced else self.op._engines.recordable
+        return self.op.cuda_graphs and recordable and self.op.device.type == "cuda" and _RNG_RESTORABLE
+
+    def private_leaves(self) -> list[torch.Tensor] | None:
+        """Leaves standing in for the parameters in a graph that will be recorded, else ``None``.
+
+        They share the parameters' storage and version counters but have
+        their own gradient accumulators: a kept graph built on our stream
+        would otherwise pin the parameters' accumulators to that stream, and
+        the user's own backward passes would then run across streams.
+        """
+        if not self.in_own_stream:
+            return None
+        return [p.detach().requires_grad_(True) for p in self.op.params]
+
+    @contextlib.contextmanager
+    def own_stream(self) -> Iterator[None]:
+        """Run the body on the operator's stream, ordered after and before the caller's."""
+        if not self.on():
+            yield
+            return
+        caller = torch.cuda.current_stream(self.op.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.op.device)
+        self.stream.wait_stream(caller)
+        outer = self.in_own_stream
+        self.in_own_stream = True
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self.in_own_stream = outer
+            caller.wait_stream(self.stream)
+
+    def apply_own_stream(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+        """An eager product on a state built on the operator's stream."""
+        if not self.on():
+            return self.op._engines.apply(state, vecs, retain)
+        caller = torch.cuda.current_stream(self.op.device)
+        with self.own_stream():
+            prods = self.op._engines.apply(state, vecs, retain)
+        for t in prods:
+            if t is not None:  # made on our stream, read on the caller's: keep it until then
+                t.record_stream(caller)
+        return prods
+
+    def apply_kept(self, entry: KeptState, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """A product on a kept state: eager the first time per width, then replayed."""
+        k = vecs[0].shape[0]
+        if not self.on():
+            return self.op._engines.apply(entry.state, vecs, retain=True)
+        replay = entry.replays.get(k)
+        if replay is None and k in entry.warm and k not in entry.attempted and k not in self.failures:
+            with self.own_stream():
+                replay = self.capture(entry, vecs)
+        if replay is None:
+            entry.warm.add(k)
+            return self.apply_own_stream(entry.state, vecs, retain=True)
+        with self.own_stream():
+            _torch_compat.foreach_copy_(replay.inputs, vecs)
+            replay.graph.replay()
+        self.op.num_replays += 1
+        return replay.outputs
+
+    def room_for(self, need: int, free: int | None = None) -> bool:
+        """Whether a recording that will hold about ``need`` bytes fits the budget, and
+        ``free`` bytes (default ``need``) are free on the device for its capture.
+
+        Memory is never freed back to the device during a capture, and a capture that
+        runs out of memory can leave the caching allocator unusable: check first.
+        """
+        budget = self.op._states.budget()
+        if budget is not None and self.op._states.nbytes + need > budget:
+            return False
+        torch.cuda.empty_cache()
+        return bool(torch.cuda.mem_get_info(self.op.device)[0] >= (need if free is None else free))
+
+    def record(
+        self, what: str, k: int, fn: Callable[[], Sequence[torch.Tensor | None]]
+    ) -> tuple[Any, list[torch.Tensor | None], int] | None:
+        """Record ``fn()`` as a CUDA graph in the operator's pool.
+
+        Returns ``(graph, outputs, bytes the pool grew by)``, or ``None`` when the
+        capture failed (the operator warns once, unless it ran out of memory) or
+        when the pool outgrew the budget.
+        """
+        graph = torch.cuda.CUDAGraph()
+        live = self.recorded or any(entry.replays for entry in self.op._states.entries.values())
+        if self.pool is None or not live:
+            # torch releases a pool with its last graph; its handle cannot take another capture
+            self.pool = torch.cuda.graph_pool_handle()
+        before = _torch_compat.cuda_reserved(self.op.device)
+        # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
+        rng = torch.cuda.default_generators[self.op.device.index if self.op.device.index is not None else torch.cuda.current_device()]
+        rng_state = rng.clone_state()
+        try:
+            graph.capture_begin(pool=self.pool)
+            try:
+                with _torch_compat.CapturableScalars():
+                    outputs = fn()
+            finally:
+                graph.capture_end()
+        except Exception as exc:  # any failure: eager products, same results
+            rng.graphsafe_set_state(rng_state)
+            if not self.warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
+                self.warned = True  # once per operator; out of memory: quietly eager
+                warnings.warn(
+                    f"{type(self).__name__}: recording {what} as a CUDA graph failed for blocks "
+                    f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "
+                    "products run eagerly. Pass cuda_graphs=False to skip the attempt.",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            return None
+        extra = max(0, _torch_compat.cuda_reserved(self.op.device) - before)
+        budget = self.op._states.budget()
+        if budget is not None and self.op._states.nbytes + extra > budget:
+            return None  # the graph and its pool are freed
+        return graph, list(outputs), extra
+
+    def capture(self, entry: KeptState, vecs: list[torch.Tensor]) -> Replay | None:
+        """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
+        k = vecs[0].shape[0]
+        entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
+        # room for the recording's pool, conservatively: an autograd backward through a kept
+        # graph may hold about the graph again per vector, plus one; a traced tangent program
+        # reads the kept values in place and its temporaries (tangents of kept values) are
+        # about the kept state per vector
+        factor = k if self.op._engines.traced else k + 1
+        if not self.room_for(factor * entry.nbytes):
+            return None
+        inputs = [torch.empty_like(v) for v in vecs]
+        recorded = self.record("the kept backward", k, lambda: self.op._engines.apply(entry.state, inputs, retain=True))
+        if recorded is None:
+            self.failures.add(k)
+            return None
+        graph, outputs, extra = recorded
+        entry.nbytes += extra
+        self.op._states.nbytes += extra
+        replay = Replay(graph=graph, inputs=inputs, outputs=outputs)
+        entry.replays[k] = replay
+        return replay
+
+    # -- recorded products, NOTE [recorded products] ----------------------------
+    def signature(self, leaves: list[Any], k: int) -> tuple[Any, ...] | None:
+        """What a recorded product is keyed by (``leaves``: ``batch_leaves`` of the chunk); ``None``
+        when this chunk cannot be recorded."""
+        sig: list[Any] = [k, torch.is_grad_enabled()]
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad or not same_device(x.device, self.op.device):
+                    return None
+                sig.append((x.shape, x.dtype))
+            else:
+                try:
+                    hash(x)
+                except TypeError:
+                    return None
+                sig.append(x)
+        sig.append(tuple(m.training for m in self.op.guard.modules))
+        return tuple(sig)
+
+    def pointers(self) -> tuple[int, ...]:
+        return tuple(
+            t.data_ptr()
+            for m in self.op.guard.modules
+            for t in itertools.chain(m._parameters.values(), m._buffers.values())
+            if t is not None
+        )
+
+    def fresh_product(self, chunk: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """A product without a kept state: eager, or replayed from a recording."""
+        leaves = batch_leaves(chunk) if self.on() else []
+        sig = self.signature(leaves, vecs[0].shape[0]) if leaves else None
+        if sig is None:
+            with self.op.guard.private_buffers():
+                return self.op._product(chunk, vecs)
+        rec = self.recorded.get(sig)
+        if rec is not None and rec.pointers != self.pointers():
+            del self.recorded[sig]  # new storage under a parameter or buffer: record again
+            self.op._states.nbytes -= rec.nbytes
+            self.attempted_products.discard(sig)
+            rec = None
+        if rec is None and sig in self.warm_products and sig not in self.attempted_products:
+            with self.own_stream():
+                rec = self.record_product(sig, chunk, vecs)
+        if rec is None:  # eager; the first product of a signature measures its state for the room check
+            measure = sig not in self.warm_products
+            before = _torch_compat.cuda_allocated(self.op.device) if measure else 0
+            with self.op.guard.private_buffers():
+                state = self.op._engines.prepare(chunk)
+                if measure:
+                    self.warm_products[sig] = _torch_compat.cuda_allocated(self.op.device) - before
+                return self.op._engines.apply(state, vecs, retain=False)
+        with self.own_stream():
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+            _torch_compat.foreach_copy_(rec.batch_inputs + rec.replay.inputs, tensors + vecs)
+            rec.replay.graph.replay()
+        self.op.num_replays += 1
+        self.op.num_forwards += 1
+        return rec.replay.outputs
+
+    def record_product(
+        self, sig: tuple[Any, ...], chunk: Batch, vecs: list[torch.Tensor]
+    ) -> RecordedProduct | None:
+        self.attempted_products.add(sig)  # one attempt per signature
+        k = vecs[0].shape[0]
+        if len(self.recorded) >= self.op.graph_reuse_max_batches:
+            return None
+        state = self.warm_products[sig]
+        # held afterwards: the pool, about one product's peak (the state plus the
+        # backward's temporaries, up to a state per vector); a margin on free memory
+        if not self.room_for((k + 1) * state, free=(k + 2) * state):
+            return None
+        static = map_tensors(chunk, torch.empty_like)  # outside the capture: not in its pool
+        inputs = [torch.empty_like(v) for v in vecs]
+
+        def product() -> Sequence[torch.Tensor | None]:
+            with self.op.guard.private_buffers():
+                return self.op._engines.apply(self.op._engines.prepare(static), inputs, retain=False)
+
+        forwards = self.op.num_forwards
+        recorded = self.record("the product", k, product)
+        self.op.num_forwards = forwards  # a capture runs nothing
+        if recorded is None:
+            return None
+        graph, outputs, extra = recorded
+        rec = RecordedProduct(
+            pointers=self.pointers(),
+            batch=static,
+            batch_inputs=[t for t in batch_leaves(static) if isinstance(t, torch.Tensor)],
+            replay=Replay(graph=graph, inputs=inputs, outputs=outputs),
+            nbytes=extra,
+        )
+        self.recorded[sig] = rec
+        self.op._states.nbytes += extra
+        return rec

@@ -1,0 +1,190 @@
+"""Graph reuse: a product's state (forward, first-order graph, or a traced
+program's primal values) kept across products while nothing it read changed.
+
+:class:`StateCache` holds the kept states of one operator, keyed by the
+position of their chunk in a pass, checks each against the reuse key on every
+product (NOTE [reuse key]: host integers only, no tensor reads), and bounds
+them by count and bytes (NOTE [graph reuse]).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.operators.precision import precision_flags
+
+if TYPE_CHECKING:
+    from hessian_eigenthings.operators.base import DataCurvatureOperator
+    from hessian_eigenthings.operators.cuda_graphs import Replay
+
+# NOTE [reuse key]
+# A kept state (any engine's) answers for the model only while nothing it read
+# has changed. The key covers every parameter and buffer of the model — selected
+# or not, since frozen and unselected tensors shape the product too — by object
+# and version counter, every module's training flag (dropout and BatchNorm
+# change behaviour with it), the global precision switches (NOTE [product
+# precision]), and the batch (below). Our own forwards never bump the user's
+# versions: training modules get private buffer copies (`private_buffers`), and
+# finite differences perturb copies. Reading it costs a tuple of host integers
+# per product: no tensor reads, no device sync.
+
+# NOTE [graph reuse]
+# A Hessian product from scratch costs forward + backward(create_graph) +
+# double backward. When the data of a product is one batch (or a few), the
+# graph of the first backward can be kept, and every further product costs
+# only the second backward. The cached state is valid while (a) no selected
+# parameter and no buffer changed (tensor version counters, read on the host,
+# no sync) and (b) the batch is the same: the same tensor objects at the same
+# versions, else equal contents (one cheap comparison of the input batch).
+# Memory is bounded by `graph_reuse_max_batches` and, on CUDA, by
+# `graph_memory_budget` bytes measured when each graph is built.
+
+
+@dataclass
+class KeptState:
+    """The state of one chunk, kept between products, and its recordings (NOTE [CUDA graphs])."""
+
+    raw: tuple[list[Any], tuple[int, ...]]
+    versions: tuple[Any, ...]
+    state: Any
+    size: int
+    nbytes: int
+    #: block widths that ran eagerly once on this state (warm-up before a capture)
+    warm: set[int] = field(default_factory=set)
+    #: block widths whose recording was attempted (one attempt per width and state)
+    attempted: set[int] = field(default_factory=set)
+    replays: dict[int, Replay] = field(default_factory=dict)
+
+
+def batch_leaves(batch: Batch) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        out: list[Any] = []
+        for k in batch.keys():
+            out.append(k)
+            out.extend(batch_leaves(batch[k]))
+        return out
+    if isinstance(batch, (tuple, list)):
+        out = []
+        for b in batch:
+            out.extend(batch_leaves(b))
+        return out
+    return [batch]
+
+
+def batch_key(batch: Batch) -> tuple[list[Any], tuple[int, ...]]:
+    """Leaves of a batch and the version counters of its tensors, for NOTE [graph reuse]."""
+    leaves = batch_leaves(batch)
+    return leaves, tuple(x._version for x in leaves if isinstance(x, torch.Tensor))
+
+
+def same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
+    old_leaves, old_versions = kept
+    new_leaves = batch_leaves(batch)
+    if len(old_leaves) != len(new_leaves):
+        return False
+    versions = iter(old_versions)
+    for x, y in zip(old_leaves, new_leaves, strict=True):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            version = next(versions)
+            if x is y:
+                if x._version != version:
+                    return False  # modified in place since the graph was built
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+                return False
+            if x._version != version or not torch.equal(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            return False
+    return True
+
+
+class StateCache:
+    """The kept states of one operator (its options: ``graph_reuse``,
+    ``graph_reuse_max_batches``, ``graph_memory_budget``)."""
+
+    def __init__(self, op: DataCurvatureOperator) -> None:
+        self.op = op
+        self.entries: dict[tuple[int, int], KeptState] = {}
+        #: device bytes held: kept states and their recordings
+        self.nbytes = 0
+        #: bytes of the last state that did not fit the budget (no keeping until room frees up)
+        self.unkept_bytes = 0
+        self._default_budget: int | None = None
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+        self.unkept_bytes = 0
+
+    def versions(self) -> tuple[Any, ...]:
+        """The reuse key's model part, see NOTE [reuse key]."""
+        modules = self.op.guard.modules
+        tensors = tuple(
+            (id(t), t._version)
+            for m in modules
+            for t in itertools.chain(m._parameters.values(), m._buffers.values())
+            if t is not None
+        )
+        return tensors, tuple(m.training for m in modules), precision_flags()
+
+    def get(self, key: tuple[int, int], raw: Batch) -> KeptState | None:
+        """The kept state of chunk ``key`` if it still answers for the model and ``raw``."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.versions != self.versions() or not same_batch(entry.raw, raw):
+            self.nbytes -= entry.nbytes
+            del self.entries[key]
+            return None
+        return entry
+
+    def budget(self) -> int | None:
+        op = self.op
+        if op.graph_memory_budget is not None or op.device.type != "cuda":
+            return op.graph_memory_budget
+        if self._default_budget is None:  # read once: this is asked on every product without a kept state
+            self._default_budget = int(0.25 * torch.cuda.get_device_properties(op.device).total_memory)
+        return self._default_budget
+
+    def may_keep(self) -> bool:
+        """Whether the state of the next chunk may be kept (else it is a fresh product)."""
+        op = self.op
+        if op.graph_reuse == "auto" and not op.source.full_dataset:
+            try:
+                cycle_len = len(op.source.dataloader)  # type: ignore[arg-type]
+            except TypeError:
+                cycle_len = -1
+            if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
+                return False
+        if len(self.entries) >= op.graph_reuse_max_batches:
+            return False
+        budget = self.budget()
+        return budget is None or self.nbytes + self.unkept_bytes <= budget
+
+    def build(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
+        """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
+        op = self.op
+        cuda = op.device.type == "cuda"
+        before = _torch_compat.cuda_allocated(op.device) if cuda else 0
+        versions = self.versions()
+        raw_key = batch_key(raw)
+        with op.recorder.own_stream(), op.guard.private_buffers():
+            state = op._engines.prepare(chunk)
+        nbytes = (_torch_compat.cuda_allocated(op.device) - before) if cuda else 0
+        budget = self.budget()
+        if budget is not None and self.nbytes + nbytes > budget:
+            self.unkept_bytes = nbytes
+            return state, False
+        self.unkept_bytes = 0
+        self.entries[key] = KeptState(raw=raw_key, versions=versions, state=state, size=op._samples(chunk), nbytes=nbytes)
+        self.nbytes += nbytes
+        return state, True
