@@ -140,7 +140,9 @@ def host_matvec(op: CurvatureOperator, x: np.ndarray[Any, Any]) -> np.ndarray[An
 
     ``x`` is shared with the product's input tensor, not copied."""
     t = torch.from_numpy(x)
-    out = op.matvec(t if t.dtype == op.dtype else t.to(op.dtype)).detach()
+    out = op.matvec(t if t.dtype == op.dtype else t.to(op.dtype))
+    if out.requires_grad:
+        out = out.detach()
     return (out if out.dtype == t.dtype else out.to(t.dtype)).numpy()
 
 
