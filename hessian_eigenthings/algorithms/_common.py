@@ -179,6 +179,18 @@ def make_generator(seed: int | None, backend: LinAlgBackend) -> torch.Generator:
     return g
 
 
+# NOTE [small draws on the host]
+# Random rows for an accelerator are drawn there (below) because host draws of LM-sized
+# blocks cost more than the products. A small block is drawn on the host exactly as on the
+# CPU and copied over, so a seed gives the same start vectors and probes on every device,
+# as 0.x's start vectors (`torch.rand(n)` on the CPU, then `.cuda()`) did. Power iteration
+# that a step budget stops before it converges returns a result that depends on its start
+# vector (compat/mlp_power_iter.py's third pair, λ3/λ4 = 0.985, after 100 steps: 6e-5 to
+# 6e-3 relative error over 8 seeds), so without this a script gave other numbers on a GPU
+# than on the CPU. Up to HOST_DRAW_MAX_NUMEL entries a host draw costs at most ~0.5 ms.
+HOST_DRAW_MAX_NUMEL = 2**14
+
+
 def random_rows(
     b: int,
     n: int,
@@ -195,10 +207,12 @@ def random_rows(
     of ``gen``: probes for an LM-sized operator are ``b × n`` numbers, and
     drawing them on the host (then copying) cost more than the products
     (Hutch++ on a 1.9 M-parameter MLP on an H100: 1.2 s, 0.1 s of products).
-    Either way the same seed gives the same rows run to run on one device.
+    Blocks of at most ``HOST_DRAW_MAX_NUMEL`` entries are drawn as on the CPU
+    on every device (NOTE [small draws on the host]). Either way the same
+    seed gives the same rows run to run on one device.
     """
     check_distribution(distribution)
-    if device.type != "cpu":
+    if device.type != "cpu" and b * n > HOST_DRAW_MAX_NUMEL:
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         dev_gen = torch.Generator(device=device).manual_seed(seed)
         if distribution == "gaussian":
