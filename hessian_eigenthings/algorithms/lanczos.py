@@ -347,9 +347,12 @@ def lanczos(
             ):
                 theta, S = np.linalg.eigh(T[:top, :top])
                 anorm = max(anorm, float(np.abs(theta).max()))
-                est = (
-                    np.zeros(top) if exhausted else np.linalg.norm(Rh @ S[top - b : top, :], axis=0)
-                )
+                if exhausted:
+                    est = np.zeros(top)
+                elif b == 1:
+                    est = np.abs(Rh[0, 0] * S[top - 1])
+                else:
+                    est = np.linalg.norm(Rh @ S[top - b : top, :], axis=0)
                 order = _order(theta, which)
                 want = order[:k]
                 thresh = np.maximum(tol * np.abs(theta[want]), noise * anorm)
@@ -365,18 +368,18 @@ def lanczos(
                 break
             if top + b > m:
                 # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
-                n_conv = int(
-                    (
-                        est[order[:k]] <= np.maximum(tol * np.abs(theta[order[:k]]), noise * anorm)
-                    ).sum()
-                )
+                # (n_conv: the Ritz check of this step, which a restart always makes)
                 n_keep = _num_kept(k, m, b, n_conv)
                 keep = order[:n_keep]
-                Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(
-                    device=device, dtype=wd
-                )
-                V[:n_keep] = Sk @ V[:top]
-                V[n_keep : n_keep + b] = V[top : top + b].clone()  # the ranges may overlap
+                if st.Vn is not None:  # See NOTE [small operators on the host]
+                    st.Vn[:n_keep] = S[:, keep].T.astype(st.Vn.dtype) @ st.Vn[:top]
+                    st.Vn[n_keep] = st.Vn[top]
+                else:
+                    Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(
+                        device=device, dtype=wd
+                    )
+                    V[:n_keep] = Sk @ V[:top]
+                    V[n_keep : n_keep + b] = V[top : top + b].clone()  # the ranges may overlap
                 coupling = Rh @ S[top - b : top, keep]
                 T[:] = 0.0
                 T[:n_keep, :n_keep] = np.diag(theta[keep])
@@ -519,14 +522,13 @@ def _host_step(
         if exhausted:
             return Rh, anorm, True
         beta = float(Rh[0, 0])
-        q = Q[0].numpy()
+        Vn[top] = Q[0].numpy()
     else:
-        q = w / beta
+        q = np.divide(w, beta, out=Vn[top])  # the new basis vector, written in place
         if beta < math.sqrt(st.eps) * anorm:
             # small residual: one more Gram-Schmidt pass keeps q orthogonal to the basis
-            q = q - (Vn[:top] @ q) @ Vn[:top]
+            q -= (Vn[:top] @ q) @ Vn[:top]
             q /= math.sqrt(float(q @ q))
-    Vn[top] = q
     T[top, j] = T[j, top] = beta
     st.R1[0, 0] = beta
     return st.R1, anorm, False
