@@ -42,6 +42,7 @@ import torch
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
+    check_gap,
     check_k,
     check_operator,
     global_size,
@@ -362,7 +363,7 @@ def lanczos(
                 # with exactly k Ritz values every one is "wanted": insist on one more to compare
                 if exhausted or (top > k and n_conv == k):
                     break
-                next_check = products + _check_gap(ratio, products, last_check, b)
+                next_check = products + check_gap(ratio, products, last_check, b)
                 last_check = (products, ratio)
             if last_step:
                 break
@@ -550,18 +551,6 @@ def _host_step(
 # step on 109 runs (the test spectra at n = 40 and 300, LM/LA/SA, k = 3-10, tol 1e-4-1e-8,
 # and the diagonal spectra of benchmarks/bench_algorithms.py at n = 20 000) with 5x fewer
 # checks (1837 instead of 9055); an 80 x 80 SA run checks 6 times instead of 47.
-
-
-def _check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: int) -> int:
-    """Products until the next Ritz check. See NOTE [ritz check schedule]."""
-    if last is None or not (ratio > 1.0) or not math.isfinite(ratio):
-        return b
-    p_prev, r_prev = last
-    if not (r_prev > ratio) or products <= p_prev:
-        return b
-    rate = math.log(r_prev / ratio) / (products - p_prev)
-    predicted = math.log(ratio) / rate
-    return max(b, b * int(0.5 * predicted / b))
 
 
 def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:
