@@ -537,20 +537,22 @@ def _host_step(
 
 # NOTE [ritz check schedule]
 # A Ritz check (eigh of T, (ncv, ncv) on the host: ~25-30 us for ncv = 20, whatever the
-# operator) on every step cost more than the step itself for small operators: 49 checks
-# were 60% of lanczos(which="SA") on an 80 x 80 matrix. Skipping a check never changes the
+# operator) on every step cost more than the step itself for small operators: 47 checks
+# were a quarter of lanczos(which="SA") on an 80 x 80 matrix. Skipping a check never changes the
 # iterates (a restart and the last step always check, since they use the Ritz vectors); it
 # can only make the solver stop later than the first step at which the pairs met tol. The
 # residual estimates of the wanted pairs fall about geometrically, so from the worst ratio
 # est / threshold of the last two checks (r_prev at p_prev products, r now at p), the
 # remaining products are predicted as s = log r / g with g = log(r_prev / r) / (p - p_prev),
 # and the next check comes after half of that (at least one step); a ratio that did not
-# fall, or the first check, checks again at the next step. Lanczos convergence
-# speeds up rather than slows down within a cycle, so the prediction is late more often than
-# early; checking at half of it kept the stopping product exactly that of checking every
+# fall, or the first check, checks again at the next step. Within a cycle Lanczos
+# convergence speeds up rather than slows down, so the prediction overestimates more often
+# than not; checking at half of it kept the stopping product exactly that of checking every
 # step on 109 runs (the test spectra at n = 40 and 300, LM/LA/SA, k = 3-10, tol 1e-4-1e-8,
 # and the diagonal spectra of benchmarks/bench_algorithms.py at n = 20 000) with 5x fewer
-# checks (1837 instead of 9055); an 80 x 80 SA run checks 6 times instead of 47.
+# checks (1837 instead of 9055); an 80 x 80 SA run checks 6 times instead of 47. (Power
+# iteration does not use it: its deflated runs stall and then drop, and the same schedule
+# overshot by up to 200 products there.)
 
 
 def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:
