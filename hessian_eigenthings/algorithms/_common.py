@@ -5,12 +5,14 @@ progress bars and block orthonormalization through the linear-algebra backend.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from hessian_eigenthings._checks import check_count
@@ -66,6 +68,21 @@ def apply_blocks(
     return out
 
 
+def check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: int = 1) -> int:
+    """Products until the next convergence check of an iterative solver, from the worst ratio
+    residual / threshold now (``ratio``, at ``products``) and at the last check (``last``):
+    half the products that the geometric decay between the two predicts, at least ``b``
+    (one step). See NOTE [ritz check schedule] in ``lanczos``."""
+    if last is None or not (ratio > 1.0) or not math.isfinite(ratio):
+        return b
+    p_prev, r_prev = last
+    if not (r_prev > ratio) or products <= p_prev:
+        return b
+    rate = math.log(r_prev / ratio) / (products - p_prev)
+    predicted = math.log(ratio) / rate
+    return max(b, b * int(0.5 * predicted / b))
+
+
 def check_k(k: int, n: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
@@ -110,6 +127,42 @@ def apply_rows(op: CurvatureOperator, X: torch.Tensor) -> torch.Tensor:
     return out.to(X.dtype)
 
 
+# NOTE [small operators on the host]
+# Besides its product, a solver step makes about 10-25 torch calls (Gram-Schmidt, norms,
+# deflation, the host sync), ~1.5-2 us each whatever the size: for a small operator they
+# are most of the run (Lanczos on an 80 x 80 matrix: ~15 us of calls per step against a
+# 2 us product; 0.x's ARPACK loop spent less). When the vectors live in host memory and are
+# small, the solvers do the same arithmetic in numpy (~0.8 us a call, no host sync to wait
+# for) on numpy views of their torch buffers (no copies); the products still go through
+# `op.matvec` with torch tensors (`host_matvec`). Past HOST_ARITHMETIC_MAX_NUMEL entries
+# the arithmetic dominates the calls, and torch's threading settings should apply: torch
+# then runs it on the CPU too. Sharded vectors (other backends), blocks and dtypes numpy
+# lacks stay with torch.
+HOST_ARITHMETIC_MAX_NUMEL = 2**16
+
+
+def host_arithmetic(buffer: torch.Tensor, backend: LinAlgBackend) -> bool:
+    """Whether a solver whose largest vector buffer is ``buffer`` does its vector arithmetic
+    in numpy. See NOTE [small operators on the host]."""
+    return (
+        buffer.device.type == "cpu"
+        and isinstance(backend, SingleDeviceBackend)
+        and buffer.dtype in (torch.float32, torch.float64)
+        and buffer.numel() <= HOST_ARITHMETIC_MAX_NUMEL
+    )
+
+
+def host_matvec(op: CurvatureOperator, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``A x`` for a host vector ``x (n,)`` (numpy, the working dtype), in ``x``'s dtype.
+
+    ``x`` is shared with the product's input tensor, not copied."""
+    t = torch.from_numpy(x)
+    out = op.matvec(t if t.dtype == op.dtype else t.to(op.dtype))
+    if out.requires_grad:
+        out = out.detach()
+    return (out if out.dtype == t.dtype else out.to(t.dtype)).numpy()
+
+
 def device_free_bytes(device: torch.device) -> int | None:
     """Bytes a new tensor can take on a CUDA ``device`` (``memory.available_memory``);
     ``None`` elsewhere: host memory does not limit probe blocks."""
@@ -144,6 +197,18 @@ def make_generator(seed: int | None, backend: LinAlgBackend) -> torch.Generator:
     return g
 
 
+# NOTE [small draws on the host]
+# Random rows for an accelerator are drawn there (below) because host draws of LM-sized
+# blocks cost more than the products. A small block is drawn on the host exactly as on the
+# CPU and copied over, so a seed gives the same start vectors and probes on every device,
+# as 0.x's start vectors (`torch.rand(n)` on the CPU, then `.cuda()`) did. Power iteration
+# that a step budget stops before it converges returns a result that depends on its start
+# vector (compat/mlp_power_iter.py's third pair, λ3/λ4 = 0.985, after 100 steps: 6e-5 to
+# 6e-3 relative error over 8 seeds), so without this a script gave other numbers on a GPU
+# than on the CPU. Up to HOST_DRAW_MAX_NUMEL entries a host draw costs at most ~0.5 ms.
+HOST_DRAW_MAX_NUMEL = 2**14
+
+
 def random_rows(
     b: int,
     n: int,
@@ -160,10 +225,12 @@ def random_rows(
     of ``gen``: probes for an LM-sized operator are ``b × n`` numbers, and
     drawing them on the host (then copying) cost more than the products
     (Hutch++ on a 1.9 M-parameter MLP on an H100: 1.2 s, 0.1 s of products).
-    Either way the same seed gives the same rows run to run on one device.
+    Blocks of at most ``HOST_DRAW_MAX_NUMEL`` entries are drawn as on the CPU
+    on every device (NOTE [small draws on the host]). Either way the same
+    seed gives the same rows run to run on one device.
     """
     check_distribution(distribution)
-    if device.type != "cpu":
+    if device.type != "cpu" and b * n > HOST_DRAW_MAX_NUMEL:
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
         dev_gen = torch.Generator(device=device).manual_seed(seed)
         if distribution == "gaussian":

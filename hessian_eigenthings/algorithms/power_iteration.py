@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from hessian_eigenthings._checks import check_count
@@ -31,6 +32,8 @@ from hessian_eigenthings.algorithms._common import (
     check_k,
     check_operator,
     global_size,
+    host_arithmetic,
+    host_matvec,
     make_generator,
     non_finite_error,
     operator_backend,
@@ -109,6 +112,50 @@ def _power(
     return lam, x, res, it, converged
 
 
+def _power_host(
+    apply: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]],
+    x: np.ndarray[Any, Any],
+    *,
+    max_iter: int,
+    tol: float,
+    momentum: float,
+    noise: float,
+    bar: object | None,
+) -> tuple[float, np.ndarray[Any, Any], float, int, bool]:
+    """``_power`` on a unit host vector ``x (n,)`` in numpy (``apply`` maps vectors to
+    vectors): the same iteration and tests. See NOTE [small operators on the host]."""
+    prev = np.zeros_like(x)
+    lam = 0.0
+    res = float("inf")
+    converged = False
+    it = 0
+    anorm = 0.0
+    for it in range(1, max_iter + 1):
+        w = apply(x)
+        lam = float(x @ w)
+        r = w - lam * x
+        res = math.sqrt(float(r @ r))
+        y = w - momentum * prev if momentum else w
+        ynorm = math.sqrt(float(y @ y))
+        if not (math.isfinite(lam) and math.isfinite(res) and math.isfinite(ynorm)):
+            raise non_finite_error("power iteration", it)
+        anorm = max(anorm, abs(lam))
+        if bar is not None:
+            bar.update(1)  # type: ignore[attr-defined]
+        if res <= max(tol * abs(lam), noise * anorm):
+            converged = True
+            break
+        if ynorm == 0.0:  # x is in the null space: λ = 0 exactly
+            converged = True
+            break
+        if it == max_iter:  # keep x: the reported λ and residual are x's
+            break
+        if momentum:
+            prev = x / ynorm
+        x = y / ynorm
+    return lam, x, res, it, converged
+
+
 def power_iteration_one(
     op: CurvatureOperator,
     *,
@@ -137,16 +184,28 @@ def power_iteration_one(
     x = _start(op, init, seed, backend, wd)
     noise = rounding_level(wd, op.dtype)
     with progress_bar(max_iter, "power iteration", progress) as bar:
-        lam, v, res, it, conv = _power(
-            lambda z: apply_rows(op, z),
-            x,
-            max_iter=max_iter,
-            tol=tol,
-            momentum=momentum,
-            backend=backend,
-            noise=noise,
-            bar=bar,
-        )
+        if host_arithmetic(x, backend):  # See NOTE [small operators on the host]
+            lam, vh, res, it, conv = _power_host(
+                lambda z: host_matvec(op, z),
+                x[0].numpy(),
+                max_iter=max_iter,
+                tol=tol,
+                momentum=momentum,
+                noise=noise,
+                bar=bar,
+            )
+            v = torch.from_numpy(vh).unsqueeze(0)
+        else:
+            lam, v, res, it, conv = _power(
+                lambda z: apply_rows(op, z),
+                x,
+                max_iter=max_iter,
+                tol=tol,
+                momentum=momentum,
+                backend=backend,
+                noise=noise,
+                bar=bar,
+            )
     return PowerIterationResult(lam, v[0].to(op.dtype), res, it, conv)
 
 
@@ -171,6 +230,37 @@ def _start(
             "the start vector is zero or non-finite; pass a nonzero init or leave init=None"
         )
     return x / nrm
+
+
+def _deflated_host_run(
+    op: CurvatureOperator,
+    found: np.ndarray[Any, Any],
+    x: np.ndarray[Any, Any],
+    max_iter: int,
+    tol: float,
+    momentum: float,
+    noise: float,
+    bar: object,
+) -> tuple[float, np.ndarray[Any, Any], int]:
+    """One run of ``deflated_power_iteration`` in numpy on the host from the start vector
+    ``x`` (projection deflation as on the device). Returns ``(λ, v, products)``.
+    See NOTE [small operators on the host]."""
+
+    def apply(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if found.shape[0]:
+            z = z - (found @ z) @ found
+        w = host_matvec(op, z)
+        if found.shape[0]:
+            w = w - (found @ w) @ found
+        return w
+
+    if found.shape[0]:
+        x = x - (found @ x) @ found
+    x = x / math.sqrt(float(x @ x))
+    lam, v, _res, it, _conv = _power_host(
+        apply, x, max_iter=max_iter, tol=tol, momentum=momentum, noise=noise, bar=bar
+    )
+    return lam, v, it
 
 
 def deflated_power_iteration(
@@ -205,10 +295,20 @@ def deflated_power_iteration(
     U = torch.zeros(k, n, dtype=wd, device=op.device)
     lams = torch.zeros(k, dtype=torch.float64)
     products = 0
+    Un = U.numpy() if host_arithmetic(U, backend) else None  # NOTE [small operators on the host]
 
     with progress_bar(k * max_iter, f"deflated power iteration (k={k})", progress) as bar:
         for i in range(k):
             found = U[:i]
+            if Un is not None:
+                xh = random_rows(1, n, gen, device=op.device, dtype=wd)[0].numpy()
+                lam, vh, it = _deflated_host_run(
+                    op, Un[:i], xh, max_iter, tol, momentum, noise, bar
+                )
+                products += it
+                Un[i] = vh
+                lams[i] = lam
+                continue
 
             def apply(z: torch.Tensor, found: torch.Tensor = found) -> torch.Tensor:
                 # projection deflation P A P, P = I - UUᵀ: the iterate stays orthogonal to the

@@ -97,3 +97,29 @@ class CountingOp(CurvatureOperator):
     def _matmat_rows(self, rows: torch.Tensor) -> torch.Tensor:
         self.passes += 1
         return rows @ self.m
+
+
+class TorchOnlyBackend:
+    """A ``LinAlgBackend`` that is not the single-device one, as a sharded backend is not:
+    the solvers then do all their vector arithmetic in torch (never in numpy on the host)."""
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.dot(a.reshape(-1), b.reshape(-1))
+
+    def norm(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(a)
+
+    def inner_rows(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        return A @ B.T
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def sa_problem_80() -> tuple[torch.Tensor, LambdaOperator]:
+    """compat/lanczos_smallest.py's matrix (float32, eigenvalues linspace(-2, 5, 80)) as a
+    1.0 operator."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(80, 80, generator=g))
+    a = q @ torch.diag(torch.linspace(-2.0, 5.0, 80)) @ q.T
+    return a, LambdaOperator(lambda v: a @ v, 80, dtype=torch.float32)

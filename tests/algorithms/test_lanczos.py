@@ -18,10 +18,12 @@ from hessian_eigenthings.operators.base import LambdaOperator
 from tests.algorithms.spectra import (
     KINDS,
     CountingOp,
+    TorchOnlyBackend,
     dense_matrix,
     dense_op,
     diag_op,
     lowrank_plus_diag,
+    sa_problem_80,
     spectrum,
 )
 
@@ -353,3 +355,52 @@ def test_noisy_products_are_named_as_the_cause() -> None:
     # a bare float64 operator on the CPU: no TF32 to blame, the generic cause is named
     assert len(messages) == 1 and "Ritz estimates met tol" in messages[0]
     assert "random or of low precision" in messages[0] and "TF32" not in messages[0]
+
+
+@pytest.mark.parametrize("which", ["LM", "SA"])
+# without full reorthogonalization a long run loses orthogonality, and then rounding decides
+# where spurious copies appear: compare that mode on a short run only
+@pytest.mark.parametrize(("n", "reorthogonalize"), [(80, True), (300, True), (80, False)])
+def test_host_and_torch_steps_agree(which: str, n: int, reorthogonalize: bool) -> None:
+    """Small CPU operators take numpy steps on the host (NOTE [small operators on the host]);
+    a backend other than the single-device one keeps every step in torch. Same iterates."""
+    eigs = spectrum("indefinite", n, seed=n)
+    m = dense_matrix(eigs, seed=n)
+    kw = dict(k=4, tol=1e-8, which=which, seed=0, reorthogonalize=reorthogonalize)
+    host = lanczos(dense_op(m), **kw)  # type: ignore[arg-type]
+    dev = lanczos(dense_op(m), backend=TorchOnlyBackend(), **kw)  # type: ignore[arg-type]
+    assert host.iterations == dev.iterations
+    np.testing.assert_allclose(host.eigenvalues.numpy(), dev.eigenvalues.numpy(), rtol=1e-12)
+    ref = _wanted(np.linalg.eigvalsh(m), which, 4)
+    np.testing.assert_allclose(host.eigenvalues.numpy(), ref, rtol=1e-7)
+    assert host.converged.all()
+
+
+def test_ritz_checks_are_scheduled_without_extra_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ritz check schedule]: few eigensolves of T, and the run still stops at the first
+    product count at which the wanted pairs meet tol (a budget one product smaller does not
+    converge: the iterates do not depend on the budget)."""
+    _, op = sa_problem_80()
+    v0 = torch.ones(80)
+    kw = dict(k=3, which="SA", tol=1e-6, ncv=20, v0=v0, residuals="estimate")
+    calls = [0]
+    eigh = np.linalg.eigh
+
+    def counting_eigh(a: np.ndarray) -> object:
+        calls[0] += 1
+        return eigh(a)
+
+    monkeypatch.setattr(np.linalg, "eigh", counting_eigh)
+    res = lanczos(op, **kw)  # type: ignore[arg-type]
+    assert res.converged.all()
+    assert res.iterations == 49
+    # checking every step (as before the schedule) took 47 eigensolves here
+    assert calls[0] == 6
+    with pytest.warns(ConvergenceWarning):
+        short = lanczos(op, max_iter=res.iterations - 1, **kw)  # type: ignore[arg-type]
+    assert not short.converged.all()
+    exact = lanczos(op, max_iter=res.iterations, **kw)  # type: ignore[arg-type]
+    assert exact.converged.all() and exact.iterations == res.iterations
+    np.testing.assert_allclose(
+        res.eigenvalues.numpy(), [-2.0, -2.0 + 7 / 79, -2.0 + 14 / 79], rtol=1e-5
+    )

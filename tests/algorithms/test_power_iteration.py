@@ -11,7 +11,15 @@ from hessian_eigenthings.algorithms import (
     deflated_power_iteration,
     power_iteration_one,
 )
-from tests.algorithms.spectra import CountingOp, dense_matrix, dense_op, diag_op
+from hessian_eigenthings.operators.base import LambdaOperator
+from tests.algorithms.spectra import (
+    CountingOp,
+    TorchOnlyBackend,
+    dense_matrix,
+    dense_op,
+    diag_op,
+    random_orthogonal,
+)
 
 
 def test_power_iteration_one_matches_eigh() -> None:
@@ -81,3 +89,42 @@ def test_seed_reproducible() -> None:
     a = deflated_power_iteration(dense_op(m), k=2, max_iter=50, tol=1e-6, seed=4)
     b = deflated_power_iteration(dense_op(m), k=2, max_iter=50, tol=1e-6, seed=4)
     assert torch.equal(a.eigenvectors, b.eigenvectors)
+
+
+def test_host_and_torch_arithmetic_agree() -> None:
+    """Small CPU operators iterate in numpy on the host (NOTE [small operators on the host]);
+    a backend other than the single-device one keeps the iteration in torch. Same iterates."""
+    m = dense_matrix(np.concatenate([[6.0, -4.0, 3.0], np.linspace(1.0, 0.0, 47)]), seed=2)
+    kw = dict(max_iter=400, tol=1e-9, seed=0)
+    host = deflated_power_iteration(dense_op(m), k=3, **kw)  # type: ignore[arg-type]
+    dev = deflated_power_iteration(dense_op(m), k=3, backend=TorchOnlyBackend(), **kw)  # type: ignore[arg-type]
+    assert host.iterations == dev.iterations
+    np.testing.assert_allclose(host.eigenvalues.numpy(), dev.eigenvalues.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(host.eigenvalues.numpy(), [6.0, 3.0, -4.0], rtol=1e-8)
+    one_h = power_iteration_one(dense_op(m), **kw)  # type: ignore[arg-type]
+    one_d = power_iteration_one(dense_op(m), backend=TorchOnlyBackend(), **kw)  # type: ignore[arg-type]
+    assert one_h.iterations == one_d.iterations and one_h.converged
+    assert one_h.eigenvalue == pytest.approx(one_d.eigenvalue, rel=1e-12)
+    assert one_h.eigenvalue == pytest.approx(6.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", [None, TorchOnlyBackend()])
+def test_deflation_products_are_pinned(backend: object) -> None:
+    """compat/custom_operator.py's low-rank-plus-diagonal operator in float64: host (numpy)
+    and torch arithmetic spend the same products, one per step plus the final block of k."""
+    u = torch.as_tensor(random_orthogonal(60, seed=4)[:, :4])
+    s = torch.tensor([10.0, 6.0, 3.0, 1.5], dtype=torch.float64)
+    op = LambdaOperator(lambda v: u @ (s * (u.T @ v)) + 0.1 * v, 60, dtype=torch.float64)
+    res = deflated_power_iteration(op, k=3, max_iter=200, tol=1e-4, seed=0, backend=backend)  # type: ignore[arg-type]
+    assert res.iterations == 57 == op.num_matvecs
+    assert res.converged.all()
+    np.testing.assert_allclose(res.eigenvalues.numpy(), [10.1, 6.1, 3.1], rtol=1e-7)
+
+
+def test_deflation_of_an_exactly_low_rank_operator() -> None:
+    """Runs past the rank find the deflated zero operator; the full spectrum is right."""
+    q = random_orthogonal(8, seed=1)[:, :2]
+    m = (q * np.array([5.0, -2.0])) @ q.T
+    res = deflated_power_iteration(dense_op(m), k=4, max_iter=100, tol=1e-8, seed=0)
+    np.testing.assert_allclose(res.eigenvalues.numpy(), [5.0, 0.0, 0.0, -2.0], atol=1e-12)
+    assert res.converged.all()
