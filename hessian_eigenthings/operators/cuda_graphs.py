@@ -9,6 +9,7 @@ work of launching them one by one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -219,19 +220,30 @@ class GraphRecorder:
         # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
         rng = torch.cuda.default_generators[self.op.device.index if self.op.device.index is not None else torch.cuda.current_device()]
         rng_state = rng.clone_state()
+        # NOTE [no collection during a capture]: an unreachable object that holds a CUDA graph
+        # (an operator dropped by the user, still in a reference cycle) frees it when the
+        # cyclic collector runs; freeing a graph while a stream captures breaks the capture
+        # ("operation not permitted when stream is capturing"). The collector is kept off for
+        # the capture (its state is put back); no collection is forced (one costs tens of ms).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            graph.capture_begin(pool=self.pool)
             try:
-                with _torch_compat.CapturableScalars():
-                    outputs = fn()
+                graph.capture_begin(pool=self.pool)
+                try:
+                    with _torch_compat.CapturableScalars():
+                        outputs = fn()
+                finally:
+                    graph.capture_end()
             finally:
-                graph.capture_end()
+                if collecting:
+                    gc.enable()
         except Exception as exc:  # any failure: eager products, same results
             rng.graphsafe_set_state(rng_state)
             if not self.warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
                 self.warned = True  # once per operator; out of memory: quietly eager
                 warnings.warn(
-                    f"{type(self).__name__}: recording {what} as a CUDA graph failed for blocks "
+                    f"{type(self.op).__name__}: recording {what} as a CUDA graph failed for blocks "
                     f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "
                     "products run eagerly. Pass cuda_graphs=False to skip the attempt.",
                     RuntimeWarning,

@@ -6,6 +6,7 @@ graphs off; the cost counters say how many products were replayed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -380,3 +381,33 @@ def test_allocator_readings_match_torch() -> None:
     assert _torch_compat.cuda_allocated(dev) == torch.cuda.memory_allocated(dev)
     assert _torch_compat.cuda_reserved(dev) == torch.cuda.memory_reserved(dev)
     del x
+
+
+@cuda
+def test_a_dropped_operator_collected_during_a_capture_does_not_break_it() -> None:
+    """NOTE [no collection during a capture]: an operator dropped in a reference cycle frees
+    its recordings whenever the cyclic collector runs; with the collector made eager, it would
+    run inside the next capture and break it. Recordings must still succeed, silently."""
+    import gc
+
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    v = torch.randn(HessianOperator(model, data, loss).size, device="cuda")
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(3):
+            dropped = HessianOperator(model, data, loss, graph_reuse=False)
+            for _ in range(3):
+                dropped @ v
+            assert dropped.num_replays == 2
+            del dropped  # unreachable, still in a cycle (its collaborators point back at it)
+        fresh = HessianOperator(model, data, loss, graph_reuse=False)
+        expected = HessianOperator(model, data, loss, graph_reuse=False, cuda_graphs=False) @ v
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for _ in range(3):
+                torch.testing.assert_close(fresh @ v, expected, rtol=1e-5, atol=1e-6)
+        assert fresh.num_replays == 2
+    finally:
+        gc.set_threshold(*threshold)
