@@ -14,12 +14,16 @@ from hessian_eigenthings.loss_fns.huggingface import (
 from hessian_eigenthings.loss_fns.protocols import (
     CountedPerSampleLoss,
     ForwardFn,
+    HiddenStatesForward,
+    LinearHeadLoss,
     LossFn,
     LossOfOutputFn,
     OutputHessianLoss,
     PerSampleLossFn,
+    SampledFisherLoss,
 )
 from hessian_eigenthings.loss_fns.standard import (
+    BCEWithLogitsOutputLoss,
     CrossEntropyOutputLoss,
     MSEOutputLoss,
     cross_entropy_loss_of_output,
@@ -37,17 +41,21 @@ from hessian_eigenthings.loss_fns.transformer_lens import (
 )
 
 __all__ = [
+    "BCEWithLogitsOutputLoss",
     "CountedPerSampleLoss",
     "CrossEntropyOutputLoss",
     "ForwardFn",
     "HFCausalLMForward",
     "HFCausalLMLoss",
     "HFCausalLMPerTokenLoss",
+    "HiddenStatesForward",
+    "LinearHeadLoss",
     "LossFn",
     "LossOfOutputFn",
     "MSEOutputLoss",
     "OutputHessianLoss",
     "PerSampleLossFn",
+    "SampledFisherLoss",
     "TLensLMLoss",
     "cross_entropy_loss_of_output",
     "hf_lm_forward",

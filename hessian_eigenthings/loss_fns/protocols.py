@@ -115,3 +115,26 @@ class LinearHeadLoss(Protocol):
         chunk_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
+
+@runtime_checkable
+class SampledFisherLoss(Protocol):
+    """A loss that is the negative log-likelihood of a distribution the output parametrises,
+    for the Monte-Carlo Fisher (``GGNOperator(..., mc_samples=k)``).
+
+    ``loss.sample_grads(output, batch, k, generator)`` draws k targets per sample from the
+    model's predictive distribution (with ``generator``, no global random state) and returns
+    the gradients of the per-sample negative log-likelihoods at them, ``(k, *output.shape)``
+    (no graph). ``loss.sampled_hvp(output, batch, grads, u)`` applies
+    ``H̃ = w · mean_s g_s g_sᵀ`` (per sample, ``w`` the loss's reduction weight) to a block
+    ``u`` of shape ``(m, *output.shape)``: in expectation the loss's output Hessian, whose
+    expectation over the targets is the Fisher.
+    """
+
+    def sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
+    ) -> torch.Tensor: ...
+
+    def sampled_hvp(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor: ...
+

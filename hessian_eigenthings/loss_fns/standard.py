@@ -134,6 +134,46 @@ class CrossEntropyOutputLoss:
         out = cross_entropy_hvp_block(logits, block, valid, n, impl=self.impl)
         return out.movedim(-1, 2) if moved else out
 
+    # -- the Monte-Carlo Fisher (loss_fns.protocols.SampledFisherLoss) -----------------
+    def _rows(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor]:
+        """Logits with classes last, the rows that count (None: all) and the mean's denominator."""
+        _, y = _inputs_targets(batch)
+        logits = output.movedim(1, -1) if output.dim() > 2 else output
+        valid = None if y.is_floating_point() else y != self.ignore_index
+        if self.reduction == "sum":
+            n: float | torch.Tensor = 1.0
+        elif valid is None:
+            n = float(logits.numel() // max(logits.shape[-1], 1))
+        else:
+            n = valid.sum().clamp_min(1)
+        return logits, valid, n
+
+    def sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """``softmax(f) - onehot(y_s)``, ``y_s ~ Categorical(softmax(f))``, zero on ignored rows."""
+        logits, valid, _ = self._rows(output.detach(), batch)
+        # half-precision logits: probabilities in float32 (multinomial and the sums need them)
+        p = torch.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)
+        flat = p.reshape(-1, p.shape[-1])
+        draws = torch.multinomial(flat, k, replacement=True, generator=generator)  # (rows, k)
+        g = flat.unsqueeze(0).repeat(k, 1, 1)
+        g.scatter_add_(2, draws.t().unsqueeze(-1), torch.full_like(draws.t().unsqueeze(-1), -1.0, dtype=g.dtype))
+        g = g.reshape(k, *p.shape)
+        if valid is not None:
+            g = g * valid.unsqueeze(-1).to(g.dtype)
+        g = g.to(output.dtype)
+        return g.movedim(-1, 2) if output.dim() > 2 else g
+
+    def sampled_hvp(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        _, _, n = self._rows(output, batch)
+        dim = 2 if output.dim() > 1 else 1  # the class dimension of a (k, *output.shape) block
+        # per row: mean_s g_s ⟨g_s, u⟩ / n, for every direction of the block u (m, *output.shape)
+        dots = (grads.unsqueeze(1) * u.unsqueeze(0)).sum(dim=dim + 1, keepdim=True)  # (k, m, ...)
+        return (grads.unsqueeze(1) * dots).mean(0) / n
+
     def __repr__(self) -> str:
         return (
             f"CrossEntropyOutputLoss(ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -156,8 +196,58 @@ class MSEOutputLoss:
         scale = 2.0 / output.numel() if self.reduction == "mean" else 2.0
         return u * scale
 
+    # -- the Monte-Carlo Fisher: (f - y)² is the Gaussian NLL with variance 1/2, up to a constant
+    def sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """``2 (f - y_s)``, ``y_s ~ N(f, 1/2)``: ``√2 z``, ``z ~ N(0, 1)`` (sign irrelevant)."""
+        z = torch.randn((k, *output.shape), generator=generator, device=output.device, dtype=output.dtype)
+        return z * 2.0**0.5
+
+    def sampled_hvp(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        w = 1.0 / output.numel() if self.reduction == "mean" else 1.0
+        return u * ((grads * grads).mean(0) * w)
+
     def __repr__(self) -> str:
         return f"MSEOutputLoss(reduction={self.reduction!r})"
+
+
+class BCEWithLogitsOutputLoss:
+    """``F.binary_cross_entropy_with_logits(output, batch[1])`` with ``∇² = σ(f)(1 - σ(f))``
+    per element (divided by the element count for ``"mean"``)."""
+
+    def __init__(self, *, reduction: Reduction = "mean") -> None:
+        _check_reduction(reduction)
+        self.reduction: Reduction = reduction
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        return F.binary_cross_entropy_with_logits(output, y, reduction=self.reduction)
+
+    def _weight(self, output: torch.Tensor) -> float:
+        return 1.0 / output.numel() if self.reduction == "mean" else 1.0
+
+    def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
+        s = torch.sigmoid(output)
+        return u * (s * (1 - s) * self._weight(output))
+
+    def sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """``σ(f) - y_s``, ``y_s ~ Bernoulli(σ(f))``."""
+        s = torch.sigmoid(output.detach())
+        draws = torch.bernoulli(s.expand(k, *s.shape), generator=generator)
+        return s - draws
+
+    def sampled_hvp(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        return u * ((grads * grads).mean(0) * self._weight(output))
+
+    def __repr__(self) -> str:
+        return f"BCEWithLogitsOutputLoss(reduction={self.reduction!r})"
 
 
 def cross_entropy_loss_of_output(
@@ -194,11 +284,12 @@ class _CriterionOfOutput:
 
 def supervised_loss_of_output(
     criterion: Criterion,
-) -> CrossEntropyOutputLoss | MSEOutputLoss | LossOfOutputFn:
+) -> CrossEntropyOutputLoss | MSEOutputLoss | BCEWithLogitsOutputLoss | LossOfOutputFn:
     """``loss_of_output(output, (x, y)) = criterion(output, y)``.
 
-    ``nn.CrossEntropyLoss`` (no class weights) and ``nn.MSELoss`` with
-    reduction ``"mean"`` or ``"sum"`` become closed-form losses (use the GGN's
+    ``nn.CrossEntropyLoss`` (no class weights), ``nn.MSELoss`` and
+    ``nn.BCEWithLogitsLoss`` (no weights) with reduction ``"mean"`` or ``"sum"``
+    become closed-form losses (use the GGN's
     default ``loss_hvp="analytical"``); anything else is a plain callable for
     ``loss_hvp="autograd"``.
     """
@@ -216,6 +307,13 @@ def supervised_loss_of_output(
         )
     if isinstance(criterion, nn.MSELoss) and reduction in ("mean", "sum"):
         return MSEOutputLoss(reduction=criterion.reduction)  # type: ignore[arg-type]
+    if (
+        isinstance(criterion, nn.BCEWithLogitsLoss)
+        and criterion.weight is None
+        and criterion.pos_weight is None
+        and reduction in ("mean", "sum")
+    ):
+        return BCEWithLogitsOutputLoss(reduction=criterion.reduction)  # type: ignore[arg-type]
     return _CriterionOfOutput(criterion)
 
 

@@ -176,6 +176,7 @@ class DataCurvatureOperator(CurvatureOperator):
         self.num_passes = 0
         self.num_forwards = 0
         self.num_replays = 0
+        self.chunk_position = 0
 
     @property
     def _engines(self) -> EngineSelector:
@@ -361,9 +362,11 @@ class DataCurvatureOperator(CurvatureOperator):
         self, vecs: list[torch.Tensor]
     ) -> Iterator[tuple[Sequence[torch.Tensor | None], float]]:
         """``(product, weight)`` of every chunk of one pass (weight: its samples, see ``_weight``)."""
+        self.chunk_position = -1  # which chunk of the pass is being computed (0, 1, ...)
         if not self._reuse_enabled():
             for raw, chunk in self._fresh_chunks():
                 self.num_passes += 1
+                self.chunk_position += 1
                 yield self._chunk_product(raw, chunk, vecs)
             return
         for position, raw in enumerate(self.source.batches()):
@@ -373,6 +376,7 @@ class DataCurvatureOperator(CurvatureOperator):
                 n_chunks = math.ceil(batch_size(raw) / self.microbatch_size)
             for c in range(n_chunks):
                 key = (position, c)
+                self.chunk_position += 1
                 entry = self._states.get(key, raw)
                 if entry is not None:
                     yield self.recorder.apply_kept(entry, vecs), self._weight(entry.size, raw)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
@@ -49,6 +50,7 @@ from hessian_eigenthings.loss_fns.protocols import (
     LinearHeadLoss,
     LossOfOutputFn,
     OutputHessianLoss,
+    SampledFisherLoss,
 )
 from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.lm_head import ChunkedHead, plain_head
@@ -82,6 +84,13 @@ class GGNOperator(OutputSandwichOperator):
       ~256 MiB) for HuggingFace causal LMs with a plain linear head, see
       NOTE [chunked LM head]; ``True`` insists, ``False`` never does.
       ``lm_head`` is the head module when the chunked path is in use.
+    - ``mc_samples``: 0 (default) the exact GGN; ``k > 0`` the Monte-Carlo Fisher: the loss
+      Hessian replaced by the mean of ``g gᵀ`` over k targets per sample drawn from the
+      model's predictive distribution (``g`` the loss gradient at the output), for losses
+      implementing :class:`~hessian_eigenthings.loss_fns.protocols.SampledFisherLoss`
+      (cross-entropy, MSE as a Gaussian with variance 1/2, BCE with logits). Draws are seeded
+      by ``seed`` and the chunk's position in a pass: one fixed matrix per operator, the global
+      random state untouched. Runs on the autograd engine.
     """
 
     def __init__(
@@ -100,6 +109,8 @@ class GGNOperator(OutputSandwichOperator):
         jvp: JvpMethod = "auto",
         chunked_lm_head: bool | Literal["auto"] = "auto",
         lm_head_chunk_rows: int | None = None,
+        mc_samples: int = 0,
+        seed: int = 0,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
         **options: Unpack[DataOptions],
@@ -116,7 +127,18 @@ class GGNOperator(OutputSandwichOperator):
         check_loss_argument(forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output")
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
-        if loss_hvp == "analytical" and not isinstance(loss_of_output_fn, OutputHessianLoss):
+        self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)  # type: ignore[assignment]
+        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        if self.mc_samples and not isinstance(loss_of_output_fn, SampledFisherLoss):
+            raise ValueError(
+                f"mc_samples={mc_samples} samples targets from the model's predictive distribution; "
+                f"{loss_of_output_fn!r} cannot (no .sample_grads, see loss_fns.SampledFisherLoss). Use "
+                "supervised_loss_of_output(...) of nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(), "
+                "or mc_samples=0 for the exact GGN"
+            )
+        if self.mc_samples:
+            loss_hvp = "analytical"  # the sampled outer products replace the loss Hessian
+        elif loss_hvp == "analytical" and not isinstance(loss_of_output_fn, OutputHessianLoss):
             raise ValueError(
                 f"loss_hvp='analytical' needs a loss with a closed-form output Hessian (an .hvp(output, "
                 f"batch, u) method, see loss_fns.OutputHessianLoss); {loss_of_output_fn!r} has none. Pass "
@@ -150,7 +172,8 @@ class GGNOperator(OutputSandwichOperator):
                 f"chunked_lm_head=True runs on engine='autograd'; engine={self._engine_name!r} sandwiches the "
                 "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
             )
-        head = None if chunked_lm_head is False or traced or loss_hvp != "analytical" else plain_head(
+        plain = chunked_lm_head is not False and not traced and loss_hvp == "analytical" and not self.mc_samples
+        head = None if not plain else plain_head(
             model, forward_fn, loss_of_output_fn
         )
         if head is None and chunked_lm_head is True:
@@ -205,7 +228,23 @@ class GGNOperator(OutputSandwichOperator):
         hu: torch.Tensor = torch.func.jvp(torch.func.grad(scalar), (output,), (u,))[1]
         return hu
 
+    def _functional_blocker(self) -> str | None:
+        if self.mc_samples:
+            return f"mc_samples={self.mc_samples} (sampled targets) runs on engine='autograd'"
+        return super()._functional_blocker()
+
     def _loss_state(self, state: OutputState) -> None:
+        if self.mc_samples:
+            # NOTE [sampled targets]: one draw per chunk of a pass, seeded by (seed, rank, chunk
+            # position), so every product of the operator uses the same draws (a fixed matrix,
+            # kept state or not) and nothing reads or moves the global random state
+            generator = torch.Generator(device=state.output.device)
+            rank = int(getattr(self, "rank", 0))
+            generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position)
+            sampler = self.loss_of_output_fn
+            assert isinstance(sampler, SampledFisherLoss)
+            state.samples = sampler.sample_grads(state.output.detach(), state.batch, self.mc_samples, generator)
+            return
         if self.loss_hvp == "analytical":
             return
         leaf = state.output.detach().requires_grad_(True)
@@ -220,6 +259,10 @@ class GGNOperator(OutputSandwichOperator):
         state.loss_grad = grad
 
     def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
+        if state.samples is not None:
+            sampler = self.loss_of_output_fn
+            assert isinstance(sampler, SampledFisherLoss)
+            return sampler.sampled_hvp(state.output.detach(), state.batch, state.samples, u)
         if self.loss_hvp == "analytical":
             hu = self.loss_of_output_fn.hvp(state.output.detach(), state.batch, u)  # type: ignore[union-attr]
             if not isinstance(hu, torch.Tensor) or hu.shape != u.shape:

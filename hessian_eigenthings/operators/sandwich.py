@@ -70,6 +70,7 @@ class OutputState:
     output_leaf: torch.Tensor | None = None  # the detached output ∇_f ℓ is taken at
     valid: torch.Tensor | None = None  # chunked LM head: target positions that count (B, T-1)
     n: torch.Tensor | None = None  # chunked LM head: their number (the mean's denominator)
+    samples: torch.Tensor | None = None  # MC Fisher: loss gradients at sampled targets (k, *output.shape)
 
 
 class OutputSandwichOperator(DataCurvatureOperator):
@@ -111,7 +112,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
         self._call_names = [f"model.{n}" for n in self.layout.names]
         # the traced engines sandwich the whole output (never the chunked LM head's hidden states)
         self._functional_call = CallWithModel(self.model, forward_fn)
-        self.supports_functional = jvp != "finite_difference"
+        self.supports_functional = self._functional_blocker() is None
         self._engines  # noqa: B018 - validates engine= against jvp= now, not at the first product
         #: how the last Jv was computed: "forward_mode" or "finite_difference" (None before the first product)
         self.jvp_method: str | None = None
@@ -124,8 +125,12 @@ class OutputSandwichOperator(DataCurvatureOperator):
         self.forward_fn = forward_fn
         self._call = CallWithModel(self.model, forward_fn)
 
+    def _functional_blocker(self) -> str | None:
+        """Why this operator's products cannot be traced, or ``None``."""
+        return "jvp='finite_difference' is not a traced product" if self.jvp == "finite_difference" else None
+
     def functional_unsupported_reason(self) -> str:
-        return "jvp='finite_difference' is not a traced product"
+        return self._functional_blocker() or ""
 
     def functional_product(
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
