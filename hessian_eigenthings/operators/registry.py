@@ -96,7 +96,9 @@ class Curvature:
         labels = [f.label for f in self.memory]
         if len(set(labels)) != len(labels):
             # MemoryEstimate.method holds the label; memory's suggestions find the factors by it
-            raise ValueError(f"curvature {self.name!r}: MemoryFactors labels must differ, got {labels}")
+            raise ValueError(
+                f"curvature {self.name!r}: MemoryFactors labels must differ, got {labels}"
+            )
 
     def operator_class(self) -> type:
         """The operator class (imported on first use when given as an import path)."""
@@ -153,9 +155,14 @@ BUILTIN: tuple[Curvature, ...] = (
         methods=("autograd", "finite_difference"),
         memory=(
             MemoryFactors(first_pass=1.0, per_vector=1.5, extra_vectors=1, label="autograd"),
-            MemoryFactors(first_pass=1.0, per_vector=0.0, extra_vectors=3, label="finite_difference"),
+            MemoryFactors(
+                first_pass=1.0, per_vector=0.0, extra_vectors=3, label="finite_difference"
+            ),
         ),
-        distributed=(f"{_OPS}.distributed:DDPHessianOperator", f"{_OPS}.distributed:FSDPHessianOperator"),
+        distributed=(
+            f"{_OPS}.distributed:DDPHessianOperator",
+            f"{_OPS}.distributed:FSDPHessianOperator",
+        ),
     ),
     Curvature(
         name="ggn",
@@ -163,7 +170,11 @@ BUILTIN: tuple[Curvature, ...] = (
         title="generalized Gauss-Newton (GGN)",
         description="generalized Gauss-Newton Jᵀ H_out J: the Hessian without the model's second derivatives",
         build=f"{_CLI}:build_from_loss_of_output",
-        memory=(MemoryFactors(first_pass=1.0, per_vector=1.0, extra_vectors=1, label="Jacobian products"),),
+        memory=(
+            MemoryFactors(
+                first_pass=1.0, per_vector=1.0, extra_vectors=1, label="Jacobian products"
+            ),
+        ),
         distributed=(f"{_OPS}.distributed:DDPGGNOperator",),
     ),
     Curvature(
@@ -172,7 +183,11 @@ BUILTIN: tuple[Curvature, ...] = (
         title="empirical Fisher",
         description="empirical Fisher (1/N) Σ ∇ℓᵢ ∇ℓᵢᵀ of the per-sample losses",
         build=f"{_CLI}:build_from_per_sample_loss",
-        memory=(MemoryFactors(first_pass=1.0, per_vector=1.0, extra_vectors=1, label="per-sample gradients"),),
+        memory=(
+            MemoryFactors(
+                first_pass=1.0, per_vector=1.0, extra_vectors=1, label="per-sample gradients"
+            ),
+        ),
         distributed=(f"{_OPS}.distributed:DDPEmpiricalFisherOperator",),
     ),
 )
@@ -213,7 +228,9 @@ def register(row: Curvature, *, replace: bool = False) -> Curvature:
     if any(b.name == row.name for b in BUILTIN):
         raise ValueError(f"{row.name!r} is a built-in curvature; register yours under another name")
     if row.name in _TABLE and not replace:
-        raise ValueError(f"curvature {row.name!r} is already registered; pass replace=True to overwrite it")
+        raise ValueError(
+            f"curvature {row.name!r} is already registered; pass replace=True to overwrite it"
+        )
     _TABLE[row.name] = row
     return row
 
