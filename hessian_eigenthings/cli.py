@@ -52,12 +52,15 @@ from hessian_eigenthings.loss_fns import (
     supervised_per_sample_loss,
 )
 from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
-from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
+from hessian_eigenthings.operators import registry
 from hessian_eigenthings.operators.base import DataCurvatureOperator
 
 __all__ = [
     "CLIError",
     "Problem",
+    "build_from_loss",
+    "build_from_loss_of_output",
+    "build_from_per_sample_loss",
     "build_operator",
     "builtin_problem",
     "load_user_problem",
@@ -127,17 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     what = parser.add_argument_group("what to compute")
+    # choices come from the curvature registry (operators/registry.py), read when the parser is built
+    rows = registry.curvatures()
     what.add_argument(
         "--operator",
-        choices=("hessian", "ggn", "fisher"),
+        choices=[row.name for row in rows],
         default="hessian",
-        help="curvature: Hessian, generalized Gauss-Newton, or empirical Fisher (default: hessian)",
+        help="curvature: " + "; ".join(f"{row.name}: {row.title}" for row in rows) + " (default: hessian)",
     )
+    methods = {m: [row.name for row in rows if m in row.methods] for row in rows for m in row.methods}
     what.add_argument(
         "--method",
-        choices=("autograd", "finite_difference"),
-        default="autograd",
-        help="how Hessian products are computed (default: autograd; --operator hessian only)",
+        choices=list(methods),
+        default=None,
+        help="how products are computed ("
+        + "; ".join(f"--operator {', '.join(ops)}: {m}" for m, ops in methods.items())
+        + "; default: the first listed)",
     )
     what.add_argument(
         "-k", "--k", type=_positive_int, default=10, help="number of top eigenvalues (default: 10)"
@@ -250,9 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.method != "autograd" and args.operator != "hessian":
+    row = registry.curvature(args.operator)
+    if args.method is None:
+        # curvatures with one product method record "autograd", as before the registry
+        args.method = row.methods[0] if row.methods else "autograd"
+    elif args.method not in row.methods:
+        owners = [r.name for r in registry.curvatures() if args.method in r.methods]
         parser.error(
-            f"--method {args.method} applies to --operator hessian only (GGN and Fisher have no double backward)"
+            f"--method {args.method} applies to --operator {', '.join(owners)} only "
+            f"({args.operator} has {'methods ' + ', '.join(row.methods) if row.methods else 'one product method'})"
         )
     if 0 < args.trace_matvecs < 3:
         parser.error(
@@ -485,37 +499,70 @@ class _LazyCast(_CastBatches):
 
 
 # --------------------------------------------------------------------------
-# The run
+# Operators: each curvature's registry row names the builder that makes it
+# from (model, dataloader, criterion)
 # --------------------------------------------------------------------------
+
+
+def build_from_loss(
+    cls: type, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, options: Mapping[str, Any]
+) -> Any:
+    """``cls(model, dataloader, supervised_loss(criterion), **options)``: operators of a mean loss."""
+    return cls(model, dataloader, supervised_loss(criterion), **options)
+
+
+def build_from_loss_of_output(
+    cls: type, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, options: Mapping[str, Any]
+) -> Any:
+    """``cls(model, dataloader, supervised_forward, supervised_loss_of_output(criterion), ...)``:
+    operators of the model output's loss (the GGN); the closed-form output Hessian where the
+    criterion has one (cross-entropy, MSE), else a double backward through the loss."""
+    loss_of_output = supervised_loss_of_output(criterion)
+    closed_form = isinstance(loss_of_output, OutputHessianLoss)
+    return cls(
+        model,
+        dataloader,
+        supervised_forward,
+        loss_of_output,
+        loss_hvp="analytical" if closed_form else "autograd",
+        **options,
+    )
+
+
+def build_from_per_sample_loss(
+    cls: type, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, options: Mapping[str, Any]
+) -> Any:
+    """``cls(model, dataloader, supervised_per_sample_loss(criterion), **options)``: operators
+    of one loss per sample (the empirical Fisher)."""
+    return cls(model, dataloader, supervised_per_sample_loss(criterion), **options)
 
 
 def build_operator(
     problem: Problem,
     operator: str,
     *,
-    method: str = "autograd",
+    method: str | None = None,
     num_batches: int | None = None,
     microbatch_size: int | None = None,
 ) -> DataCurvatureOperator:
-    """The operator the CLI runs, built from ``(model, dataloader, criterion)`` with the loss helpers."""
-    model, data, criterion = problem.model, problem.dataloader, problem.criterion
-    common: dict[str, Any] = {"num_batches": num_batches, "microbatch_size": microbatch_size}
-    if operator == "hessian":
-        return HessianOperator(model, data, supervised_loss(criterion), method=method, **common)  # type: ignore[arg-type]
-    if operator == "ggn":
-        loss_of_output = supervised_loss_of_output(criterion)
-        closed_form = isinstance(loss_of_output, OutputHessianLoss)
-        return GGNOperator(
-            model,
-            data,
-            supervised_forward,
-            loss_of_output,
-            loss_hvp="analytical" if closed_form else "autograd",
-            **common,
-        )
-    if operator == "fisher":
-        return EmpiricalFisherOperator(model, data, supervised_per_sample_loss(criterion), **common)
-    raise CLIError(f"unknown operator {operator!r}")
+    """The operator the CLI runs, built from ``(model, dataloader, criterion)`` by the curvature's
+    registry row (:attr:`~hessian_eigenthings.operators.registry.Curvature.build`)."""
+    try:
+        row = registry.curvature(operator)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    options: dict[str, Any] = {"num_batches": num_batches, "microbatch_size": microbatch_size}
+    if row.methods:
+        options["method"] = method if method is not None else row.methods[0]
+    op = row.builder()(row.operator_class(), problem.model, problem.dataloader, problem.criterion, options)
+    if not isinstance(op, DataCurvatureOperator):
+        raise CLIError(f"curvature {operator!r}: its build returned {type(op).__name__}, not a DataCurvatureOperator")
+    return op
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
 
 
 def _data_used(data: Iterable[Any], num_batches: int | None) -> tuple[int, int] | None:
@@ -595,7 +642,6 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
     )
 
 
-_OPERATOR_NAMES = {"hessian": "Hessian", "ggn": "generalized Gauss-Newton (GGN)", "fisher": "empirical Fisher"}
 _WHICH_WORDS = {
     "LA": ("top {k} eigenvalues, largest first", "top eigenvalues"),
     "LM": ("{k} largest-magnitude eigenvalues", "largest |λ|"),
@@ -706,7 +752,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if op.size <= 10_000 else ""
         )
         raise CLIError(f"-k {args.k}: k must be between 1 and the operator size n = {op.size}{hint}")
-    what = f"{args.operator}" + (f" ({args.method})" if args.operator == "hessian" else "")
+    what = f"{args.operator}" + (f" ({args.method})" if registry.curvature(args.operator).methods else "")
     _log(quiet, f"operator: {what}, n = {op.size} parameters, {str(op.dtype).removeprefix('torch.')} on {device}")
     used = _data_used(problem.dataloader, args.num_batches)
     dtype_name = str(op.dtype).removeprefix("torch.")
@@ -810,7 +856,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         else:
             png = out_dir / "spectrum.png"
-            title = f"{_OPERATOR_NAMES[args.operator]} of {problem.description}"
+            title = f"{registry.curvature(args.operator).title} of {problem.description}"
             notes = f"data: {data_line}, {dtype_name} on {device}"
             _plot(png, _figure(eig, density, tr, args.which, title, notes))
             written.append(str(png))

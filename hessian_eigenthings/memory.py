@@ -27,28 +27,28 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import batch_size
+from hessian_eigenthings.operators import registry
 
 __all__ = ["MemoryEstimate", "activation_bytes", "available_memory", "estimate_memory"]
 
-OperatorKind = Literal["hessian", "ggn", "fisher"]
-Method = Literal["autograd", "finite_difference"]
-
 # NOTE [memory factors]
 # Factors applied to A (activation bytes of one gradient step), for a block of
-# k vectors. They come from the structure of each computation; on CPU they
-# were checked against torch.profiler's allocation timeline for tanh MLPs
-# (tests/test_memory.py keeps that check): the measured peak was 1.0-1.35x
-# the estimate for every operator and k in {1, 4}, i.e. the estimate runs a
-# little low. They have not been checked on CUDA, where the caching allocator
-# and kernel workspaces add more; other architectures (attention, conv)
-# save different things and may land elsewhere.
+# k vectors. Each curvature's row in hessian_eigenthings.operators.registry
+# carries its own (MemoryFactors: first pass, per vector, extra vectors of size
+# n); the reasoning for the built-in rows is here. They come from the structure
+# of each computation; on CPU they were checked against torch.profiler's
+# allocation timeline for tanh MLPs (tests/test_memory.py keeps that check): the
+# measured peak was 1.0-1.35x the estimate for every operator and k in {1, 4},
+# i.e. the estimate runs a little low. They have not been checked on CUDA, where
+# the caching allocator and kernel workspaces add more; other architectures
+# (attention, conv) save different things and may land elsewhere.
 # - Hessian, autograd: the forward keeps A; the backward with create_graph
 #   keeps a graph of about the same size again, and the second backward needs
 #   temporaries of about half that per vector. Per vector of a block the
@@ -61,21 +61,8 @@ Method = Literal["autograd", "finite_difference"]
 # Vectors of size n on top (units of P): the input block and the output
 # buffer (2k), plus one gradient (autograd) or a saved copy of the
 # parameters and two gradients (finite differences: 3).
-_FIRST_PASS = {"hessian/autograd": 1.0, "hessian/finite_difference": 1.0, "ggn": 1.0, "fisher": 1.0}
-_PER_VECTOR = {"hessian/autograd": 1.5, "hessian/finite_difference": 0.0, "ggn": 1.0, "fisher": 1.0}
-_EXTRA_VECTORS = {"hessian/autograd": 1, "hessian/finite_difference": 3, "ggn": 1, "fisher": 1}
 # Fraction of the free memory a run may plan to use: allocators fragment.
 _HEADROOM = 0.9
-
-
-# What a product of each non-Hessian operator runs, for the summary line.
-_HOW = {"ggn": "Jacobian products", "fisher": "per-sample gradients"}
-
-
-def _key(operator: str, method: str) -> str:
-    if operator == "hessian":
-        return f"hessian/{method}"
-    return operator
 
 
 def _fmt(nbytes: float) -> str:
@@ -119,18 +106,22 @@ class MemoryEstimate:
         if self.fits:
             return []
         tips: list[str] = []
-        key = _key(self.operator, self.method)
-        act = self.activation_bytes * (_FIRST_PASS[key] + _PER_VECTOR[key] * self.block_size)
-        if act > 0.3 * self.required_bytes:
+        row = registry.curvature(self.operator)
+        # MemoryEstimate.method holds the factors' label (the method for curvatures with several)
+        current = next(f for f in row.memory if f.label == self.method)
+        act_factor = current.first_pass + current.per_vector * self.block_size
+        if self.activation_bytes * act_factor > 0.3 * self.required_bytes:
             tips.append(
                 "activations dominate: pass microbatch_size=... (same result, activations scale "
                 "with the microbatch)"
             )
-            if key == "hessian/autograd":
-                tips.append(
-                    "use method='finite_difference' (no double backward: about 1x instead of "
-                    f"{_FIRST_PASS[key] + _PER_VECTOR[key] * self.block_size:.1f}x the activations)"
-                )
+            for method, factors in zip(row.methods, row.memory, strict=True):
+                other = factors.first_pass + factors.per_vector * self.block_size
+                if other < act_factor:
+                    tips.append(
+                        f"use method={method!r} (about {other:.1f}x instead of {act_factor:.1f}x the "
+                        "activations)"
+                    )
         if self.block_size > 1:
             tips.append("use a smaller block (max_block_size=... on the operator, or block_size=1)")
         if self.algorithm_bytes > 0.3 * self.required_bytes:
@@ -258,8 +249,8 @@ def estimate_memory(
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     *,
-    operator: OperatorKind = "hessian",
-    method: Method = "autograd",
+    operator: str = "hessian",
+    method: str | None = None,
     block_size: int = 1,
     microbatch_size: int | None = None,
     krylov_size: int = 0,
@@ -274,8 +265,13 @@ def estimate_memory(
             is per batch: the data loop holds one at a time).
         loss_fn: ``loss_fn(model, batch) -> scalar``; needed to measure on
             CUDA, and makes the CPU count include the loss's saved tensors.
-        operator: ``"hessian"``, ``"ggn"`` or ``"fisher"``.
-        method: for the Hessian, ``"autograd"`` or ``"finite_difference"``.
+        operator: a curvature of :mod:`hessian_eigenthings.operators.registry`:
+            ``"hessian"``, ``"ggn"``, ``"fisher"`` or one added with ``register``.
+            Its row's :class:`~hessian_eigenthings.operators.registry.MemoryFactors`
+            give the estimate.
+        method: for curvatures with several product methods (the Hessian:
+            ``"autograd"``, ``"finite_difference"``), which one; default the
+            first. Others have one (``"autograd"`` is accepted for them).
         block_size: vectors per product pass (``op @ V`` with ``V (n, k)``).
         microbatch_size: activations are scaled by ``microbatch / batch``.
         krylov_size: vectors of size n the algorithm keeps (Lanczos ``ncv``,
@@ -287,10 +283,15 @@ def estimate_memory(
 
     See the module docstring and NOTE [memory factors] for what is modelled.
     """
-    if operator not in ("hessian", "ggn", "fisher"):
-        raise ValueError(f"operator must be 'hessian', 'ggn' or 'fisher', got {operator!r}")
-    if method not in ("autograd", "finite_difference"):
-        raise ValueError(f"method must be 'autograd' or 'finite_difference', got {method!r}")
+    try:
+        row = registry.curvature(operator)
+    except ValueError as exc:
+        raise ValueError(f"operator: {exc}") from None
+    if not row.methods and method not in (None, "autograd"):
+        raise ValueError(
+            f"operator {operator!r} has one product method; leave method unset, got {method!r}"
+        )
+    factors = row.memory_factors(method)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if krylov_size < 0:
@@ -321,16 +322,15 @@ def estimate_memory(
     if microbatch_size is not None and bs is not None and microbatch_size < bs:
         act = int(act * microbatch_size / bs)
         bs = microbatch_size
-    key = _key(operator, method)
-    factor = _FIRST_PASS[key] + _PER_VECTOR[key] * block_size
-    vectors = 2 * block_size + _EXTRA_VECTORS[key]
+    factor = factors.first_pass + factors.per_vector * block_size
+    vectors = 2 * block_size + factors.extra_vectors
     product = int(factor * act + vectors * param_bytes)
     wd_size = (
         torch.empty((), dtype=work_dtype).element_size() if work_dtype is not None else itemsize
     )
     return MemoryEstimate(
         operator=operator,
-        method=method if operator == "hessian" else _HOW[operator],
+        method=factors.label,
         block_size=block_size,
         krylov_size=krylov_size,
         parameter_bytes=param_bytes,
