@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeats", type=int, default=10)
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--workloads", default=None, help="comma list (default: all; gpt2_large GPU only)")
-    r.add_argument("--columns", default=",".join(IN_PROCESS + PEERS))
+    r.add_argument("--columns", default=",".join(IN_PROCESS + PEERS),
+                   help="columns to run; also core-autograd, core-functional, core-compiled (one per product engine)")
     r.add_argument("--out", default="bench_out/parity")
     r.add_argument("--peers", default=None, help="directory made by `peers install` (DIR/a5, DIR/curvlinops)")
     r.add_argument("--algo-repeats", type=int, default=1)

@@ -58,3 +58,20 @@ def test_parity_suite_tiny_cpu(tmp_path: Path) -> None:
     assert "| tiny MLP" in to_markdown(data)
     both = merge([data, data])  # `python -m benchmarks report A B`: one row per workload
     assert len(both["results"]) == 1 and set(both["results"][0]["columns"]) == set(res["columns"])
+
+
+def test_engine_columns_run_side_by_side(tmp_path: Path) -> None:
+    """One column per product engine: each runs every parity task on its engine, agrees with
+    the core column, and reports its engine (traces, compilations) in the product cell."""
+    out = tmp_path / "engines"
+    run(suite="parity", device="cpu", repeats=1, warmup=1, workloads="tiny", trace_matvecs=9,
+        columns="core,core-autograd,core-functional", peers_dir=str(tmp_path / "no-peers"),
+        slq_runs=2, slq_steps=8, out=str(out), log=lambda m: None)
+    (res,) = json.loads((out / "parity.json").read_text())["results"]
+    for col, engine in (("core-autograd", "autograd"), ("core-functional", "functional")):
+        cells = res["columns"][col]["cells"]
+        assert all("error" not in cell for cell in cells.values()), (col, cells)
+        assert cells["hvp"]["rel_err_vs_core"] < 1e-6, col
+        assert cells["hvp"]["engine"]["active"] == engine
+        assert f"engine={engine}" in res["columns"][col]["version"]
+    assert res["columns"]["core-functional"]["cells"]["hvp"]["engine"]["traces"] >= 1

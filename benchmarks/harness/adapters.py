@@ -28,16 +28,24 @@ Closure = Callable[[], Any]
 REGISTRY: dict[str, str] = {
     "core": "benchmarks.harness.adapters_core:CoreAdapter",
     "core-noreuse": "benchmarks.harness.adapters_core:CoreNoReuseAdapter",
+    "core-autograd": "benchmarks.harness.adapters_core:CoreAutogradAdapter",
+    "core-functional": "benchmarks.harness.adapters_core:CoreFunctionalAdapter",
+    "core-compiled": "benchmarks.harness.adapters_core:CoreCompiledAdapter",
     "facade": "benchmarks.harness.adapters_core:FacadeAdapter",
     "baseline-0x": "benchmarks.harness.adapters:BaselineAdapter",
     "a5": "benchmarks.harness.adapters_peers:A5Adapter",
     "curvlinops": "benchmarks.harness.adapters_peers:CurvlinopsAdapter",
 }
 IN_PROCESS = ("core", "core-noreuse", "facade", "baseline-0x")
+#: one column per product engine (``core`` is ``engine="auto"``); in-process, opt-in with --columns
+ENGINE_COLUMNS = ("core-autograd", "core-functional", "core-compiled")
 PEERS = ("a5", "curvlinops")
 LABELS = {
     "core": "1.0 core (reuse)",
     "core-noreuse": "1.0 core (no reuse)",
+    "core-autograd": "1.0 core, engine=autograd",
+    "core-functional": "1.0 core, engine=functional",
+    "core-compiled": "1.0 core, engine=compiled",
     "facade": "0.x facade",
     "baseline-0x": "0.x-style baseline",
     "a5": "1.0.0a5",

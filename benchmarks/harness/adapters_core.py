@@ -25,6 +25,7 @@ class CoreAdapter(OperatorAdapter):
 
     column = "core"
     reuse: bool = True
+    engine: str = "auto"
 
     def __init__(self, w: ParityWorkload, device: torch.device, options: dict[str, Any]) -> None:
         super().__init__(w, device, options)
@@ -40,7 +41,7 @@ class CoreAdapter(OperatorAdapter):
 
     def version(self) -> str:
         extra = ", hf_lm helpers" if self.lm_helpers else ""
-        return f"hessian_eigenthings {he.__version__} (graph_reuse={self.reuse}{extra})"
+        return f"hessian_eigenthings {he.__version__} (graph_reuse={self.reuse}, engine={self.engine}{extra})"
 
     def op(self, kind: str) -> Any:
         if kind in self._ops:
@@ -48,17 +49,17 @@ class CoreAdapter(OperatorAdapter):
         w = self.w
         if kind == "hessian":
             loss = he.hf_lm_loss() if self.lm_helpers else he.supervised_loss(w.criterion)
-            op = he.HessianOperator(self.model, self.data, loss, graph_reuse=self.reuse)
+            op = he.HessianOperator(self.model, self.data, loss, graph_reuse=self.reuse, engine=self.engine)
         elif kind == "ggn":
             if self.lm_helpers:
                 op = he.GGNOperator(self.model, self.data, he.hf_lm_forward(), he.hf_lm_loss_of_output(),
-                                    graph_reuse=self.reuse)
+                                    graph_reuse=self.reuse, engine=self.engine)
             else:
                 op = he.GGNOperator(w.model, list(w.batches), he.supervised_forward,
-                                    he.supervised_loss_of_output(w.criterion), graph_reuse=self.reuse)
+                                    he.supervised_loss_of_output(w.criterion), graph_reuse=self.reuse, engine=self.engine)
         elif kind == "fisher":
             per_sample = w.per_sample_loss if w.lm is not None else he.supervised_per_sample_loss(w.criterion)
-            op = he.EmpiricalFisherOperator(w.model, list(w.batches), per_sample, graph_reuse=self.reuse)
+            op = he.EmpiricalFisherOperator(w.model, list(w.batches), per_sample, graph_reuse=self.reuse, engine=self.engine)
         else:
             raise KeyError(kind)
         self._ops[kind] = op
@@ -66,6 +67,10 @@ class CoreAdapter(OperatorAdapter):
 
     def held_mib(self) -> float:
         return self.op("hessian").held_bytes / 2**20 if "hessian" in self._ops else float("nan")
+
+    def engine_report(self) -> dict[str, Any]:
+        """The Hessian operator's engine: auto's choice, traces, compilations and compile time."""
+        return dict(self.op("hessian").engine_report) if "hessian" in self._ops else {}
 
     def top_eigs(self, k: int, tol: float) -> Closure:
         op = self.op("hessian")
@@ -106,6 +111,21 @@ class CoreAdapter(OperatorAdapter):
 class CoreNoReuseAdapter(CoreAdapter):
     column = "core-noreuse"
     reuse = False
+
+
+class CoreAutogradAdapter(CoreAdapter):
+    column = "core-autograd"
+    engine = "autograd"
+
+
+class CoreFunctionalAdapter(CoreAdapter):
+    column = "core-functional"
+    engine = "functional"
+
+
+class CoreCompiledAdapter(CoreAdapter):
+    column = "core-compiled"
+    engine = "compiled"
 
 
 class FacadeAdapter(Adapter):

@@ -155,6 +155,9 @@ def measure(
             held = adapters[col].held_mib()
             if held == held:
                 cell["held_mib"] = held
+            report = getattr(adapters[col], "engine_report", None)
+            if report is not None and report():
+                cell["engine"] = report()  # engine, auto's choice, traces, compilations, compile_s
         out["columns"][col]["cells"][task] = cell
     # ---- correctness probes (one more call each) --------------------------------
     for (task, col), fn in closures.items():

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.adapters import IN_PROCESS, PEERS
+from benchmarks.harness.adapters import ENGINE_COLUMNS, IN_PROCESS, PEERS
 from benchmarks.harness.peers import peer_path, run_peer
 from benchmarks.harness.runner import SUITES, _err, measure, rel_errors
 from benchmarks.harness.timing import env_info
@@ -49,7 +49,7 @@ def run(
     torch.backends.cudnn.benchmark = cudnn_benchmark
     tasks = SUITES[suite]
     cols = [c.strip() for c in columns.split(",") if c.strip()]
-    in_proc = [c for c in cols if c in IN_PROCESS]
+    in_proc = [c for c in cols if c in IN_PROCESS or c in ENGINE_COLUMNS]
     peers = [c for c in cols if c in PEERS]
     cfg: dict[str, Any] = {
         "repeats": repeats, "warmup": warmup, "algo_repeats": algo_repeats, "eig_k": eig_k,
