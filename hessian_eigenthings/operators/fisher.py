@@ -129,6 +129,8 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
     # reduction lands here too, and is right as well: its mean over one sample is that
     # sample's loss. If vmapping fails, the error says both ways to write the function.
     _unbatched_fn: bool = False
+    #: it returned per-sample losses for a whole batch (errors from it are then real errors)
+    _batched_fn: bool = False
 
     def _per_sample_losses(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         if self._counted is not None:
@@ -138,7 +140,28 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                     f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(counted).__name__}"
                 )
             return counted.reshape(-1)
-        losses = self._vmapped(model, batch) if self._unbatched_fn else self.per_sample_loss_fn(model, batch)
+        if self._unbatched_fn:
+            losses = self._vmapped(model, batch)
+        else:
+            try:
+                losses = self.per_sample_loss_fn(model, batch)
+            except Exception:
+                if self._batched_fn:
+                    raise  # it took this operator's batches before: a real error
+                # the alpha's kind may fail on a whole batch (it indexes one sample's shape)
+                try:
+                    losses = torch.func.vmap(
+                        lambda sample: self.per_sample_loss_fn(model, sample), in_dims=self.sample_dim
+                    )(batch)
+                except Exception:
+                    pass
+                else:
+                    if isinstance(losses, torch.Tensor) and losses.dim() == 1:
+                        self._unbatched_fn = True
+                        return losses
+                raise  # the batch's own error: the function is meant for batches
+            if isinstance(losses, torch.Tensor) and losses.dim() > 0:
+                self._batched_fn = True
         if not isinstance(losses, torch.Tensor):
             raise TypeError(
                 f"per_sample_loss_fn must return a tensor of per-sample losses, got {type(losses).__name__}"

@@ -93,6 +93,33 @@ def test_unbatched_per_sample_function_as_in_the_alpha() -> None:
         torch.testing.assert_close(op @ v, ref @ v, rtol=1e-10, atol=1e-12)
 
 
+def test_alpha_function_that_fails_on_a_whole_batch() -> None:
+    """The alpha's per-sample functions often add the batch axis themselves
+    (``m(x.unsqueeze(0))``), so on a whole batch they raise instead of returning a scalar: they
+    are vmapped too. A function that took this operator's batches before keeps its errors."""
+    model, data = mlp(), classification_data()
+    ref = fisher_dense(model, data)
+    v = torch.randn(ref.shape[0], dtype=torch.float64)
+
+    def alpha(m: nn.Module, s: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(s[0].unsqueeze(0)), s[1].unsqueeze(0))
+
+    op = EmpiricalFisherOperator(model, data, alpha)
+    torch.testing.assert_close(op @ v, ref @ v, rtol=1e-10, atol=1e-12)
+    broken = {"now": False}
+
+    def flaky(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if broken["now"]:
+            raise RuntimeError("the user's own failure")
+        return CE_PER_SAMPLE(m, b)
+
+    batched = EmpiricalFisherOperator(model, data, flaky, graph_reuse=False)
+    batched @ v
+    broken["now"] = True
+    with pytest.raises(RuntimeError, match="the user's own failure"):
+        batched @ v
+
+
 def test_wrong_per_sample_shapes_are_refused() -> None:
     model, data = mlp(), classification_data()
     # a scalar for the batch that cannot run on one sample either (it reads a batch axis)
