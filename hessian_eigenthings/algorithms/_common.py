@@ -71,16 +71,17 @@ def apply_blocks(
 def check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: int = 1) -> int:
     """Products until the next convergence check of an iterative solver, from the worst ratio
     residual / threshold now (``ratio``, at ``products``) and at the last check (``last``):
-    half the products that the geometric decay between the two predicts, at least ``b``
-    (one step). See NOTE [ritz check schedule] in ``lanczos``."""
+    half the products that the geometric decay between the two predicts, at most a quarter of
+    the products so far, at least ``b`` (one step). See NOTE [ritz check schedule] in
+    ``lanczos``."""
     if last is None or not (ratio > 1.0) or not math.isfinite(ratio):
         return b
     p_prev, r_prev = last
     if not (r_prev > ratio) or products <= p_prev:
         return b
     rate = math.log(r_prev / ratio) / (products - p_prev)
-    predicted = math.log(ratio) / rate
-    return max(b, b * int(0.5 * predicted / b))
+    predicted = min(0.5 * math.log(ratio) / rate, products / 4)
+    return max(b, b * int(predicted / b))
 
 
 def check_k(k: int, n: int) -> None:

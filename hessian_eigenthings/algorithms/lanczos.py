@@ -41,6 +41,7 @@ import torch
 
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._common import (
+    HOST_ARITHMETIC_MAX_NUMEL,
     apply_rows,
     check_gap,
     check_k,
@@ -324,6 +325,9 @@ def lanczos(
     )
     noise = st.noise
     next_check = 0  # products at which the next Ritz check is due
+    # checks are skipped only where a step costs about as little as a check: small operators
+    # whose vectors live in host memory (NOTE [ritz check schedule])
+    scheduled = V.device.type == "cpu" and V.numel() <= HOST_ARITHMETIC_MAX_NUMEL
     last_check: tuple[int, float] | None = None  # (products, worst est / threshold) of the last
 
     # the bar counts products with no total: max_iter is a cap that a converging run never
@@ -363,7 +367,9 @@ def lanczos(
                 # with exactly k Ritz values every one is "wanted": insist on one more to compare
                 if exhausted or (top > k and n_conv == k):
                     break
-                next_check = products + check_gap(ratio, products, last_check, b)
+                next_check = products + (
+                    check_gap(ratio, products, last_check, b) if scheduled else b
+                )
                 last_check = (products, ratio)
             if last_step:
                 break
@@ -536,23 +542,30 @@ def _host_step(
 
 
 # NOTE [ritz check schedule]
-# A Ritz check (eigh of T, (ncv, ncv) on the host: ~25-30 us for ncv = 20, whatever the
-# operator) on every step cost more than the step itself for small operators: 47 checks
-# were a quarter of lanczos(which="SA") on an 80 x 80 matrix. Skipping a check never changes the
-# iterates (a restart and the last step always check, since they use the Ritz vectors); it
-# can only make the solver stop later than the first step at which the pairs met tol. The
-# residual estimates of the wanted pairs fall about geometrically, so from the worst ratio
-# est / threshold of the last two checks (r_prev at p_prev products, r now at p), the
-# remaining products are predicted as s = log r / g with g = log(r_prev / r) / (p - p_prev),
-# and the next check comes after half of that (at least one step); a ratio that did not
-# fall, or the first check, checks again at the next step. Within a cycle Lanczos
-# convergence speeds up rather than slows down, so the prediction overestimates more often
-# than not; checking at half of it kept the stopping product exactly that of checking every
-# step on 109 runs (the test spectra at n = 40 and 300, LM/LA/SA, k = 3-10, tol 1e-4-1e-8,
-# and the diagonal spectra of benchmarks/bench_algorithms.py at n = 20 000) with 5x fewer
-# checks (1837 instead of 9055); an 80 x 80 SA run checks 6 times instead of 47. (Power
-# iteration does not use it: its deflated runs stall and then drop, and the same schedule
-# overshot by up to 200 products there.)
+# A Ritz check (eigh of T, (ncv, ncv) on the host: 70-230 us for ncv = 20-40 on the 2-core CI
+# machine, whatever the operator) on every step cost more than the step itself for small
+# operators: 47 checks were over half of lanczos(which="SA") on an 80 x 80 matrix. Skipping a
+# check never changes the iterates (a restart and the last step always check, since they use
+# the Ritz vectors), but it can make the solver stop later than the first step at which the
+# pairs met tol, and for an operator backed by a model a product costs far more than a check.
+# So checks are skipped only for small operators whose vectors live in host memory
+# (a basis on the CPU of at most HOST_ARITHMETIC_MAX_NUMEL numbers, whatever the backend); every other run checks on
+# every step (a check is < 1% of a model's product). The rule is decided by sizes, never by
+# timings, so that a run's products and results do not depend on the machine's load.
+# When skipping: the residual estimates of the wanted pairs fall about geometrically, so from
+# the worst ratio est / threshold of the last two checks (r_prev at p_prev products, r now at p)
+# the remaining products are predicted as s = log r / g with g = log(r_prev / r) / (p - p_prev);
+# the next check comes after half of that, at most a quarter of the products so far, at least
+# one step; a ratio that did not fall, or the first check, checks again at the next step.
+# Lanczos converges superlinearly within a cycle, so the prediction alone overshoots:
+# benchmarks/check_schedule.py (270 runs: 5 spectra at n = 40 and 300, LM/LA/SA, k = 3/6/10,
+# tol 1e-4/1e-6/1e-8) measured half the prediction stopping later than checking every step in
+# 65 runs, by 430 products in all; with the quarter cap, 3 runs and 5 products (an eighth: none,
+# but 20% slower on the 80 x 80 SA run). Eigensolves there: 15565 every step, 13877 capped (the
+# restarts, which always solve, are most of them); on the 80 x 80 SA run, 21 instead of 47. On
+# the 200 x 200 run pinned in tests/perf/test_counts.py, the prediction alone (session 7, on
+# every operator) stopped at 19 products instead of 14. Power iteration does not use the
+# schedule: its deflated runs stall and then drop.
 
 
 def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:

@@ -394,8 +394,9 @@ def test_ritz_checks_are_scheduled_without_extra_products(monkeypatch: pytest.Mo
     res = lanczos(op, **kw)  # type: ignore[arg-type]
     assert res.converged.all()
     assert res.iterations == 49
-    # checking every step (as before the schedule) took 47 eigensolves here
-    assert calls[0] == 6
+    # checking every step took 47 eigensolves here; half the predicted gap alone, 6, but it
+    # overshoots elsewhere (NOTE [ritz check schedule]); capped at a quarter of the products, 21
+    assert calls[0] == 21
     with pytest.warns(ConvergenceWarning):
         short = lanczos(op, max_iter=res.iterations - 1, **kw)  # type: ignore[arg-type]
     assert not short.converged.all()
