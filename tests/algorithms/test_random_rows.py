@@ -38,7 +38,7 @@ def test_large_blocks_are_drawn_on_the_accelerator() -> None:
     """Past the limit the accelerator branch seeds a device generator (which "meta" lacks)."""
     n = _common.HOST_DRAW_MAX_NUMEL + 1
     # torch >= 2.5: "... is not an accelerator"; torch 2.4: "Device type META is not supported"
-    with pytest.raises(RuntimeError, match="not an accelerator|META is not supported"):
+    with pytest.raises(RuntimeError, match=r"not an accelerator|META is not supported"):
         _common.random_rows(
             1, n, torch.Generator().manual_seed(5), device=torch.device("meta"), dtype=torch.float32
         )
