@@ -34,6 +34,7 @@ from hessian_eigenthings.algorithms import (
 from hessian_eigenthings.compat import HVPOperator, compute_hessian_eigenthings, power_iteration
 from hessian_eigenthings.compat.routing import deflated_power_iteration, lanczos
 from hessian_eigenthings.interop import from_curvlinops, to_curvlinops
+from hessian_eigenthings.landscape import LandscapeResult, loss_landscape, random_directions
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
@@ -101,6 +102,7 @@ __all__ = [
     "HessianOperator",
     "LambdaOperator",
     "LanczosTridiag",
+    "LandscapeResult",
     "MemoryEstimate",
     "OutputHessianLoss",
     "ParamFilter",
@@ -127,12 +129,14 @@ __all__ = [
     "is_main_process",
     "lanczos",
     "lanczos_tridiagonal",
+    "loss_landscape",
     "match_names",
     "match_regex",
     "mse_loss_of_output",
     "params_to_vector",
     "power_iteration",
     "power_iteration_one",
+    "random_directions",
     "select_parameters",
     "solve",
     "spectral_density",

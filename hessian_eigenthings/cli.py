@@ -44,6 +44,7 @@ from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import lanczos, spectral_density, trace
 from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
 from hessian_eigenthings.batching import batch_size
+from hessian_eigenthings.landscape import loss_landscape
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
     supervised_forward,
@@ -191,6 +192,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=2000,
         help="points of the density grid (default: 2000)",
+    )
+
+    what.add_argument(
+        "--landscape",
+        choices=("none", "1d", "2d"),
+        default="none",
+        help="also the loss along the top eigenvector (1d) or the top two (2d), written to "
+        "landscape.png and results.json (default: none)",
+    )
+    what.add_argument(
+        "--landscape-span",
+        type=float,
+        default=1.0,
+        help="the slice covers [-span, span] along each unit eigenvector, a distance in parameter "
+        "space (default: 1.0)",
+    )
+    what.add_argument(
+        "--landscape-steps",
+        type=_positive_int,
+        default=None,
+        help="points per axis of the slice (default: 21 for 1d, 11 for 2d: one pass over the "
+        "data per point)",
     )
 
     model = parser.add_argument_group("model and data")
@@ -834,6 +857,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"[{timings['spectral_density']:.1f} s]",
         )
 
+    land = None
+    if args.landscape != "none":
+        dims = 1 if args.landscape == "1d" else 2
+        if k < dims:
+            raise CLIError(f"--landscape {args.landscape} needs the top {dims} eigenvectors: pass -k {dims} or more")
+        steps = args.landscape_steps or (21 if dims == 1 else 11)
+        t = time.perf_counter()
+        land = loss_landscape(
+            problem.model,
+            problem.dataloader,
+            supervised_loss(problem.criterion),
+            directions=eig,
+            dims=dims,
+            span=args.landscape_span,
+            steps=steps,
+            num_batches=args.num_batches,
+            progress=progress,
+        )
+        timings["landscape"] = time.perf_counter() - t
+        results["landscape"] = {
+            "dims": dims,
+            "span": args.landscape_span,
+            "alphas": _floats(land.alphas),
+            "losses": land.losses.tolist(),
+            "center_loss": land.center_loss,
+        }
+        _log(
+            quiet,
+            f"\nloss landscape ({args.landscape}, {steps} points per axis along the top eigenvector"
+            f"{'s' if dims == 2 else ''}, span {args.landscape_span:g}): loss {float(land.losses.min()):.4e} to "
+            f"{float(land.losses.max()):.4e}, {land.center_loss:.4e} at the parameters  [{timings['landscape']:.1f} s]",
+        )
+
     results["timings_s"] = timings
     results["total_matvecs"] = op.num_matvecs
     out_dir: Path = args.output
@@ -860,6 +916,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             notes = f"data: {data_line}, {dtype_name} on {device}"
             _plot(png, _figure(eig, density, tr, args.which, title, notes))
             written.append(str(png))
+            if land is not None:
+                import matplotlib.pyplot as plt
+
+                fig, ax = plt.subplots(figsize=(6, 4.5))
+                land.plot(ax, title=f"loss along the top eigenvector{'s' if land.betas is not None else ''} ({args.which})")
+                png = out_dir / "landscape.png"
+                _plot(png, fig)
+                written.append(str(png))
     timings["total"] = time.perf_counter() - t0
     # also under -q: where the results went is the one thing a quiet run must say
     if not quiet:

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -395,3 +396,22 @@ def test_progress_lines_off_a_terminal(
     assert "\r" not in err
     assert cli.main(["--model", f"{user_module}:make", "--no-plot", "--no-progress", "-o", str(tmp_path), *SMALL]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_landscape_along_the_top_eigenvectors(tmp_path: Path, user_module: Path) -> None:
+    """--landscape 2d: the grid of losses in results.json equals the library's loss_landscape
+    along the eigenvectors of the library's own Lanczos run, and landscape.png is written."""
+    out = tmp_path / "out"
+    code = cli.main(["--model", f"{user_module}:make", "-q", "-o", str(out), "-k", "2", "--trace-matvecs", "0",
+                     "--slq-runs", "0", "--landscape", "2d", "--landscape-steps", "3", "--landscape-span", "0.5"])
+    assert code == 0
+    saved = json.loads((out / "results.json").read_text())["landscape"]
+    assert (out / "landscape.png").stat().st_size > 1000
+    model, data, criterion = _load(user_module)
+    op = he.HessianOperator(model, data, he.supervised_loss(criterion))
+    eig = he.algorithms.lanczos(op, k=2, which="LA", tol=1e-4, seed=0)
+    ref = he.loss_landscape(model, data, he.supervised_loss(criterion), directions=eig, dims=2, span=0.5, steps=3)
+    np.testing.assert_allclose(np.array(saved["losses"]), ref.losses.numpy(), rtol=1e-5)
+    assert saved["center_loss"] == pytest.approx(ref.center_loss, rel=1e-6)
+    assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), "-k", "1",
+                     "--trace-matvecs", "0", "--slq-runs", "0", "--landscape", "2d"]) == 2
