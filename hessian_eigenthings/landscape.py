@@ -145,8 +145,10 @@ def loss_landscape(
     """The mean loss on a line or grid of ``steps`` points per axis over ``[-span, span]``.
 
     Args:
-        model, dataloader, loss_fn: as for ``HessianOperator``: ``loss_fn(model, batch)``
-            returns the mean loss of a batch; batches are weighted by their size.
+        model: the model, used as it is (train or eval mode).
+        dataloader: an iterable of batches, read once; batches are weighted by their size.
+        loss_fn: as for ``HessianOperator``: ``loss_fn(model, batch)`` returns the mean loss
+            of a batch.
         directions: an ``EigenResult`` of an operator over the same selected parameters
             (its first ``dims`` eigenvectors, unit vectors: ``span`` is then a distance
             in parameter space, and the second-order model of a 1-D slice is

@@ -12,6 +12,7 @@ from hessian_eigenthings.algorithms.power_iteration import (
     deflated_power_iteration,
     power_iteration_one,
 )
+from hessian_eigenthings.algorithms.refine import lanczos_tf32_refine, refine_eigenpairs
 from hessian_eigenthings.algorithms.result import (
     ConvergenceWarning,
     DiagonalResult,
@@ -42,8 +43,10 @@ __all__ = [
     "hutchinson",
     "inverse",
     "lanczos",
+    "lanczos_tf32_refine",
     "lanczos_tridiagonal",
     "power_iteration_one",
+    "refine_eigenpairs",
     "solve",
     "spectral_density",
     "trace",
