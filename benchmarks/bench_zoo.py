@@ -10,10 +10,12 @@ cells that opt in):
 - ``ggn_product`` / ``mc_fisher_product``: ``op @ v`` of the exact GGN (engine
   ``auto``) and of ``GGNOperator(mc_samples=1)`` (median ms on a kept batch, and
   the ratio to the gradient);
-- ``ggn_solve``: ``he.solve(ggn, b, damping=λ, tol=1e-6)`` with CG, ``λ`` a tenth of
-  the mean diagonal (Hutch++ trace over n, 30 products, not counted): iterations,
-  products, wall time, the true relative residual ``||(G + λI)x - b|| / ||b||``
-  recomputed after the run;
+- ``ggn_solve``: ``he.solve(ggn, b, damping=λ, tol=1e-6 and 1e-4)`` with CG, ``λ`` 1e-2
+  and 1e-1 of the top eigenvalue (Lanczos to 1e-2, not counted), or a tenth of the mean
+  diagonal with ``--solve-trace-damping``: iterations, products, wall time, the true
+  relative residual ``||(G + λI)x - b|| / ||b||`` recomputed after the run;
+- ``hessian_product_precision``: one Hessian product with ``precision="fp32"`` and
+  ``"tf32"`` on one operator (median ms each, relative difference);
 - ``lanczos_fp32`` / ``lanczos_tf32_refine``: top-5 (``which="LA"``) Hessian
   eigenvalues at ``tol`` 1e-3 and 1e-4 from a fresh operator each (wall time
   includes building kept state), products, and the largest relative eigenvalue
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cells", default="mc,solve,tf32")
+    ap.add_argument("--solve-trace-damping", action="store_true")
     args = ap.parse_args()
     cells = set(args.cells.split(","))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,19 +102,42 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 tr = he.trace(op, num_matvecs=30, seed=0)
-            lam = 0.1 * abs(tr.estimate) / op.size
-            op.num_matvecs = 0
+                top = he.algorithms.lanczos(op, k=1, which="LA", tol=1e-2, seed=0)
+            lam_max = float(top.eigenvalues[0])
             b = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(1))
-            res, s = wall_s(lambda: he.solve(op, b, damping=lam, tol=1e-6, max_iter=1000, progress=False))
-            true_rel = float(((op @ res.x) + lam * res.x - b).norm() / b.norm())
-            emit({"cell": "ggn_solve", "method": "cg", "damping": lam, "tol": 1e-6, "iterations": res.iterations,
-                  "products": res.num_matvecs, "s": s, "converged": bool(res.converged.all()),
-                  "true_relative_residual": true_rel, "report": op.engine_report})
+            # λ: 1e-2 and 1e-1 of λ_max (condition numbers about 100 and 10); a tenth of the mean
+            # diagonal (--solve-trace-damping; cond ~ 10 λ_max n / tr, CG needs thousands of products)
+            rules = [("1e-2 lambda_max", 1e-2 * lam_max), ("1e-1 lambda_max", 1e-1 * lam_max)]
+            if args.solve_trace_damping:
+                rules.append(("0.1 tr/n", 0.1 * abs(tr.estimate) / op.size))
+            for label, lam in rules:
+                for tol in (1e-6, 1e-4):
+                    res, s = wall_s(lambda lam=lam, tol=tol: he.solve(op, b, damping=lam, tol=tol, max_iter=500,
+                                                                      progress=False))
+                    true_rel = float(((op @ res.x) + lam * res.x - b).norm() / b.norm())
+                    emit({"cell": "ggn_solve", "method": "cg", "damping": lam, "damping_rule": label, "tol": tol,
+                          "lambda_max": lam_max, "iterations": res.iterations, "products": res.num_matvecs, "s": s,
+                          "converged": bool(res.converged.all()), "true_relative_residual": true_rel,
+                          "report": op.engine_report})
             del op
         except Exception as exc:
             emit({"cell": "ggn_solve", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
 
     if "tf32" in cells:
+        # the premise: one Hessian product in TF32 against fp32, same operator, kept state warm
+        fresh()
+        op = he.HessianOperator(model, batches, sup)
+        v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
+        row = {"cell": "hessian_product_precision"}
+        outs = {}
+        for prec in ("fp32", "tf32", "fp32"):
+            op.precision = prec
+            outs[prec] = op @ v
+            row[f"{prec}_ms"] = median_ms(lambda op=op, v=v: op @ v, args.reps)
+        row["tf32_rel_err"] = float((outs["tf32"] - outs["fp32"]).norm() / outs["fp32"].norm())
+        row["report"] = op.engine_report
+        emit(row)
+        del op
         for tol in (1e-3, 1e-4):
             ref: torch.Tensor | None = None
             for name in ("lanczos_fp32", "lanczos_tf32_refine"):
