@@ -7,9 +7,9 @@ One JSON line per cell, in one process per workload (the parity workloads of
 cells that opt in):
 
 - ``gradient``: one ``torch.autograd.grad`` of the batch loss (median ms);
-- ``ggn_product`` / ``mc_fisher_product``: ``op @ v`` of the exact GGN (engine
-  ``auto``) and of ``GGNOperator(mc_samples=1)`` (median ms on a kept batch, and
-  the ratio to the gradient);
+- ``ggn_product`` / ``mc_fisher_product``: ``op @ v`` of the exact GGN and of
+  ``GGNOperator(mc_samples=1)`` per engine (``--engines``; median ms on a kept batch
+  after the first product, which traces/compiles, and the ratio to the gradient);
 - ``ggn_solve``: ``he.solve(ggn, b, damping=λ, tol=1e-6 and 1e-4)`` with CG, ``λ`` 1e-2
   and 1e-1 of the top eigenvalue (Lanczos to 1e-2, not counted), or a tenth of the mean
   diagonal with ``--solve-trace-damping``: iterations, products, wall time, the true
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cells", default="mc,solve,tf32")
     ap.add_argument("--solve-trace-damping", action="store_true")
+    ap.add_argument("--engines", default="autograd,functional,compiled", help="engines of the product cells")
     args = ap.parse_args()
     cells = set(args.cells.split(","))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,18 +83,20 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     if "mc" in cells:
-        for name, kw in (("ggn_product", {}), ("mc_fisher_product", {"mc_samples": 1, "seed": 0})):
+        variants = [("ggn_product", {"engine": e}) for e in args.engines.split(",")]
+        variants += [("mc_fisher_product", {"mc_samples": 1, "seed": 0, "engine": e}) for e in args.engines.split(",")]
+        for name, kw in variants:
             fresh()
             try:
                 op = ggn(**kw)
                 v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
                 _, first = wall_s(lambda op=op, v=v: op @ v)
                 ms = median_ms(lambda op=op, v=v: op @ v, args.reps)
-                emit({"cell": name, "ms": ms, "per_gradient": ms / grad_ms, "first_s": first,
-                      "report": op.engine_report})
+                emit({"cell": name, "engine": kw["engine"], "ms": ms, "per_gradient": ms / grad_ms,
+                      "first_s": first, "report": op.engine_report})
                 del op
             except Exception as exc:  # a cell's failure is a row, not the end of the run
-                emit({"cell": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                emit({"cell": name, "engine": kw["engine"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
 
     if "solve" in cells:
         fresh()

@@ -138,3 +138,16 @@ class SampledFisherLoss(Protocol):
         self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
     ) -> torch.Tensor: ...
 
+
+@runtime_checkable
+class KeyedSampledFisherLoss(SampledFisherLoss, Protocol):
+    """A :class:`SampledFisherLoss` whose draws are a pure function of a key:
+    ``loss.keyed_sample_grads(output, batch, k, key)`` with ``key`` a 0-d int64 tensor
+    (counter-based random numbers, ``loss_fns.counter_rng``), traceable. The traced
+    engines (``engine="functional"`` / ``"compiled"``) run the Monte-Carlo Fisher of such
+    losses; see NOTE [sampled targets as data] in ``operators.ggn``."""
+
+    def keyed_sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor
+    ) -> torch.Tensor: ...
+

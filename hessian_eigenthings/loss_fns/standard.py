@@ -36,6 +36,7 @@ from hessian_eigenthings.loss_fns._cross_entropy import (
     check_impl,
     cross_entropy_hvp_block,
 )
+from hessian_eigenthings.loss_fns.counter_rng import counter_normal, counter_uniform
 from hessian_eigenthings.loss_fns.protocols import LossFn, LossOfOutputFn, PerSampleLossFn
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,6 +81,12 @@ def supervised_loss(criterion: Criterion) -> LossFn:
         return criterion(model(x), y)
 
     return loss_fn
+
+
+def _key_from(generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A counter key (0-d int64 on ``device``) drawn from ``generator``."""
+    key = torch.randint(0, 2**62, (), generator=generator, device=generator.device, dtype=torch.int64)
+    return key.to(device)
 
 
 class CrossEntropyOutputLoss:
@@ -152,14 +159,21 @@ class CrossEntropyOutputLoss:
         self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
     ) -> torch.Tensor:
         """``softmax(f) - onehot(y_s)``, ``y_s ~ Categorical(softmax(f))``, zero on ignored rows."""
+        return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
+
+    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_grads` with the draws a pure function of ``key`` (a 0-d int64 tensor):
+        ``y_s`` by inverse CDF of counter-based uniforms (``loss_fns.counter_rng``), traceable."""
         logits, valid, _ = self._rows(output.detach(), batch)
-        # half-precision logits: probabilities in float32 (multinomial and the sums need them)
+        # half-precision logits: probabilities in float32 (the sums need them)
         p = torch.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)
         flat = p.reshape(-1, p.shape[-1])
-        draws = torch.multinomial(flat, k, replacement=True, generator=generator)  # (rows, k)
-        g = flat.unsqueeze(0).repeat(k, 1, 1)
-        g.scatter_add_(2, draws.t().unsqueeze(-1), torch.full_like(draws.t().unsqueeze(-1), -1.0, dtype=g.dtype))
-        g = g.reshape(k, *p.shape)
+        rows, C = flat.shape
+        cdf = torch.cumsum(flat, dim=-1)
+        u = counter_uniform(key, (rows, k), dtype=cdf.dtype) * cdf[:, -1:]
+        draws = torch.searchsorted(cdf, u).clamp_max(C - 1)  # (rows, k)
+        onehot = draws.t().unsqueeze(-1) == torch.arange(C, device=flat.device)  # (k, rows, C)
+        g = (flat.unsqueeze(0) - onehot.to(flat.dtype)).reshape(k, *p.shape)
         if valid is not None:
             g = g * valid.unsqueeze(-1).to(g.dtype)
         g = g.to(output.dtype)
@@ -201,8 +215,11 @@ class MSEOutputLoss:
         self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
     ) -> torch.Tensor:
         """``2 (f - y_s)``, ``y_s ~ N(f, 1/2)``: ``√2 z``, ``z ~ N(0, 1)`` (sign irrelevant)."""
-        z = torch.randn((k, *output.shape), generator=generator, device=output.device, dtype=output.dtype)
-        return z * 2.0**0.5
+        return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
+
+    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_grads` with counter-based normals of ``key`` (traceable)."""
+        return counter_normal(key, (k, *output.shape), dtype=output.dtype) * 2.0**0.5
 
     def sampled_hvp(
         self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
@@ -237,8 +254,12 @@ class BCEWithLogitsOutputLoss:
         self, output: torch.Tensor, batch: Batch, k: int, generator: torch.Generator
     ) -> torch.Tensor:
         """``σ(f) - y_s``, ``y_s ~ Bernoulli(σ(f))``."""
+        return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
+
+    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_grads` with counter-based uniforms of ``key`` (traceable)."""
         s = torch.sigmoid(output.detach())
-        draws = torch.bernoulli(s.expand(k, *s.shape), generator=generator)
+        draws = (counter_uniform(key, (k, *s.shape), dtype=s.dtype) < s).to(s.dtype)
         return s - draws
 
     def sampled_hvp(

@@ -242,6 +242,10 @@ class DataCurvatureOperator(CurvatureOperator):
         """
         raise NotImplementedError
 
+    def _engine_batch(self, batch: Batch) -> Batch:
+        """The batch a traced engine's product receives (the batch, or the batch with per-chunk inputs)."""
+        return batch
+
     def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         """A product without a reusable state (e.g. finite differences)."""
         return self._engines.apply(self._engines.prepare(batch), vecs, retain=False)

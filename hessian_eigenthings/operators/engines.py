@@ -661,6 +661,8 @@ class EngineHost(FunctionalCurvature, Protocol):
 
     def _prepare(self, batch: Batch) -> Any: ...
 
+    def _engine_batch(self, batch: Batch) -> Batch: ...
+
     def _apply(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]: ...
 
     def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None: ...
@@ -728,7 +730,8 @@ class EngineSelector:
     def prepare(self, batch: Batch) -> Any:
         if self._impl is None:
             return self.op._prepare(batch)
-        return self._impl.prepare(batch)
+        # what the traced product reads besides the batch, as inputs (NOTE [sampled targets as data])
+        return self._impl.prepare(self.op._engine_batch(batch))
 
     def apply(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
         if self._impl is None:

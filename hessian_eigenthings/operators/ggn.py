@@ -47,6 +47,7 @@ from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.loss_fns.protocols import (
     ForwardFn,
     HiddenStatesForward,
+    KeyedSampledFisherLoss,
     LinearHeadLoss,
     LossOfOutputFn,
     OutputHessianLoss,
@@ -129,6 +130,9 @@ class GGNOperator(OutputSandwichOperator):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
         self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)  # type: ignore[assignment]
         self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        self._mc_keys: dict[int, torch.Tensor] = {}
+        self._mc_keyed = isinstance(loss_of_output_fn, KeyedSampledFisherLoss)
+        self._traced_key: torch.Tensor | None = None
         if self.mc_samples and not isinstance(loss_of_output_fn, SampledFisherLoss):
             raise ValueError(
                 f"mc_samples={mc_samples} samples targets from the model's predictive distribution; "
@@ -214,8 +218,34 @@ class GGNOperator(OutputSandwichOperator):
             return super()._apply(state, vecs, retain)
         return self._head.apply(self, state, vecs, retain)
 
+    def _mc_key(self) -> torch.Tensor:
+        """The counter key of the current chunk's draws (one tensor per chunk position, reused:
+        a program traced for one batch sees the same input object again)."""
+        rank = int(getattr(self, "rank", 0))
+        value = ((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position) % 2**62
+        key = self._mc_keys.get(value)
+        if key is None or key.device != self.device:
+            key = torch.tensor(value, dtype=torch.int64, device=self.device)
+            self._mc_keys[value] = key
+        return key
+
+    def _engine_batch(self, batch: Batch) -> Batch:
+        # NOTE [sampled targets as data]
+        return (batch, self._mc_key()) if self.mc_samples else batch
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if self.mc_samples:
+            batch, self._traced_key = batch
+        return super().functional_product(state, batch, tangent)
+
     def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         loss = self.loss_of_output_fn
+        if self.mc_samples:
+            assert isinstance(loss, KeyedSampledFisherLoss)
+            grads = loss.keyed_sample_grads(output.detach(), batch, self.mc_samples, self._traced_key)
+            return loss.sampled_hvp(output, batch, grads, u.unsqueeze(0))[0]
         if self.loss_hvp == "analytical":
             return loss.hvp(output, batch, u.unsqueeze(0))[0]  # type: ignore[union-attr]
 
@@ -229,8 +259,11 @@ class GGNOperator(OutputSandwichOperator):
         return hu
 
     def _functional_blocker(self) -> str | None:
-        if self.mc_samples:
-            return f"mc_samples={self.mc_samples} (sampled targets) runs on engine='autograd'"
+        if self.mc_samples and not self._mc_keyed:
+            return (
+                f"mc_samples={self.mc_samples} with a loss whose draws are not a function of a key "
+                "(no .keyed_sample_grads, see loss_fns.KeyedSampledFisherLoss) runs on engine='autograd'"
+            )
         return super()._functional_blocker()
 
     def _loss_state(self, state: OutputState) -> None:
@@ -238,6 +271,12 @@ class GGNOperator(OutputSandwichOperator):
             # NOTE [sampled targets]: one draw per chunk of a pass, seeded by (seed, rank, chunk
             # position), so every product of the operator uses the same draws (a fixed matrix,
             # kept state or not) and nothing reads or moves the global random state
+            sampler = self.loss_of_output_fn
+            if isinstance(sampler, KeyedSampledFisherLoss):  # the traced engines' draws exactly
+                state.samples = sampler.keyed_sample_grads(
+                    state.output.detach(), state.batch, self.mc_samples, self._mc_key()
+                )
+                return
             generator = torch.Generator(device=state.output.device)
             rank = int(getattr(self, "rank", 0))
             generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position)
@@ -287,3 +326,18 @@ class GGNOperator(OutputSandwichOperator):
 
 #: the 1.0 alpha's name for the ``loss_hvp`` values
 LossHvpMethod = Literal["analytical", "autograd"]
+
+
+# NOTE [sampled targets as data]
+# The traced engines trace a product once per batch signature and replay it for every chunk,
+# so a draw made inside the trace with a generator would be baked in (or untraceable). The
+# Monte-Carlo Fisher's draws are instead a pure function of a key: counter-based random
+# numbers (loss_fns.counter_rng: splitmix64 of key and position, in int64 tensor arithmetic)
+# turned into targets by inverse CDF (cross-entropy), comparison (BCE) or Box-Muller (MSE).
+# The key of a chunk, (seed, rank, chunk position), is handed to the traced product as an
+# input beside the batch (`_engine_batch`), one tensor object per chunk position so that a
+# program traced for one batch serves it again; the draws depend only on primal values, so
+# the tangent split keeps the sampled gradients with the kept state and products run the
+# tangent work only. The autograd engine draws with the same function and key: every engine
+# computes the same matrix (up to a target whose uniform falls within rounding of a CDF step).
+# Losses with only a generator-based `sample_grads` stay on the autograd engine.

@@ -140,9 +140,43 @@ def test_mc_samples_is_refused_where_it_cannot_run() -> None:
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="mc_samples"):
             GGNOperator(model, data, supervised_forward, loss, mc_samples=bad)  # type: ignore[arg-type]
+    # a loss that draws with a generator only (no keyed draws) cannot run on a traced engine
+    class GeneratorOnly:
+        def __init__(self) -> None:
+            self.inner = CrossEntropyOutputLoss()
+
+        def __call__(self, output: torch.Tensor, batch: object) -> torch.Tensor:
+            return self.inner(output, batch)
+
+        def sample_grads(self, output: torch.Tensor, batch: object, k: int, generator: torch.Generator) -> torch.Tensor:
+            return self.inner.sample_grads(output, batch, k, generator)
+
+        def sampled_hvp(self, output: torch.Tensor, batch: object, grads: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+            return self.inner.sampled_hvp(output, batch, grads, u)
+
     with pytest.raises(EngineUnsupportedError, match="mc_samples"):
-        GGNOperator(model, data, supervised_forward, loss, mc_samples=2, engine="functional")
-    auto = GGNOperator(model, data, supervised_forward, loss, mc_samples=2)
+        GGNOperator(model, data, supervised_forward, GeneratorOnly(), mc_samples=2, engine="functional")
+    auto = GGNOperator(model, data, supervised_forward, GeneratorOnly(), mc_samples=2)
     auto.expect_products(10_000)
     auto @ torch.randn(auto.size, dtype=torch.float64)
     assert auto.engine == "autograd"
+
+
+@pytest.mark.parametrize(("name", "engine"), [*((n, "functional") for n in CASES), ("ce", "compiled")])
+def test_traced_engines_compute_the_same_matrix(name: str, engine: str) -> None:
+    """NOTE [sampled targets as data]: the draws are a function of a per-chunk key handed to
+    the traced product as an input, so every engine computes the autograd engine's matrix
+    (blocks, an uneven last batch, kept state or not)."""
+    criterion, make_data = CASES[name]
+    model, data = mlp(), make_data()
+    loss = supervised_loss_of_output(criterion)
+    ref = GGNOperator(model, data, supervised_forward, loss, mc_samples=3, seed=2, engine="autograd")
+    V = torch.randn(ref.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = ref @ V
+    for reuse in (True, False):
+        op = GGNOperator(model, data, supervised_forward, loss, mc_samples=3, seed=2, engine=engine, graph_reuse=reuse)
+        torch.testing.assert_close(op @ V, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(op @ V[:, 0], want[:, 0], rtol=1e-10, atol=1e-12)
+        assert op.engine == engine
+    # the dense matrix of the traced engine equals the autograd one's: one matrix, not one per engine
+    torch.testing.assert_close(op.to_dense(), ref.to_dense(), rtol=1e-10, atol=1e-12)
