@@ -37,6 +37,7 @@ from hessian_eigenthings.interop import from_curvlinops, to_curvlinops
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
+    OutputHessianSqrtLoss,
     cross_entropy_loss_of_output,
     hf_lm_forward,
     hf_lm_loss,
@@ -103,6 +104,7 @@ __all__ = [
     "LanczosTridiag",
     "MemoryEstimate",
     "OutputHessianLoss",
+    "OutputHessianSqrtLoss",
     "ParamFilter",
     "RandomForwardWarning",
     "SolveResult",
