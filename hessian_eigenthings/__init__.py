@@ -67,8 +67,10 @@ from hessian_eigenthings.operators import (
     FSDPHessianOperator,
     GGNOperator,
     HessianOperator,
+    JacobianOperator,
     LambdaOperator,
     RandomForwardWarning,
+    TransposedJacobianOperator,
 )
 from hessian_eigenthings.param_utils import (
     ParamFilter,
@@ -100,6 +102,7 @@ __all__ = [
     "GGNOperator",
     "HVPOperator",
     "HessianOperator",
+    "JacobianOperator",
     "LambdaOperator",
     "LanczosTridiag",
     "MemoryEstimate",
@@ -110,6 +113,7 @@ __all__ = [
     "SolveResult",
     "SpectralDensityResult",
     "TraceResult",
+    "TransposedJacobianOperator",
     "__version__",
     "compute_hessian_eigenthings",
     "cross_entropy_loss_of_output",

@@ -204,7 +204,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
         acc.zero_()
         parts = self.layout.split(acc)
         state = {n: t.detach() for n, t in self.model.named_parameters()}
-        state.update({n: t.detach() for n, t in self.model.named_buffers()})
+        state.update({n: t.detach().clone() for n, t in self.model.named_buffers()})
         total = 0.0
         self.chunk_position = -1
         with self.guard.product(self.precision, double_backward=False):
