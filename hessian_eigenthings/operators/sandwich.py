@@ -169,6 +169,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
     #: most entries of one sample's output the exact diagonal backpropagates (one column each)
     exact_diagonal_max_outputs: int = 4096
+    #: about how many columns (samples x K) one vmapped backward of the exact diagonal takes
+    _exact_group_columns: int = 1024
 
     def exact_diagonal(self) -> torch.Tensor:
         """``diag`` of the operator's matrix, exactly, in one pass over the data.
@@ -193,6 +195,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
                 "data only); compute it on one process, or use diagonal(op, method='xdiag')"
             )
+        random = self.guard.random_cause()
+        if random:
+            raise ValueError(f"the exact diagonal needs a deterministic forward, but {random}")
         for name, m in self.model.named_modules():
             if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
                 raise ValueError(
@@ -261,7 +266,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
             grads = torch.func.vmap(vjp_fn)(cols.unsqueeze(1))  # K columns, each (1, ...)
             return tuple((g * g).sum(0) for g in grads)
 
-        group = max(1, 1024 // max(K, 1))
+        group = max(1, self._exact_group_columns // max(K, 1))
         mapped = torch.func.vmap(one_sample, in_dims=(dims, 0))
         for start in range(0, N, group):
             rows = slice(start, min(N, start + group))

@@ -189,6 +189,9 @@ def test_refusals_name_the_way_out() -> None:
         diagonal(
             GGNOperator(bn, data, supervised_forward, CrossEntropyOutputLoss()), method="exact"
         )
+    drop = nn.Sequential(nn.Linear(5, 3), nn.Dropout(0.5)).double()
+    with pytest.raises(ValueError, match="model.eval"):
+        diagonal(GGNOperator(drop, data, supervised_forward, CrossEntropyOutputLoss()), method="exact")
     bn.eval()  # running statistics: samples independent again
     op = GGNOperator(bn, data, supervised_forward, CrossEntropyOutputLoss())
     torch.testing.assert_close(
