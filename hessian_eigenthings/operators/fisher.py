@@ -235,6 +235,8 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 f"({helper}), or write it for one un-batched sample"
             ) from exc
 
+    _exact_columns_scale_with_output = False  # one column per sample, whatever the loss's shape
+
     def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         # the "loss" ‖ℓ‖²/2N of the per-sample losses has Hessian I/N: one column 1/√N per sample
         if self._counted is not None:

@@ -169,6 +169,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
     #: most entries of one sample's output the exact diagonal backpropagates (one column each)
     exact_diagonal_max_outputs: int = 4096
+    #: whether the square root has about one column per output entry (else a few per sample)
+    _exact_columns_scale_with_output: bool = True
     #: about how many columns (samples x K) one vmapped backward of the exact diagonal takes
     _exact_group_columns: int = 1024
 
@@ -224,12 +226,13 @@ class OutputSandwichOperator(DataCurvatureOperator):
                         f"dimension {N}), got shape {tuple(output.shape)}"
                     )
                 per_sample = output[0].numel() if N else 0
-                if per_sample > self.exact_diagonal_max_outputs:
+                if self._exact_columns_scale_with_output and per_sample > self.exact_diagonal_max_outputs:
+                    # the square root has about one column per output entry of a sample
+                    # (N · M² numbers, M backward columns per sample): LM-sized outputs cannot
                     raise ValueError(
-                        f"the exact diagonal backpropagates one column per output entry of a sample, and a sample "
-                        f"has {per_sample} (more than {self.exact_diagonal_max_outputs}): use a GGNOperator with "
-                        "mc_samples=k (the Monte-Carlo Fisher, k columns per position) or diagonal(op, "
-                        "method='xdiag') for an estimate"
+                        f"the exact diagonal backpropagates about one column per output entry of a sample, and a "
+                        f"sample has {per_sample} (more than exact_diagonal_max_outputs="
+                        f"{self.exact_diagonal_max_outputs}); use diagonal(op, method='xdiag') for an estimate"
                     )
                 S = self._output_hessian_sqrt(output, chunk)
                 weight = self._weight(self._samples(chunk), raw)

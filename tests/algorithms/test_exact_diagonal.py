@@ -182,7 +182,7 @@ def test_refusals_name_the_way_out() -> None:
     with pytest.raises(TypeError, match="method='exact' needs"):
         diagonal(ggn * 2.0, method="exact")
     ggn.exact_diagonal_max_outputs = 2
-    with pytest.raises(ValueError, match="mc_samples"):
+    with pytest.raises(ValueError, match="exact_diagonal_max_outputs=2"):
         diagonal(ggn, method="exact")
     bn = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3)).double()
     with pytest.raises(ValueError, match="BatchNorm"):
