@@ -116,3 +116,11 @@ def test_matches_curvlinops() -> None:
     U = torch.randn(ours.shape[0], 2, generator=g, dtype=torch.float64)
     torch.testing.assert_close(ours @ V, theirs @ V, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours.T @ U, theirs_t @ U, rtol=1e-10, atol=1e-12)
+
+
+def test_num_batches_takes_the_first_batches_in_order() -> None:
+    model = mlp(5, 6, 3)
+    data = _data((5,))
+    J = JacobianOperator(model, data, supervised_forward, num_batches=2)
+    assert J.shape == (2 * 3 * 3, 57)
+    torch.testing.assert_close(J.to_dense(), _dense(model, data[:2]), rtol=1e-10, atol=1e-12)
