@@ -40,6 +40,7 @@ from hessian_eigenthings.landscape import LandscapeResult, loss_landscape, rando
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
 from hessian_eigenthings.loss_fns import (
     OutputHessianLoss,
+    OutputHessianSqrtLoss,
     cross_entropy_loss_of_output,
     hf_lm_forward,
     hf_lm_loss,
@@ -69,8 +70,10 @@ from hessian_eigenthings.operators import (
     FSDPHessianOperator,
     GGNOperator,
     HessianOperator,
+    JacobianOperator,
     LambdaOperator,
     RandomForwardWarning,
+    TransposedJacobianOperator,
 )
 from hessian_eigenthings.param_utils import (
     ParamFilter,
@@ -102,16 +105,19 @@ __all__ = [
     "GGNOperator",
     "HVPOperator",
     "HessianOperator",
+    "JacobianOperator",
     "LambdaOperator",
     "LanczosTridiag",
     "LandscapeResult",
     "MemoryEstimate",
     "OutputHessianLoss",
+    "OutputHessianSqrtLoss",
     "ParamFilter",
     "RandomForwardWarning",
     "SolveResult",
     "SpectralDensityResult",
     "TraceResult",
+    "TransposedJacobianOperator",
     "__version__",
     "compute_hessian_eigenthings",
     "cross_entropy_loss_of_output",

@@ -70,6 +70,11 @@ def _as_filter(param_filter: ParamFilter | str | Sequence[str] | None) -> ParamF
     )
 
 
+def as_param_filter(param_filter: ParamFilter | str | Sequence[str] | None) -> ParamFilter | None:
+    """``param_filter`` as a callable ``(name, param) -> bool`` (globs become :func:`match_names`)."""
+    return _as_filter(param_filter)
+
+
 def select_parameters(
     model: nn.Module,
     param_filter: ParamFilter | str | Sequence[str] | None = None,

@@ -46,6 +46,7 @@ PUBLIC_1_0 = [
     "mse_loss_of_output", "hf_lm_loss", "hf_seq2seq_loss", "hf_lm_forward", "hf_lm_loss_of_output",
     "tlens_loss", "tlens_forward", "tlens_loss_of_output", "ParamFilter", "match_names", "match_regex",
     "select_parameters", "params_to_vector", "vector_to_params", "LinAlgBackend", "SingleDeviceBackend",
+    "JacobianOperator", "TransposedJacobianOperator", "OutputHessianSqrtLoss",
 ]
 PUBLIC_0_X = [
     "compute_hessian_eigenthings", "HVPOperator", "power_iteration", "deflated_power_iteration", "lanczos",

@@ -58,7 +58,7 @@ def diagonal(
     op: CurvatureOperator,
     *,
     num_matvecs: int = 100,
-    method: Literal["diag++", "xdiag", "hutchinson"] = "diag++",
+    method: Literal["diag++", "xdiag", "hutchinson", "exact"] = "diag++",
     distribution: Literal["rademacher", "gaussian"] = "rademacher",
     seed: int | None = None,
     block_size: int | None = None,
@@ -81,9 +81,26 @@ def diagonal(
     at equal budget when the spectrum decays and products dominate the
     cost; Hutchinson is best for diagonally dominant operators, where a
     range sketch buys nothing and ``block_size · n`` memory suffices.
+
+    ``method="exact"``: the exact diagonal of a
+    :class:`~hessian_eigenthings.operators.GGNOperator` (with ``mc_samples=k``: of the
+    Monte-Carlo Fisher the operator represents, the same draws) or an
+    :class:`~hessian_eigenthings.operators.EmpiricalFisherOperator`, by backpropagating the
+    columns of a square root of the loss Hessian sample by sample (NOTE [exact diagonal] in
+    ``operators.sandwich``): about ``C`` backward passes per sample for ``C`` outputs, no
+    products (``num_matvecs=0``, ``stderr`` zero); the probe arguments do not apply.
     """
-    if method not in ("diag++", "xdiag", "hutchinson"):
-        raise ValueError(f"method must be 'diag++', 'xdiag' or 'hutchinson', got {method!r}")
+    if method not in ("diag++", "xdiag", "hutchinson", "exact"):
+        raise ValueError(f"method must be 'diag++', 'xdiag', 'hutchinson' or 'exact', got {method!r}")
+    if method == "exact":
+        exact_fn = getattr(op, "exact_diagonal", None)
+        if exact_fn is None:
+            raise TypeError(
+                f"method='exact' needs a GGNOperator or EmpiricalFisherOperator, got {type(op).__name__}; "
+                "use method='xdiag' (or 'diag++', 'hutchinson') for any operator"
+            )
+        est = exact_fn()
+        return DiagonalResult(estimate=est, stderr=torch.zeros_like(est), num_matvecs=0)
     s = 0
     if method == "xdiag":
         s = check_exchangeable_budget(num_matvecs, "xdiag")

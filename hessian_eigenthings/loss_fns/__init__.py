@@ -20,8 +20,10 @@ from hessian_eigenthings.loss_fns.protocols import (
     LossFn,
     LossOfOutputFn,
     OutputHessianLoss,
+    OutputHessianSqrtLoss,
     PerSampleLossFn,
     SampledFisherLoss,
+    SampledFisherSqrtLoss,
 )
 from hessian_eigenthings.loss_fns.standard import (
     BCEWithLogitsOutputLoss,
@@ -56,8 +58,10 @@ __all__ = [
     "LossOfOutputFn",
     "MSEOutputLoss",
     "OutputHessianLoss",
+    "OutputHessianSqrtLoss",
     "PerSampleLossFn",
     "SampledFisherLoss",
+    "SampledFisherSqrtLoss",
     "TLensLMLoss",
     "cross_entropy_loss_of_output",
     "hf_lm_forward",

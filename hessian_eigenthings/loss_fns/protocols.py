@@ -151,3 +151,25 @@ class KeyedSampledFisherLoss(SampledFisherLoss, Protocol):
         self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor
     ) -> torch.Tensor: ...
 
+
+@runtime_checkable
+class OutputHessianSqrtLoss(Protocol):
+    """A loss of the output whose output Hessian has a known per-sample square root, for the
+    exact GGN diagonal (``diagonal(ggn, method="exact")``).
+
+    ``loss.hessian_sqrt(output, batch)`` returns ``S`` of shape ``(N, K, *output.shape[1:])``
+    (``N = output.shape[0]`` samples, ``K`` columns per sample) such that the loss Hessian at
+    ``output`` is ``Σₙ Σₖ sₙₖ sₙₖᵀ`` with ``sₙₖ = S[n, k]`` placed at sample ``n`` (the
+    Hessian has no terms between samples). No graph.
+    """
+
+    def hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SampledFisherSqrtLoss(Protocol):
+    """A :class:`SampledFisherLoss` that also gives the square root of its sampled Hessian
+    ``H̃`` (what ``sampled_hvp`` applies), in the layout of
+    :meth:`OutputHessianSqrtLoss.hessian_sqrt`: ``(N, K, *output.shape[1:])``."""
+
+    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor: ...

@@ -89,6 +89,37 @@ def _key_from(generator: torch.Generator, device: torch.device) -> torch.Tensor:
     return key.to(device)
 
 
+def _per_sample_output(output: torch.Tensor) -> None:
+    if output.dim() < 1:
+        raise ValueError(
+            "a per-sample square root of the loss Hessian needs a batched output (N, ...), got a scalar"
+        )
+
+
+def _rowwise_sqrt(factor: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Factor columns of a loss whose Hessian is block diagonal over positions, laid out per sample.
+
+    ``factor`` is ``(N, P, r, C)``: for sample n and position t (the P entries of the dimensions
+    after the class dimension 1 of ``output``), r columns over the C classes. The result is
+    ``(N, r·P, *output.shape[1:])``: column (j, t) holds position t's j-th column at t, zeros
+    elsewhere (the Hessian has no terms between positions).
+    """
+    N, P, r, _ = factor.shape
+    if output.dim() <= 2:  # (N, C): one position per sample
+        return factor[:, 0]
+    # out[n, j, t, c, t'] = δ(t, t') factor[n, t, j, c]
+    spread = torch.diag_embed(factor.permute(0, 2, 3, 1))  # (N, r, C, P, P)
+    return spread.permute(0, 1, 3, 2, 4).reshape(N, r * P, *output.shape[1:])
+
+
+def _elementwise_sqrt(scale: torch.Tensor) -> torch.Tensor:
+    """Square root of a diagonal loss Hessian ``diag(scale)`` (``scale`` shaped like the output),
+    laid out per sample: ``(N, M, *output.shape[1:])`` with column m = √scale_m e_m."""
+    N = scale.shape[0]
+    M = scale[0].numel() if N else 0
+    return torch.diag_embed(scale.clamp_min(0).sqrt().reshape(N, M)).reshape(N, M, *scale.shape[1:])
+
+
 class CrossEntropyOutputLoss:
     """``F.cross_entropy(output, targets)`` with its output Hessian in closed form.
 
@@ -188,6 +219,42 @@ class CrossEntropyOutputLoss:
         dots = (grads.unsqueeze(1) * u.unsqueeze(0)).sum(dim=dim + 1, keepdim=True)  # (k, m, ...)
         return (grads.unsqueeze(1) * dots).mean(0) / n
 
+    # -- square roots of the Hessian, for the exact GGN diagonal (loss_fns.protocols.OutputHessianSqrtLoss)
+    def _row_layout(self, output: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with classes last, shaped ``(N, P, C)`` (P positions per sample)."""
+        moved = t.movedim(1, -1) if t.dim() > 2 else t
+        return moved.reshape(t.shape[0], -1, t.shape[1])
+
+    def hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Per row ``(diag(√p) − p √pᵀ) / √n`` (its product with its transpose is
+        ``(diag p − p pᵀ)/n``), zero on ignored rows; layout ``(N, C·P, *output.shape[1:])``."""
+        _per_sample_output(output)
+        if output.dim() == 1:
+            raise ValueError("hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)")
+        logits, valid, n = self._rows(output.detach(), batch)
+        p = torch.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)
+        p = self._row_layout(output, p.movedim(-1, 1) if output.dim() > 2 else p)  # (N, P, C)
+        C = p.shape[-1]
+        eye = torch.eye(C, dtype=p.dtype, device=p.device)
+        # factor[n, t, j, c] = √p_j (δ_jc − p_c): column j of diag(√p) − p √pᵀ
+        factor = p.sqrt().unsqueeze(-1) * (eye - p.unsqueeze(-2))
+        if valid is not None:
+            factor = factor * valid.reshape(p.shape[0], -1, 1, 1).to(factor.dtype)
+        factor = factor / (n.to(factor.dtype).sqrt() if isinstance(n, torch.Tensor) else n**0.5)
+        return _rowwise_sqrt(factor.to(output.dtype), output)
+
+    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+        """The k sampled gradients of each row over ``√(k n)`` (what ``sampled_hvp`` applies is
+        their mean outer product over n); layout ``(N, k·P, *output.shape[1:])``."""
+        _per_sample_output(output)
+        if output.dim() == 1:
+            raise ValueError("sampled_hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)")
+        _, _, n = self._rows(output, batch)
+        k = grads.shape[0]
+        g = torch.stack([self._row_layout(output, grads[s]) for s in range(k)], dim=2)  # (N, P, k, C)
+        scale = (n.to(g.dtype) * k).sqrt() if isinstance(n, torch.Tensor) else (n * k) ** 0.5
+        return _rowwise_sqrt(g / scale, output)
+
     def __repr__(self) -> str:
         return (
             f"CrossEntropyOutputLoss(ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -226,6 +293,18 @@ class MSEOutputLoss:
     ) -> torch.Tensor:
         w = 1.0 / output.numel() if self.reduction == "mean" else 1.0
         return u * ((grads * grads).mean(0) * w)
+
+    def hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``√(2w) I`` per sample (``w = 1/numel`` for the mean), ``(N, M, *output.shape[1:])``."""
+        _per_sample_output(output)
+        w = 2.0 / output.numel() if self.reduction == "mean" else 2.0
+        return _elementwise_sqrt(torch.full_like(output.detach(), w))
+
+    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+        """``√(w · mean_s g_s²)`` per element: the diagonal matrix ``sampled_hvp`` applies."""
+        _per_sample_output(output)
+        w = 1.0 / output.numel() if self.reduction == "mean" else 1.0
+        return _elementwise_sqrt((grads * grads).mean(0) * w)
 
     def __repr__(self) -> str:
         return f"MSEOutputLoss(reduction={self.reduction!r})"
@@ -266,6 +345,17 @@ class BCEWithLogitsOutputLoss:
         self, output: torch.Tensor, batch: Batch, grads: torch.Tensor, u: torch.Tensor
     ) -> torch.Tensor:
         return u * ((grads * grads).mean(0) * self._weight(output))
+
+    def hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``√(w σ(f)(1 − σ(f)))`` per element, ``(N, M, *output.shape[1:])``."""
+        _per_sample_output(output)
+        s = torch.sigmoid(output.detach())
+        return _elementwise_sqrt(s * (1 - s) * self._weight(output))
+
+    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+        """``√(w · mean_s g_s²)`` per element: the diagonal matrix ``sampled_hvp`` applies."""
+        _per_sample_output(output)
+        return _elementwise_sqrt((grads * grads).mean(0) * self._weight(output))
 
     def __repr__(self) -> str:
         return f"BCEWithLogitsOutputLoss(reduction={self.reduction!r})"

@@ -28,6 +28,7 @@ from hessian_eigenthings.operators.engines import (
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
+from hessian_eigenthings.operators.jacobian import JacobianOperator, TransposedJacobianOperator
 
 __all__ = [
     "CompileFallbackWarning",
@@ -46,6 +47,7 @@ __all__ = [
     "GGNOperator",
     "HessianOperator",
     "HvpMethod",
+    "JacobianOperator",
     "LambdaOperator",
     "LinearCombinationOperator",
     "LossFn",
@@ -54,4 +56,5 @@ __all__ = [
     "RandomForwardWarning",
     "RectangularSubmatrix",
     "SubmatrixOperator",
+    "TransposedJacobianOperator",
 ]

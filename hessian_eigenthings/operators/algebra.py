@@ -8,6 +8,8 @@ index sets are equal (:class:`SubmatrixOperator`, a ``CurvatureOperator``
 that every algorithm accepts), rectangular otherwise
 (:class:`RectangularSubmatrix`, products only: no eigensolver needs it).
 ``X @ A`` for a block ``X (m, n)`` is ``(A Xᵀ)ᵀ`` by symmetry.
+``op.block(param_filter)`` is the submatrix on the coordinates of the parameters the filter
+selects among the operator's own (``A[θ_S][:, θ_S]``), with their layout.
 
 Cost. A product of ``Σ cᵢ Aᵢ`` with a vector or a block is one product of
 each part with the same vector or block (a block stays one block: one data
@@ -19,6 +21,7 @@ does the work, and each part counts its products in its own ``num_matvecs``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -28,11 +31,13 @@ import torch
 
 from hessian_eigenthings.linalg import SingleDeviceBackend
 from hessian_eigenthings.operators.base import CurvatureOperator, same_device
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, as_param_filter
 
 __all__ = [
     "LinearCombinationOperator",
     "RectangularSubmatrix",
     "SubmatrixOperator",
+    "block",
     "left_multiply",
     "linear_combination",
     "scale",
@@ -242,6 +247,10 @@ class SubmatrixOperator(CurvatureOperator):
     One product is one product of the parent on a zero vector with the input at ``idx``.
     """
 
+    #: the parameters' layout when built by ``op.block(param_filter)`` (else not set)
+    layout: ParamLayout
+    named_params: list[tuple[str, torch.nn.Parameter]]
+
     def __init__(self, parent: CurvatureOperator, idx: torch.Tensor) -> None:
         self.parent = parent
         self.idx = idx
@@ -377,3 +386,47 @@ def submatrix(op: CurvatureOperator, rows: object, cols: object = None) -> Subma
     if r.shape == c.shape and bool(torch.equal(r, c)):
         return SubmatrixOperator(op, r)
     return RectangularSubmatrix(op, r, c)
+
+
+def block(op: CurvatureOperator, param_filter: ParamFilter | str | Sequence[str]) -> SubmatrixOperator:
+    """``A[θ_S][:, θ_S]`` for the parameters ``S`` that ``param_filter`` (a callable
+    ``(name, param) -> bool``, a glob or a list of globs, as for the operators) selects among
+    ``op``'s own parameters (``op.layout``), in ``op``'s order. The result is a
+    :class:`SubmatrixOperator` with the layout of ``S`` (so the curvlinops adapter and a further
+    ``.block`` work on it). A product is one product of ``op``.
+    """
+    layout = getattr(op, "layout", None)
+    if not isinstance(layout, ParamLayout):
+        raise TypeError(
+            f"block(param_filter) needs an operator over named parameters (with a .layout), got "
+            f"{type(op).__name__}; use op.submatrix(indices) for index sets"
+        )
+    flt = as_param_filter(param_filter)
+    if flt is None:
+        raise TypeError("param_filter must be a callable (name, param) -> bool, a glob string or a list of globs, got None")
+    tensors: dict[str, torch.nn.Parameter] = dict(getattr(op, "named_params", None) or [])
+    chosen = []
+    for i, (name, shape) in enumerate(zip(layout.names, layout.shapes, strict=True)):
+        param = tensors.get(name)
+        if param is None:  # a combination's layout without its tensors: the shape is what a filter sees
+            param = torch.nn.Parameter(torch.empty(shape, dtype=layout.dtype, device="meta"), requires_grad=False)
+        if flt(name, param):
+            chosen.append(i)
+    if not chosen:
+        shown = ", ".join(layout.names[:8]) + (f", ... ({len(layout.names)} in all)" if len(layout.names) > 8 else "")
+        raise ValueError(
+            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected none of the operator's parameters: {shown}"
+        )
+    offsets = layout.offsets
+    idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in chosen])
+    sub = submatrix(op, idx)
+    assert isinstance(sub, SubmatrixOperator)
+    sub.layout = ParamLayout(
+        names=tuple(layout.names[i] for i in chosen),
+        shapes=tuple(layout.shapes[i] for i in chosen),
+        offsets=tuple([0, *itertools.accumulate(math.prod(layout.shapes[i]) for i in chosen)]),
+        dtype=layout.dtype,
+        device=layout.device,
+    )
+    sub.named_params = [(n, tensors[n]) for n in sub.layout.names if n in tensors]
+    return sub

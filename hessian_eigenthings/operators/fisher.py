@@ -235,6 +235,17 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 f"({helper}), or write it for one un-batched sample"
             ) from exc
 
+    _exact_columns_scale_with_output = False  # one column per sample, whatever the loss's shape
+
+    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # the "loss" ‖ℓ‖²/2N of the per-sample losses has Hessian I/N: one column 1/√N per sample
+        if self._counted is not None:
+            raise ValueError(
+                f"the exact diagonal of the empirical Fisher needs one loss per row of the batch; {self.per_sample_loss_fn!r} "
+                "counts its own samples (tokens): use diagonal(op, method='xdiag') for an estimate"
+            )
+        return torch.full_like(output.detach(), output.shape[0] ** -0.5).unsqueeze(1)
+
     def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
         # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
         return u / (state.n if state.n is not None else state.output.shape[0])

@@ -51,7 +51,9 @@ from hessian_eigenthings.loss_fns.protocols import (
     LinearHeadLoss,
     LossOfOutputFn,
     OutputHessianLoss,
+    OutputHessianSqrtLoss,
     SampledFisherLoss,
+    SampledFisherSqrtLoss,
 )
 from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.lm_head import ChunkedHead, plain_head
@@ -271,18 +273,7 @@ class GGNOperator(OutputSandwichOperator):
             # NOTE [sampled targets]: one draw per chunk of a pass, seeded by (seed, rank, chunk
             # position), so every product of the operator uses the same draws (a fixed matrix,
             # kept state or not) and nothing reads or moves the global random state
-            sampler = self.loss_of_output_fn
-            if isinstance(sampler, KeyedSampledFisherLoss):  # the traced engines' draws exactly
-                state.samples = sampler.keyed_sample_grads(
-                    state.output.detach(), state.batch, self.mc_samples, self._mc_key()
-                )
-                return
-            generator = torch.Generator(device=state.output.device)
-            rank = int(getattr(self, "rank", 0))
-            generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position)
-            sampler = self.loss_of_output_fn
-            assert isinstance(sampler, SampledFisherLoss)
-            state.samples = sampler.sample_grads(state.output.detach(), state.batch, self.mc_samples, generator)
+            state.samples = self._sample_grads(state.output.detach(), state.batch)
             return
         if self.loss_hvp == "analytical":
             return
@@ -296,6 +287,42 @@ class GGNOperator(OutputSandwichOperator):
         (grad,) = torch.autograd.grad(loss.reshape(()), leaf, create_graph=True)
         state.output_leaf = leaf
         state.loss_grad = grad
+
+    def _sample_grads(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The loss gradients at this chunk's sampled targets (NOTE [sampled targets])."""
+        sampler = self.loss_of_output_fn
+        if isinstance(sampler, KeyedSampledFisherLoss):  # the traced engines' draws exactly
+            return sampler.keyed_sample_grads(output, batch, self.mc_samples, self._mc_key())
+        generator = torch.Generator(device=output.device)
+        rank = int(getattr(self, "rank", 0))
+        generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position)
+        sampler = self.loss_of_output_fn
+        assert isinstance(sampler, SampledFisherLoss)
+        return sampler.sample_grads(output, batch, self.mc_samples, generator)
+
+    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        loss = self.loss_of_output_fn
+        if self.mc_samples:
+            if not isinstance(loss, SampledFisherSqrtLoss):
+                raise TypeError(
+                    f"the exact diagonal of the Monte-Carlo Fisher needs {loss!r} to give the square root of "
+                    "its sampled Hessian (.sampled_hessian_sqrt, see loss_fns.protocols.SampledFisherSqrtLoss)"
+                )
+            return loss.sampled_hessian_sqrt(output, batch, self._sample_grads(output, batch))
+        if not isinstance(loss, OutputHessianSqrtLoss):
+            raise TypeError(
+                f"the exact GGN diagonal needs a square root of the loss Hessian, and {loss!r} has none "
+                "(.hessian_sqrt, see loss_fns.protocols.OutputHessianSqrtLoss); use supervised_loss_of_output("
+                "nn.CrossEntropyLoss() / nn.MSELoss() / nn.BCEWithLogitsLoss()), mc_samples=k, or "
+                "diagonal(op, method='xdiag') for an estimate"
+            )
+        S = loss.hessian_sqrt(output, batch)
+        if S.dim() != output.dim() + 1 or S.shape[0] != output.shape[0] or S.shape[2:] != output.shape[1:]:
+            raise ValueError(
+                f"{loss!r}.hessian_sqrt returned shape {tuple(S.shape)} for an output of shape "
+                f"{tuple(output.shape)}; it must be (N, K, *output.shape[1:])"
+            )
+        return S
 
     def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
         if state.samples is not None:

@@ -174,6 +174,10 @@ class CurvatureOperator(ABC):
         """``A[rows][:, cols]`` (slices, int sequences or tensors, bool masks): a symmetric operator
         when ``cols`` is omitted or equal to ``rows``, else a rectangular one (``operators.algebra``)."""
         return _algebra().submatrix(self, rows, cols)
+    def block(self, param_filter: Any) -> Any:
+        """``A[θ_S][:, θ_S]`` for the parameters ``S`` that ``param_filter`` (callable, glob or globs)
+        selects among the operator's own: a ``SubmatrixOperator`` with their layout (``operators.algebra``)."""
+        return _algebra().block(self, param_filter)
 
 
 def _algebra() -> Any:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
-from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
@@ -159,6 +159,123 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
         """``H u`` for a block ``u`` of shape ``(k, *output.shape)``."""
         raise NotImplementedError
+
+
+    # -- the exact diagonal ------------------------------------------------------------
+    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``S (N, K, *output.shape[1:])`` with the output-space matrix of this chunk equal to
+        ``Σₙ Σₖ sₙₖ sₙₖᵀ`` (see ``loss_fns.protocols.OutputHessianSqrtLoss``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no exact diagonal")
+
+    #: most entries of one sample's output the exact diagonal backpropagates (one column each)
+    exact_diagonal_max_outputs: int = 4096
+    #: whether the square root has about one column per output entry (else a few per sample)
+    _exact_columns_scale_with_output: bool = True
+    #: about how many columns (samples x K) one vmapped backward of the exact diagonal takes
+    _exact_group_columns: int = 1024
+
+    def exact_diagonal(self) -> torch.Tensor:
+        """``diag`` of the operator's matrix, exactly, in one pass over the data.
+
+        See NOTE [exact diagonal]. Cost per chunk: one forward, then per sample one forward and
+        K backward passes (batched with ``torch.func.vmap``), K columns of the output Hessian's
+        square root per sample (the output size for the exact GGN).
+        """
+        # NOTE [exact diagonal]
+        # With the output-space matrix of a chunk written as Σₙ Σₖ sₙₖ sₙₖᵀ (no terms between
+        # samples), diag(Σₙ Jₙᵀ Hₙ Jₙ) = Σₙ Σₖ (Jₙᵀ sₙₖ)² elementwise: a vector-Jacobian product
+        # per sample and column, squared. Samples cannot share a backward (the square of a sum
+        # is not the sum of squares), so each sample runs alone through torch.func.vmap of
+        # vjp over the model called on a batch of one (functional_call, the user's module
+        # untouched); the K columns of a sample go through one vmapped vjp. Samples are taken
+        # in groups of about 1024 / K to bound the memory of the vmapped backward. A model
+        # whose samples interact (BatchNorm in training mode) has no per-sample Jacobian and
+        # is refused. Chunks are weighted by size exactly as the products are, and the MC
+        # Fisher draws the same targets (seeded by chunk position) as its products.
+        if int(getattr(self, "world_size", 1)) > 1:
+            raise NotImplementedError(
+                "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
+                "data only); compute it on one process, or use diagonal(op, method='xdiag')"
+            )
+        random = self.guard.random_cause()
+        if random:
+            raise ValueError(f"the exact diagonal needs a deterministic forward, but {random}")
+        for name, m in self.model.named_modules():
+            if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
+                raise ValueError(
+                    f"the exact diagonal needs per-sample Jacobians, but {name or type(m).__name__} is a BatchNorm "
+                    "in training mode (samples interact through the batch statistics); call model.eval() or use "
+                    "diagonal(op, method='xdiag')"
+                )
+        acc = self.layout.empty()
+        acc.zero_()
+        parts = self.layout.split(acc)
+        state = {n: t.detach() for n, t in self.model.named_parameters()}
+        state.update({n: t.detach().clone() for n, t in self.model.named_buffers()})
+        total = 0.0
+        self.chunk_position = -1
+        with self.guard.product(self.precision, double_backward=False):
+            for raw, chunk in self._fresh_chunks():
+                self.chunk_position += 1
+                with torch.no_grad(), self.guard.private_buffers():
+                    output = self._checked_output(self._functional_call(chunk))
+                N = batch_size(chunk)
+                if output.dim() < 1 or output.shape[0] != N:
+                    raise ValueError(
+                        f"the exact diagonal needs {self._what_output} to return one row per sample (leading "
+                        f"dimension {N}), got shape {tuple(output.shape)}"
+                    )
+                per_sample = output[0].numel() if N else 0
+                if self._exact_columns_scale_with_output and per_sample > self.exact_diagonal_max_outputs:
+                    # the square root has about one column per output entry of a sample
+                    # (N · M² numbers, M backward columns per sample): LM-sized outputs cannot
+                    raise ValueError(
+                        f"the exact diagonal backpropagates about one column per output entry of a sample, and a "
+                        f"sample has {per_sample} (more than exact_diagonal_max_outputs="
+                        f"{self.exact_diagonal_max_outputs}); use diagonal(op, method='xdiag') for an estimate"
+                    )
+                S = self._output_hessian_sqrt(output, chunk)
+                weight = self._weight(self._samples(chunk), raw)
+                self._add_squared_vjps(parts, chunk, S, state, weight)
+                total += weight
+        if total == 0:
+            raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+        return acc.div_(total)
+
+    def _add_squared_vjps(
+        self,
+        parts: list[torch.Tensor],
+        chunk: Batch,
+        S: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        weight: float,
+    ) -> None:
+        """``parts += weight · Σₙ Σₖ (Jₙᵀ S[n, k])²`` (NOTE [exact diagonal])."""
+        N, K = S.shape[0], S.shape[1]
+        names = self.layout.names
+        call = self._functional_call
+
+        def sample_dims(x: Any) -> int | None:
+            return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == N else None
+
+        dims = torch.utils._pytree.tree_map(sample_dims, chunk)
+
+        def one_sample(sample: Batch, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            alone = torch.utils._pytree.tree_map(
+                lambda x, d: x.unsqueeze(0) if d == 0 else x, sample, dims
+            )
+            f, primal = selected_function(call, names, state, alone)
+            vjp_fn = torch.func.vjp(lambda *v: self._checked_output(f(*v)), *primal)[1]
+            grads = torch.func.vmap(vjp_fn)(cols.unsqueeze(1))  # K columns, each (1, ...)
+            return tuple((g * g).sum(0) for g in grads)
+
+        group = max(1, self._exact_group_columns // max(K, 1))
+        mapped = torch.func.vmap(one_sample, in_dims=(dims, 0))
+        for start in range(0, N, group):
+            rows = slice(start, min(N, start + group))
+            piece = torch.utils._pytree.tree_map(lambda x, d, r=rows: x[r] if d == 0 else x, chunk, dims)
+            for acc, sq in zip(parts, mapped(piece, S[rows]), strict=True):
+                acc.add_(sq.sum(0), alpha=weight)
 
     # -- per-batch product ----------------------------------------------------------
     def _checked_output(self, out: Any) -> torch.Tensor:
