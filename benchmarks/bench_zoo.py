@@ -126,7 +126,7 @@ def main() -> None:
         except Exception as exc:
             emit({"cell": "ggn_solve", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
 
-    if "tf32" in cells:
+    if "precision" in cells or "tf32" in cells:
         # the premise: one Hessian product in TF32 against fp32, same operator, kept state warm
         fresh()
         op = he.HessianOperator(model, batches, sup)
@@ -141,6 +141,7 @@ def main() -> None:
         row["report"] = op.engine_report
         emit(row)
         del op
+    if "tf32" in cells:
         for tol in (1e-3, 1e-4):
             ref: torch.Tensor | None = None
             for name in ("lanczos_fp32", "lanczos_tf32_refine"):
