@@ -111,3 +111,16 @@ def test_bad_arguments() -> None:
     plain = LambdaOperator(lambda v: v, 30, dtype=torch.float64)
     with pytest.raises(TypeError, match="precision"):
         lanczos_tf32_refine(plain, k=2)
+
+
+def test_most_products_run_in_tf32() -> None:
+    """NOTE [tf32 then refine]: the TF32 phase runs on its residual estimates to the user's tol,
+    so the fp32 phase is one Rayleigh-Ritz and little more (k = 5: 5 products at tol 1e-3)."""
+    m = dense_matrix(spectrum("separated", 400, seed=1), seed=2)
+    cold = TwoPrecisions(m)
+    lanczos(cold, k=5, which="LA", tol=1e-3, seed=0)
+    op = TwoPrecisions(m)
+    res = lanczos_tf32_refine(op, k=5, which="LA", tol=1e-3, seed=0)
+    assert bool(res.converged.all())
+    assert op.counts["fp32"] <= 10 < cold.counts["fp32"] // 5
+    assert op.counts["tf32"] <= cold.counts["fp32"]
