@@ -28,6 +28,13 @@ from hessian_eigenthings.operators.engines import (
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
+from hessian_eigenthings.operators.kfac import (
+    EKFACOperator,
+    KFACOperator,
+    KroneckerBlock,
+    KroneckerEigen,
+    KroneckerEigenBlock,
+)
 
 __all__ = [
     "CompileFallbackWarning",
@@ -38,6 +45,7 @@ __all__ = [
     "DataCurvatureOperator",
     "DataParallelMixin",
     "DistributedProductError",
+    "EKFACOperator",
     "EmpiricalFisherOperator",
     "EngineMismatchWarning",
     "EngineUnsupportedError",
@@ -46,6 +54,10 @@ __all__ = [
     "GGNOperator",
     "HessianOperator",
     "HvpMethod",
+    "KFACOperator",
+    "KroneckerBlock",
+    "KroneckerEigen",
+    "KroneckerEigenBlock",
     "LambdaOperator",
     "LinearCombinationOperator",
     "LossFn",
