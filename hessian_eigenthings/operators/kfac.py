@@ -200,6 +200,7 @@ class _KroneckerFactored(CurvatureOperator):
         separate_bias: bool = True,
         exclude_unsupported: bool = False,
         precision: Precision = "fp32",
+        column_chunk: int = 16,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -233,6 +234,7 @@ class _KroneckerFactored(CurvatureOperator):
                 f"mc_samples={mc_samples} applies to fisher_type='mc' only (got {fisher_type!r})"
             )
         self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        self.column_chunk: int = check_count("column_chunk", column_chunk)  # type: ignore[assignment]
         if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
             raise TypeError("separate_bias and exclude_unsupported must be True or False")
         self.model = model
@@ -399,28 +401,41 @@ class _KroneckerFactored(CurvatureOperator):
                 size = float(batch_size(batch))
                 inputs, outputs = self._forward(batch, on_input, size)
                 output = self._output
-                cols = self._columns(output, batch, position)
+                cols = self._columns(output, batch, position).to(output.dtype)
                 layers = [layer for layer in self._layers if layer.name in outputs]
                 targets = [outputs[layer.name] for layer in layers]
-                if cols.shape[0] == 1:
-                    grads = torch.autograd.grad(
-                        output, targets, cols[0].to(output.dtype), allow_unused=True
-                    )
-                    grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
-                else:
-                    grads = torch.autograd.grad(
-                        output,
-                        targets,
-                        cols.to(output.dtype),
-                        is_grads_batched=True,
-                        allow_unused=True,
-                    )
-                for layer, g, y in zip(layers, grads, targets, strict=True):
-                    if g is None:
-                        g = torch.zeros((cols.shape[0], *y.shape), dtype=y.dtype, device=y.device)
-                    visit(
-                        layer, inputs.get(layer.name, torch.empty(0)), self._grads(layer, g), size
-                    )
+                k = cols.shape[0]
+                # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
+                # them at once holds k copies of the activations' gradients, so they go through in
+                # chunks of ``column_chunk`` (the factors are sums over columns: same result)
+                for start in range(0, k, self.column_chunk):
+                    chunk = cols[start : start + self.column_chunk]
+                    last = start + self.column_chunk >= k
+                    if chunk.shape[0] == 1:
+                        grads = torch.autograd.grad(
+                            output, targets, chunk[0], allow_unused=True, retain_graph=not last
+                        )
+                        grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
+                    else:
+                        grads = torch.autograd.grad(
+                            output,
+                            targets,
+                            chunk,
+                            is_grads_batched=True,
+                            allow_unused=True,
+                            retain_graph=not last,
+                        )
+                    for layer, g, y in zip(layers, grads, targets, strict=True):
+                        if g is None:
+                            g = torch.zeros(
+                                (chunk.shape[0], *y.shape), dtype=y.dtype, device=y.device
+                            )
+                        visit(
+                            layer,
+                            inputs.get(layer.name, torch.empty(0)),
+                            self._grads(layer, g),
+                            size,
+                        )
                 total += size
                 del self._output
         if total == 0:
@@ -690,7 +705,7 @@ class KFACOperator(_KroneckerFactored):
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
     kfac_approx="expand", param_filter=None, mc_samples=1, seed=0, num_batches=None,
-    separate_bias=True, exclude_unsupported=False, precision="fp32")``; the calling conventions
+    separate_bias=True, exclude_unsupported=False, precision="fp32", column_chunk=16)``; the calling conventions
     of :class:`~hessian_eigenthings.operators.GGNOperator` (``forward_fn(model, batch) ->
     output``, ``loss_of_output_fn(output, batch) -> mean loss``).
 
@@ -701,6 +716,8 @@ class KFACOperator(_KroneckerFactored):
       Linear on ``(N, T, d)``); the same thing without sharing.
     - ``separate_bias``: a bias in its own block ``G ⊗ [1]`` (default) or joined to its weight
       through a column of ones (one block ``G ⊗ Ã``).
+    - ``column_chunk``: most loss-Hessian columns (type-2: one per class; mc: ``mc_samples``)
+      backpropagated together in one batched backward (memory: that many activation gradients).
     - Selected parameters outside ``nn.Linear``/``nn.Conv2d`` raise a ``ValueError`` naming
       them; ``exclude_unsupported=True`` leaves them out (``.excluded_parameters``).
 

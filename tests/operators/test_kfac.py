@@ -212,6 +212,19 @@ def test_param_filter_selects_sub_blocks() -> None:
     )
 
 
+def test_column_chunks_give_the_same_factors() -> None:
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6)).double()
+    data = classification_data(n=9, d_in=4, classes=6, batch=4)
+    whole = KFACOperator(model, data, supervised_forward, CE).to_dense()
+    for chunk in (1, 4):
+        torch.testing.assert_close(
+            KFACOperator(model, data, supervised_forward, CE, column_chunk=chunk).to_dense(),
+            whole,
+            rtol=1e-13,
+            atol=1e-16,
+        )
+
+
 def test_inplace_activation_after_a_layer_changes_nothing() -> None:
     data = _image_data()
     a, b = _cnn(), _cnn(inplace=True)
