@@ -248,9 +248,17 @@ class _KroneckerFactored(CurvatureOperator):
 
         selected = select_parameters(model, param_filter)
         owner: dict[int, tuple[str, nn.Module, str]] = {}
-        for mname, module in model.named_modules():
-            for pname, p in module.named_parameters(recurse=False):
+        users: dict[int, list[str]] = {}
+        for mname, module in model.named_modules(remove_duplicate=False):
+            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
                 owner.setdefault(id(p), (mname, module, pname))
+                users.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+        tied = [" = ".join(users[id(p)]) for p in selected.values() if len(users[id(p)]) > 1]
+        if tied:
+            raise ValueError(
+                f"{type(self).__name__} gives each layer its own block; these selected parameters are tied "
+                f"(shared by several layers): {'; '.join(tied)}. Leave them out with param_filter"
+            )
         unsupported = []
         named = []
         for name, p in selected.items():
@@ -530,9 +538,14 @@ class _KroneckerFactored(CurvatureOperator):
                 layer.A = layer.G = None
             total = self._run(visit, on_input)
         for layer in self._layers:
+            if layer.G is None:  # the layer never ran in the forward: its GGN block is zero
+                m = self.params[layer.weight if layer.weight is not None else layer.bias].shape[0]  # type: ignore[index]
+                layer.G = torch.zeros(m, m, dtype=self.factor_dtype, device=self.device)
+            if layer.A is None and layer.weight is not None:
+                q = self.params[layer.weight][0].numel() + int(layer.joint)
+                layer.A = torch.zeros(q, q, dtype=self.factor_dtype, device=self.device)
             if layer.A is not None:
                 layer.A.div_(total)
-            assert layer.G is not None
             layer.G.div_(total)
 
     @property

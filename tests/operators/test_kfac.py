@@ -362,7 +362,44 @@ def test_bad_arguments_raise_clear_errors() -> None:
     grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(32, 3)).double()
     with pytest.raises(ValueError, match="groups"):
         KFACOperator(grouped, _image_data(), supervised_forward, CE)
-    twice = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
-    twice.append(twice[0])
-    with pytest.raises(ValueError, match="ran twice"):
-        KFACOperator(twice, _regression_data(d_out=4), supervised_forward, MSE)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.tanh(self.lin(x)))
+
+    with pytest.raises(ValueError, match="'lin' ran twice"):
+        KFACOperator(Twice().double(), _regression_data(d_out=4), supervised_forward, MSE)
+    with pytest.raises(ValueError, match=r"tied .*0\.weight = 2\.weight"):
+        KFACOperator(
+            nn.Sequential(twice := nn.Linear(4, 4), nn.Tanh(), twice).double(),
+            _regression_data(d_out=4),
+            supervised_forward,
+            MSE,
+        )
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    tied[2].weight = tied[0].weight
+    with pytest.raises(ValueError, match=r"tied .*0\.weight = 2\.weight"):
+        KFACOperator(tied, _regression_data(d_out=4), supervised_forward, MSE)
+
+
+def test_a_layer_outside_the_forward_has_a_zero_block() -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Unused().double()
+    data = _regression_data()
+    K = KFACOperator(model, data, supervised_forward, MSE).to_dense()
+    assert torch.all(K[15:] == 0) and torch.all(K[:, 15:] == 0)
+    torch.testing.assert_close(
+        K[:15, :15],
+        KFACOperator(model, data, supervised_forward, MSE, param_filter="used.*").to_dense(),
+    )
