@@ -53,6 +53,7 @@ A product costs two small matrix products per block and never reads the data.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,7 +63,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings._checks import check_count
-from hessian_eigenthings.batching import Batch, BatchSource, batch_size, to_device
+from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings.batching import (
+    Batch,
+    BatchSource,
+    batch_size,
+    batchnorm_modules,
+    to_device,
+)
 from hessian_eigenthings.loss_fns.checks import check_loss_argument
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import (
@@ -305,6 +313,17 @@ class _KroneckerFactored(CurvatureOperator):
                 if layer.bias is not None:
                     self._blocks.append(_Block(layer, "bias"))
         self.guard = ModelGuard(model, self.params)
+        coupled = batchnorm_modules(model)
+        if coupled:
+            # NOTE [samples independent]: a column of the loss Hessian covers every row of the batch
+            # at once, which is exact only when no row's output depends on another row's input
+            warnings.warn(
+                f"{type(self).__name__}: BatchNorm in training mode ({', '.join(coupled[:3])}"
+                f"{', ...' if len(coupled) > 3 else ''}) couples the samples of a batch; KFAC's factors "
+                "assume independent samples (call model.eval() for the curvature of the deterministic model)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
         self._clone_outputs = False
         self._eigen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

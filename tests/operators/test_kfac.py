@@ -386,6 +386,16 @@ def test_bad_arguments_raise_clear_errors() -> None:
         KFACOperator(tied, _regression_data(d_out=4), supervised_forward, MSE)
 
 
+def test_batchnorm_in_training_mode_is_said() -> None:
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
+    data = classification_data(n=8, d_in=4, batch=4)
+    with pytest.warns(UserWarning, match=r"BatchNorm in training mode \(1\)") as rec:
+        KFACOperator(model, data, supervised_forward, CE, param_filter=["0.*", "2.*"])
+    assert rec[0].filename == __file__
+    model.eval()
+    KFACOperator(model, data, supervised_forward, CE, param_filter=["0.*", "2.*"])  # no warning
+
+
 def test_a_layer_outside_the_forward_has_a_zero_block() -> None:
     class Unused(nn.Module):
         def __init__(self) -> None:
