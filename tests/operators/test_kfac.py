@@ -212,6 +212,16 @@ def test_param_filter_selects_sub_blocks() -> None:
     )
 
 
+def test_num_batches_caps_the_data() -> None:
+    model = _mlp()
+    data = classification_data(n=9, d_in=4, batch=4)
+    capped = KFACOperator(model, data, supervised_forward, CE, num_batches=2).to_dense()
+    torch.testing.assert_close(
+        capped, KFACOperator(model, data[:2], supervised_forward, CE).to_dense(), rtol=0, atol=0
+    )
+    assert not torch.allclose(capped, KFACOperator(model, data, supervised_forward, CE).to_dense())
+
+
 def test_column_chunks_give_the_same_factors() -> None:
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6)).double()
     data = classification_data(n=9, d_in=4, classes=6, batch=4)
