@@ -328,6 +328,10 @@ class _KroneckerFactored(CurvatureOperator):
         self._clone_outputs = False
         self._eigen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._compute_factors()
+        self._after_factors()
+
+    def _after_factors(self) -> None:
+        """What a subclass computes once the factors are known (EKFAC: its second pass)."""
 
     # -- the pass over the data ---------------------------------------------------------------
     def _inputs(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -783,10 +787,11 @@ class EKFACOperator(_KroneckerFactored):
     KFAC is exact). Costs a second pass over the data.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    _scalings: list[torch.Tensor] | None = None
+
+    def _after_factors(self) -> None:
         self._scalings = self._compute_scalings()
-        self._eigen = None
+        self._eigen = None  # the eigenvalues change from KFAC's to the corrected ones
 
     def _compute_scalings(self) -> list[torch.Tensor]:
         bases = self._eigen_blocks_of_kfac()
@@ -832,7 +837,7 @@ class EKFACOperator(_KroneckerFactored):
     def _block_eigenvalues(
         self, index: int, lam_G: torch.Tensor, lam_A: torch.Tensor
     ) -> torch.Tensor:
-        scalings = getattr(self, "_scalings", None)
+        scalings = self._scalings
         if scalings is None:  # during construction: KFAC's eigenvalues (only the bases are used)
             return super()._block_eigenvalues(index, lam_G, lam_A)
         return scalings[index]
@@ -840,6 +845,7 @@ class EKFACOperator(_KroneckerFactored):
     @property
     def corrected_eigenvalues(self) -> tuple[torch.Tensor, ...]:
         """Per block ``(m, q)``: the eigenvalues replacing ``λ_G λ_Aᵀ``."""
+        assert self._scalings is not None
         return tuple(self._scalings)
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
