@@ -358,8 +358,11 @@ class _KroneckerFactored(CurvatureOperator):
             return g.flatten(3).transpose(2, 3)
         return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
 
-    def _columns(self, output: torch.Tensor, batch: Batch, position: int) -> torch.Tensor:
-        """``(k, *output.shape)``: the columns ``s_c`` of the batch loss's output Hessian."""
+    def _columns(
+        self, output: torch.Tensor, batch: Batch, position: int
+    ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
+        """``k`` and ``columns(start, stop) -> (stop - start, *output.shape)``: the columns ``s_c``
+        of the batch loss's output Hessian, made a chunk at a time (NOTE [column chunks])."""
         loss = self.loss_of_output_fn
         out = output.detach()
         if isinstance(loss, CrossEntropyOutputLoss):
@@ -389,34 +392,40 @@ class _KroneckerFactored(CurvatureOperator):
             leaf = out.requires_grad_(True)
             with torch.enable_grad():
                 (grad,) = torch.autograd.grad(loss(leaf, batch), leaf)
-            return (grad / w.sqrt()).unsqueeze(0)
+            empirical = (grad / w.sqrt()).unsqueeze(0).to(out.dtype)
+            return 1, lambda a, b: empirical[a:b]
         if self.fisher_type == "mc":
             generator = torch.Generator(device=out.device)
             generator.manual_seed(self.seed * 1_000_003 + position)
             samples = loss.sample_grads(out, batch, self.mc_samples, generator)
-            return samples * (w / self.mc_samples).sqrt()
+            sampled = (samples * (w / self.mc_samples).sqrt()).to(out.dtype)
+            return self.mc_samples, lambda a, b: sampled[a:b]
         if isinstance(loss, CrossEntropyOutputLoss):
             p = torch.softmax(out.to(self.factor_dtype), dim=1).movedim(1, -1)  # (rows..., C)
             C = p.shape[-1]
             eye = torch.eye(C, dtype=p.dtype, device=p.device).reshape(C, *([1] * (p.dim() - 1)), C)
-            cols = (eye - p.unsqueeze(0)) * p.movedim(-1, 0).sqrt().unsqueeze(-1)  # (C, rows..., C)
-            cols = cols.movedim(-1, 2) * w.sqrt()
-            if mask is not None:
-                cols = cols * mask
-            return cols.to(out.dtype)
+            root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
+
+            def ce_columns(a: int, b: int) -> torch.Tensor:
+                cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(
+                    -1, 2
+                )  # (b - a, *out.shape)
+                return (cols if mask is None else cols * mask).to(out.dtype)
+
+            return C, ce_columns
         if isinstance(loss, MSEOutputLoss):
             diag = torch.full_like(out, 2.0) * w
         else:
             s = torch.sigmoid(out)
             diag = s * (1 - s) * w
-        C = out.shape[-1] if out.dim() > 1 else 1
         base = diag.sqrt().unsqueeze(0)
         if out.dim() <= 1:
-            return base
+            return 1, lambda a, b: base[a:b]
+        C = out.shape[-1]
         eye = torch.eye(C, dtype=out.dtype, device=out.device).reshape(
             C, *([1] * (out.dim() - 1)), C
         )
-        return base * eye
+        return C, lambda a, b: base * eye[a:b]
 
     def _run(
         self,
@@ -432,15 +441,15 @@ class _KroneckerFactored(CurvatureOperator):
                 size = float(batch_size(batch))
                 inputs, outputs = self._forward(batch, on_input, size)
                 output = self._output
-                cols = self._columns(output, batch, position).to(output.dtype)
+                k, columns = self._columns(output, batch, position)
                 layers = [layer for layer in self._layers if layer.name in outputs]
                 targets = [outputs[layer.name] for layer in layers]
-                k = cols.shape[0]
                 # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
-                # them at once holds k copies of the activations' gradients, so they go through in
-                # chunks of ``column_chunk`` (the factors are sums over columns: same result)
+                # them at once holds k copies of the activations' gradients (and the columns
+                # themselves k outputs), so they are made and go through in chunks of
+                # ``column_chunk`` (the factors are sums over columns: the same result)
                 for start in range(0, k, self.column_chunk):
-                    chunk = cols[start : start + self.column_chunk]
+                    chunk = columns(start, min(k, start + self.column_chunk))
                     last = start + self.column_chunk >= k
                     if chunk.shape[0] == 1:
                         grads = torch.autograd.grad(
