@@ -29,6 +29,13 @@ from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
 from hessian_eigenthings.operators.jacobian import JacobianOperator, TransposedJacobianOperator
+from hessian_eigenthings.operators.kfac import (
+    EKFACOperator,
+    KFACOperator,
+    KroneckerBlock,
+    KroneckerEigen,
+    KroneckerEigenBlock,
+)
 
 __all__ = [
     "CompileFallbackWarning",
@@ -39,6 +46,7 @@ __all__ = [
     "DataCurvatureOperator",
     "DataParallelMixin",
     "DistributedProductError",
+    "EKFACOperator",
     "EmpiricalFisherOperator",
     "EngineMismatchWarning",
     "EngineUnsupportedError",
@@ -48,6 +56,10 @@ __all__ = [
     "HessianOperator",
     "HvpMethod",
     "JacobianOperator",
+    "KFACOperator",
+    "KroneckerBlock",
+    "KroneckerEigen",
+    "KroneckerEigenBlock",
     "LambdaOperator",
     "LinearCombinationOperator",
     "LossFn",
