@@ -77,6 +77,7 @@ from hessian_eigenthings.param_utils import (
     select_parameters,
     vector_to_params,
 )
+from hessian_eigenthings.tracking import CurvatureTracker, TrackRecord
 
 name = "hessian_eigenthings"
 
@@ -86,6 +87,7 @@ __all__ = [
     "CompileFallbackWarning",
     "ConvergenceWarning",
     "CurvatureOperator",
+    "CurvatureTracker",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
     "DDPHessianOperator",
@@ -108,6 +110,7 @@ __all__ = [
     "SolveResult",
     "SpectralDensityResult",
     "TraceResult",
+    "TrackRecord",
     "__version__",
     "compute_hessian_eigenthings",
     "cross_entropy_loss_of_output",
