@@ -85,6 +85,7 @@ from hessian_eigenthings.param_utils import (
     select_parameters,
     vector_to_params,
 )
+from hessian_eigenthings.tracking import CurvatureTracker, TrackRecord
 
 name = "hessian_eigenthings"
 
@@ -94,6 +95,7 @@ __all__ = [
     "CompileFallbackWarning",
     "ConvergenceWarning",
     "CurvatureOperator",
+    "CurvatureTracker",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
     "DDPHessianOperator",
@@ -121,6 +123,7 @@ __all__ = [
     "SolveResult",
     "SpectralDensityResult",
     "TraceResult",
+    "TrackRecord",
     "TransposedJacobianOperator",
     "__version__",
     "compute_hessian_eigenthings",

@@ -58,6 +58,7 @@ from hessian_eigenthings.algorithms._common import (
     random_rows,
     rounding_level,
     row_dots,
+    warm_start_rows,
     work_dtype,
 )
 from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag, warn_convergence
@@ -67,6 +68,18 @@ from hessian_eigenthings.operators.base import CurvatureOperator
 Which = Literal["LM", "LA", "SA"]
 
 __all__ = ["check_symmetry", "lanczos", "lanczos_tridiagonal"]
+
+
+def _is_warm_basis(v0: object, n: int, b: int) -> bool:
+    """Whether ``v0`` is a warm start (a previous result, or a basis of ``p != b`` vectors)
+    rather than the start vector / block of the 1.0 API."""
+    if isinstance(v0, EigenResult):
+        return True
+    if not isinstance(v0, torch.Tensor) or v0.dim() != 2:
+        return False
+    if v0.shape == (b, n):
+        return False
+    return v0.shape[1] == n or v0.shape[0] == n
 
 
 def _order(theta: np.ndarray, which: str) -> np.ndarray:
@@ -148,7 +161,7 @@ def lanczos(
     backend: LinAlgBackend | None = None,
     ncv: int | None = None,
     block_size: int = 1,
-    v0: torch.Tensor | None = None,
+    v0: torch.Tensor | EigenResult | None = None,
     precision: torch.dtype | None = None,
     residuals: Literal["exact", "estimate"] = "exact",
     check_symmetric: bool = False,
@@ -193,6 +206,14 @@ def lanczos(
             to ``b``), which ``b = 1`` separates only through rounding. When
             ``ncv + b > n`` it falls back to ``b = 1``.
         v0: start vector ``(n,)`` or start block ``(b, n)``; random otherwise.
+            A warm start: the previous ``EigenResult`` or a basis ``(p, n)`` /
+            ``(n, p)`` of its eigenvectors; the start is their sum (``b``
+            sums for a block). Worth it when the operator changed little since
+            (parameters moved little along training): about half the products
+            at a change of 1e-5 of its norm, 10-40% fewer at 1e-3; the answer
+            is that of a cold start either way. Zero or non-finite vectors warn
+            and start cold; a shape that does not fit raises. See NOTE [warm
+            starts] in ``_common``.
         precision: working dtype of the basis and reductions, see NOTE
             [mixed precision] in ``_common``; products run in ``op.dtype``.
         residuals: ``"exact"`` recomputes ``||A v - θ v||`` with one block
@@ -274,9 +295,19 @@ def lanczos(
     V = torch.empty(m + b, n_local, dtype=wd, device=device)
     T = np.zeros((m + b, m + b))
 
-    if v0 is not None:
+    X0 = None
+    if v0 is not None and _is_warm_basis(v0, n_local, b):
+        # a previous result or a basis of p != b vectors: See NOTE [warm starts]
+        Y = warm_start_rows(v0, n_local, "v0")
+        if Y is not None:
+            Y = Y.to(device=device, dtype=wd)
+            # row i of the start block sums the vectors i, i + b, i + 2b, ... (all of them for b = 1)
+            G = torch.zeros(b, Y.shape[0], dtype=wd, device=device)
+            G[torch.arange(Y.shape[0]) % b, torch.arange(Y.shape[0])] = 1.0
+            X0 = G @ Y
+    elif v0 is not None:
         if not isinstance(v0, torch.Tensor):
-            raise TypeError(f"v0 must be a torch.Tensor, got {type(v0).__name__}")
+            raise TypeError(f"v0 must be a torch.Tensor or an EigenResult, got {type(v0).__name__}")
         if v0.numel() % n_local:
             raise ValueError(
                 f"v0 must have shape ({n_local},) or ({b}, {n_local}) for block_size={b}, "
@@ -290,7 +321,7 @@ def lanczos(
             )
         if not bool(torch.isfinite(X0).all()):
             raise ValueError("v0 has non-finite entries")
-    else:
+    if X0 is None:
         X0 = random_rows(b, n_local, gen, device=device, dtype=wd)
     Q0 = orthonormalize_rows(X0, backend)
     if Q0.shape[0] < b:
@@ -418,7 +449,11 @@ def lanczos(
             hint = (
                 "the Ritz estimates met tol but the recomputed residuals did not, so the products are "
                 "not consistent at that level"
-                + (f" ({'; '.join(causes)})" if causes else " (a product that is random or of low precision)")
+                + (
+                    f" ({'; '.join(causes)})"
+                    if causes
+                    else " (a product that is random or of low precision)"
+                )
                 + "; loosen tol"
             )
         warn_convergence(

@@ -41,6 +41,7 @@ from hessian_eigenthings.algorithms._common import (
     random_rows,
     rounding_level,
     row_dots,
+    warm_start_rows,
     work_dtype,
 )
 from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
@@ -162,7 +163,7 @@ def power_iteration_one(
     max_iter: int = 100,
     tol: float = 1e-4,
     momentum: float = 0.0,
-    init: torch.Tensor | None = None,
+    init: torch.Tensor | EigenResult | PowerIterationResult | None = None,
     seed: int | None = None,
     backend: LinAlgBackend | None = None,
     precision: torch.dtype | None = None,
@@ -172,7 +173,9 @@ def power_iteration_one(
 
     ``max_iter`` caps the products; ``tol`` is the relative residual (see the
     module docstring); ``init`` is a start vector ``(n,)`` (random from
-    ``seed`` otherwise). Returns ``(eigenvalue, eigenvector, residual,
+    ``seed`` otherwise), or a warm start: a previous ``PowerIterationResult``,
+    ``EigenResult`` (its pair of largest ``|λ|``) or basis ``(p, n)`` /
+    ``(n, p)`` (its first vector); see NOTE [warm starts] in ``_common``. Returns ``(eigenvalue, eigenvector, residual,
     iterations, converged)``; does not warn when unconverged (read
     ``converged``).
     """
@@ -211,11 +214,16 @@ def power_iteration_one(
 
 def _start(
     op: CurvatureOperator,
-    init: torch.Tensor | None,
+    init: torch.Tensor | EigenResult | PowerIterationResult | None,
     seed: int | None,
     backend: LinAlgBackend,
     wd: torch.dtype,
 ) -> torch.Tensor:
+    if isinstance(init, PowerIterationResult):
+        init = init.eigenvector
+    if isinstance(init, EigenResult) or (isinstance(init, torch.Tensor) and init.dim() == 2):
+        rows = _warm_rows_by_magnitude(init, op.size, "init")
+        init = None if rows is None else rows[0]
     if init is not None:
         if not isinstance(init, torch.Tensor):
             raise TypeError(f"init must be a torch.Tensor, got {type(init).__name__}")
@@ -230,6 +238,16 @@ def _start(
             "the start vector is zero or non-finite; pass a nonzero init or leave init=None"
         )
     return x / nrm
+
+
+def _warm_rows_by_magnitude(v0: Any, n: int, name: str) -> torch.Tensor | None:
+    """Warm-start rows (NOTE [warm starts]), a previous result's by ``|λ|`` descending: the
+    order in which power iteration finds them."""
+    rows = warm_start_rows(v0, n, name)
+    if rows is not None and isinstance(v0, EigenResult):
+        order = torch.argsort(-v0.eigenvalues.abs(), stable=True)
+        rows = rows[order.to(rows.device)]
+    return rows
 
 
 def _deflated_host_run(
@@ -274,6 +292,7 @@ def deflated_power_iteration(
     backend: LinAlgBackend | None = None,
     precision: torch.dtype | None = None,
     progress: bool | None = None,
+    init: torch.Tensor | EigenResult | None = None,
 ) -> EigenResult:
     """``k`` eigenpairs of largest ``|λ|`` by power iteration with deflation.
 
@@ -282,6 +301,9 @@ def deflated_power_iteration(
     ``||A v − λ v||`` on the original operator (one block product at the
     end), so errors of earlier pairs that leak through the deflation show.
     Warns :class:`ConvergenceWarning` when some pair misses ``tol``.
+    ``init``: a warm start, the previous ``EigenResult`` (or a basis ``(p, n)``
+    / ``(n, p)``): run ``i`` starts from its ``i``-th vector by ``|λ|`` (random
+    beyond ``p``); see NOTE [warm starts] in ``_common``.
     """
     op = check_operator(op)
     backend = operator_backend(op, backend)
@@ -292,6 +314,9 @@ def deflated_power_iteration(
     wd = work_dtype(op, precision)
     noise = rounding_level(wd, op.dtype)
     gen = make_generator(seed, backend)
+    warm = None if init is None else _warm_rows_by_magnitude(init, n, "init")
+    if warm is not None:
+        warm = warm.to(device=op.device, dtype=wd)
     U = torch.zeros(k, n, dtype=wd, device=op.device)
     lams = torch.zeros(k, dtype=torch.float64)
     products = 0
@@ -301,7 +326,8 @@ def deflated_power_iteration(
         for i in range(k):
             found = U[:i]
             if Un is not None:
-                xh = random_rows(1, n, gen, device=op.device, dtype=wd)[0].numpy()
+                xr = random_rows(1, n, gen, device=op.device, dtype=wd)
+                xh = (warm[i : i + 1] if warm is not None and i < warm.shape[0] else xr)[0].numpy()
                 lam, vh, it = _deflated_host_run(
                     op, Un[:i], xh, max_iter, tol, momentum, noise, bar
                 )
@@ -321,6 +347,8 @@ def deflated_power_iteration(
                 return w
 
             x = random_rows(1, n, gen, device=op.device, dtype=wd)
+            if warm is not None and i < warm.shape[0]:
+                x = warm[i : i + 1]
             if i:
                 x = x - backend.inner_rows(x, found) @ found
             x = x / row_dots(backend, x, x).sqrt().unsqueeze(1)
