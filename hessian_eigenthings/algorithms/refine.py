@@ -38,6 +38,7 @@ from hessian_eigenthings.algorithms._common import (
     row_dots,
     work_dtype,
 )
+from hessian_eigenthings.algorithms.lanczos import _order, lanczos
 from hessian_eigenthings.algorithms.result import (
     EigenResult,
     quiet_convergence_warnings,
@@ -49,14 +50,6 @@ from hessian_eigenthings.operators.protocol import CurvatureOperator
 __all__ = ["lanczos_tf32_refine", "refine_eigenpairs"]
 
 Which = Literal["LM", "LA", "SA"]
-
-
-def _order(theta: np.ndarray, which: str) -> np.ndarray:
-    if which == "LM":
-        return np.argsort(-np.abs(theta), kind="stable")
-    if which == "LA":
-        return np.argsort(-theta, kind="stable")
-    return np.argsort(theta, kind="stable")
 
 
 def refine_eigenpairs(
@@ -203,8 +196,6 @@ def lanczos_tf32_refine(
     :func:`~hessian_eigenthings.algorithms.lanczos`. ``iterations`` of the
     result counts the products of both phases.
     """
-    from hessian_eigenthings.algorithms.lanczos import lanczos
-
     op = check_operator(op)
     if not hasattr(op, "precision"):
         raise TypeError(
