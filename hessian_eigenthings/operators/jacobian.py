@@ -199,6 +199,19 @@ class _Rectangular:
     _jac: _DataJacobian
     _transposed: bool
 
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        forward_fn: ForwardFn,
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        num_batches: int | None = None,
+    ) -> None:
+        self._jac = _DataJacobian(
+            model, dataloader, forward_fn, param_filter=param_filter, num_batches=num_batches
+        )
+
     @property
     def shape(self) -> tuple[int, int]:
         m, n = self._jac.num_outputs, self._jac.layout.size
@@ -312,19 +325,6 @@ class JacobianOperator(_Rectangular):
 
     _transposed = False
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dataloader: Iterable[Batch],
-        forward_fn: ForwardFn,
-        *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        num_batches: int | None = None,
-    ) -> None:
-        self._jac = _DataJacobian(
-            model, dataloader, forward_fn, param_filter=param_filter, num_batches=num_batches
-        )
-
     @property
     def T(self) -> TransposedJacobianOperator:
         """``Jᵀ``, sharing this operator's data and parameters."""
@@ -338,19 +338,6 @@ class TransposedJacobianOperator(_Rectangular):
     batch for a block). Same arguments as :class:`JacobianOperator`; ``.T`` is ``J``."""
 
     _transposed = True
-
-    def __init__(
-        self,
-        model: nn.Module,
-        dataloader: Iterable[Batch],
-        forward_fn: ForwardFn,
-        *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        num_batches: int | None = None,
-    ) -> None:
-        self._jac = _DataJacobian(
-            model, dataloader, forward_fn, param_filter=param_filter, num_batches=num_batches
-        )
 
     @property
     def T(self) -> JacobianOperator:
