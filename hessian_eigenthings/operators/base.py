@@ -39,7 +39,7 @@ from hessian_eigenthings.batching import (
     to_device,
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
-from hessian_eigenthings.operators.cuda_graphs import GraphRecorder
+from hessian_eigenthings.operators.cuda_graphs import FlatProduct, GraphRecorder, Product
 from hessian_eigenthings.operators.engines import ENGINES, EngineName, EngineSelector
 from hessian_eigenthings.operators.graph_reuse import StateCache
 from hessian_eigenthings.operators.model_guard import (
@@ -50,7 +50,7 @@ from hessian_eigenthings.operators.model_guard import (
 )
 from hessian_eigenthings.operators.precision import Precision, check_precision
 from hessian_eigenthings.operators.protocol import CurvatureOperator, LambdaOperator, same_device
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock, select_parameters
 
 __all__ = [
     "CurvatureOperator",
@@ -225,7 +225,9 @@ class DataCurvatureOperator(CurvatureOperator):
 
     def expect_products(self, n: int) -> None:
         """Declare how many products are coming (algorithms pass their budget): ``engine="auto"``
-        traces or compiles only when that many products pay for it."""
+        traces or compiles only when that many products pay for it. Kept states whose parameters
+        changed without a version bump are dropped here (NOTE [updates that keep the version])."""
+        self._states.drop_changed()
         self._engines.expect(n)
 
     # -- hooks for subclasses -------------------------------------------------
@@ -322,23 +324,33 @@ class DataCurvatureOperator(CurvatureOperator):
         the product of chunk ``i`` (mean loss over its ``bᵢ`` samples). With
         one chunk this is a single copy into the buffer.
         """
-        vecs = self.layout.split_rows(V)
-        out_views = self.layout.split_rows(out)
+        rows = RowBlock(self.layout, V)
+        out_rows = RowBlock(self.layout, out)
         count = 0
         total = 0.0
         math_sdpa = self.needs_double_backward or self._engines.traced
         with self.guard.product(self.precision, double_backward=math_sdpa):
-            for prods, size in self._contributions(vecs):
-                pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
-                if count == 0:
-                    _torch_compat.foreach_copy_([o for o, _ in pairs], [p for _, p in pairs])
-                    for o, p in zip(out_views, prods, strict=True):
-                        if p is None:
-                            o.zero_()
+            for product, size in self._contributions(rows):
+                if count == 1:
+                    out.mul_(float(total))  # out held P₁; from here on it holds Σ wᵢ·Pᵢ
+                if isinstance(product, FlatProduct) and count == 0:
+                    # a replayed product comes as column blocks: one call, no per-parameter
+                    # views (NOTE [views on demand])
+                    torch.cat(product.parts, dim=1, out=out)
                 else:
-                    if count == 1:
-                        out.mul_(float(total))
-                    _torch_compat.foreach_add_([o for o, _ in pairs], [p for _, p in pairs], alpha=float(size))
+                    if isinstance(product, FlatProduct):
+                        out_views: Sequence[torch.Tensor] = out_rows.flat()
+                        prods: Sequence[torch.Tensor | None] = product.parts
+                    else:
+                        out_views, prods = out_rows.views, product
+                    pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
+                    if count == 0:
+                        _torch_compat.foreach_copy_([o for o, _ in pairs], [p for _, p in pairs])
+                        for o, p in zip(out_views, prods, strict=True):
+                            if p is None:
+                                o.zero_()
+                    else:
+                        _torch_compat.foreach_add_([o for o, _ in pairs], [p for _, p in pairs], alpha=float(size))
                 count += 1
                 total += size
         if count == 0:
@@ -358,20 +370,18 @@ class DataCurvatureOperator(CurvatureOperator):
             for chunk in self._chunks(raw):
                 yield raw, chunk
 
-    def _chunk_product(self, raw: Batch, chunk: Batch, vecs: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor | None], float]:
+    def _chunk_product(self, raw: Batch, chunk: Batch, rows: RowBlock) -> tuple[Product, float]:
         """The product of one chunk without a kept state, and its weight (``_weight``)."""
-        return self.recorder.fresh_product(chunk, vecs), self._weight(self._samples(chunk), raw)
+        return self.recorder.fresh_product(chunk, rows), self._weight(self._samples(chunk), raw)
 
-    def _contributions(
-        self, vecs: list[torch.Tensor]
-    ) -> Iterator[tuple[Sequence[torch.Tensor | None], float]]:
+    def _contributions(self, rows: RowBlock) -> Iterator[tuple[Product, float]]:
         """``(product, weight)`` of every chunk of one pass (weight: its samples, see ``_weight``)."""
         self.chunk_position = -1  # which chunk of the pass is being computed (0, 1, ...)
         if not self._reuse_enabled():
             for raw, chunk in self._fresh_chunks():
                 self.num_passes += 1
                 self.chunk_position += 1
-                yield self._chunk_product(raw, chunk, vecs)
+                yield self._chunk_product(raw, chunk, rows)
             return
         for position, raw in enumerate(self.source.batches()):
             chunks: list[Batch] | None = None
@@ -383,20 +393,20 @@ class DataCurvatureOperator(CurvatureOperator):
                 self.chunk_position += 1
                 entry = self._states.get(key, raw)
                 if entry is not None:
-                    yield self.recorder.apply_kept(entry, vecs), self._weight(entry.size, raw)
+                    yield self.recorder.apply_kept(entry, rows), self._weight(entry.size, raw)
                     continue
                 if chunks is None:
                     chunks = self._chunks(raw)
                 chunk = chunks[c]
                 self.num_passes += 1
                 if not self._states.may_keep():
-                    yield self._chunk_product(raw, chunk, vecs)
+                    yield self._chunk_product(raw, chunk, rows)
                     continue
                 state, kept = self._states.build(key, raw, chunk)
                 if kept:
-                    prods = self.recorder.apply_kept(self._states.entries[key], vecs)
+                    prods = self.recorder.apply_kept(self._states.entries[key], rows)
                 else:
-                    prods = self.recorder.apply_own_stream(state, vecs, retain=False)
+                    prods = self.recorder.apply_own_stream(state, rows.views, retain=False)
                 yield prods, self._weight(self._samples(chunk), raw)
 
     # NOTE [batch weighting]

@@ -23,6 +23,7 @@ from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch, map_tensors
 from hessian_eigenthings.operators.graph_reuse import KeptState, batch_leaves
 from hessian_eigenthings.operators.protocol import same_device
+from hessian_eigenthings.param_utils import RowBlock
 
 if TYPE_CHECKING:
     from hessian_eigenthings.operators.base import DataCurvatureOperator
@@ -38,6 +39,64 @@ class Replay:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     outputs: Sequence[torch.Tensor | None]
+    #: the static inputs as one row block when they are its views (one vector), else ``None``
+    flat_input: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # the static tensors as (k, numel) column blocks, made once (NOTE [views on demand]);
+        # `record` leaves every output viewable so; an exact zero is a static block of zeros
+        self.flat_inputs = [t.view(t.shape[0], -1) for t in self.inputs]
+        k = self.inputs[0].shape[0]
+        self.flat_outputs = FlatProduct([
+            i.new_zeros(k, i[0].numel()) if o is None else o.view(k, -1)
+            for i, o in zip(self.inputs, self.outputs, strict=True)
+        ])
+
+    def run(self, rows: RowBlock, before: Sequence[torch.Tensor] = (), into: Sequence[torch.Tensor] = ()) -> FlatProduct:
+        """Copy ``rows`` (and ``before`` into ``into``) into the static inputs, replay, and
+        return the static outputs as column blocks."""
+        if self.flat_input is not None:
+            _torch_compat.foreach_copy_([*into, self.flat_input], [*before, rows.block])
+        else:
+            _torch_compat.foreach_copy_([*into, *self.flat_inputs], [*before, *rows.flat()])
+        self.graph.replay()
+        return self.flat_outputs
+
+
+def static_inputs(rows: RowBlock) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Static inputs of a recording for directions shaped like ``rows``: for one vector, views
+    of one flat buffer (copied into with one call); for a block, a tensor per parameter."""
+    if rows.k == 1:
+        flat = torch.empty_like(rows.block, memory_format=torch.contiguous_format)
+        return rows.layout.split_rows(flat), flat
+    return [torch.empty_like(v) for v in rows.views], None
+
+
+def _column_ready(outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The outputs, each viewable as ``(k, numel)`` (a copy, recorded too, where its strides
+    are not: e.g. a gradient laid out transposed)."""
+    ready: list[torch.Tensor | None] = []
+    for t in outputs:
+        if t is not None:
+            try:
+                t.view(t.shape[0], -1)
+            except RuntimeError:
+                t = t.contiguous()
+        ready.append(t)
+    return ready
+
+
+@dataclass
+class FlatProduct:
+    """A product as per-parameter column blocks ``(k, numel)``, the static outputs of a
+    recording; the data loop writes them into its flat buffer."""
+
+    parts: list[torch.Tensor]
+
+
+#: what one chunk's product is handed back as: per-parameter tensors ``(k, *shape)`` of an
+#: eager product, or the column blocks of a replayed one
+Product = Sequence[torch.Tensor | None] | FlatProduct
 
 
 @dataclass
@@ -171,23 +230,22 @@ class GraphRecorder:
                 t.record_stream(caller)
         return prods
 
-    def apply_kept(self, entry: KeptState, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    def apply_kept(self, entry: KeptState, rows: RowBlock) -> Product:
         """A product on a kept state: eager the first time per width, then replayed."""
-        k = vecs[0].shape[0]
+        k = rows.k
         if not self.on():
-            return self.op._engines.apply(entry.state, vecs, retain=True)
+            return self.op._engines.apply(entry.state, rows.views, retain=True)
         replay = entry.replays.get(k)
         if replay is None and k in entry.warm and k not in entry.attempted and k not in self.failures:
             with self.own_stream():
-                replay = self.capture(entry, vecs)
+                replay = self.capture(entry, rows)
         if replay is None:
             entry.warm.add(k)
-            return self.apply_own_stream(entry.state, vecs, retain=True)
+            return self.apply_own_stream(entry.state, rows.views, retain=True)
         with self.own_stream():
-            _torch_compat.foreach_copy_(replay.inputs, vecs)
-            replay.graph.replay()
+            out = replay.run(rows)
         self.op.num_replays += 1
-        return replay.outputs
+        return out
 
     def room_for(self, need: int, free: int | None = None) -> bool:
         """Whether a recording that will hold about ``need`` bytes fits the budget, and
@@ -232,7 +290,7 @@ class GraphRecorder:
                 graph.capture_begin(pool=self.pool)
                 try:
                     with _torch_compat.CapturableScalars():
-                        outputs = fn()
+                        outputs = _column_ready(fn())
                 finally:
                     graph.capture_end()
             finally:
@@ -256,9 +314,9 @@ class GraphRecorder:
             return None  # the graph and its pool are freed
         return graph, list(outputs), extra
 
-    def capture(self, entry: KeptState, vecs: list[torch.Tensor]) -> Replay | None:
-        """Record ``_apply`` on ``entry`` for vectors shaped like ``vecs``; ``None`` if it cannot be."""
-        k = vecs[0].shape[0]
+    def capture(self, entry: KeptState, rows: RowBlock) -> Replay | None:
+        """Record ``_apply`` on ``entry`` for vectors shaped like ``rows``; ``None`` if it cannot be."""
+        k = rows.k
         entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
         # room for the recording's pool, conservatively: an autograd backward through a kept
         # graph may hold about the graph again per vector, plus one; a traced tangent program
@@ -267,7 +325,7 @@ class GraphRecorder:
         factor = k if self.op._engines.traced else k + 1
         if not self.room_for(factor * entry.nbytes):
             return None
-        inputs = [torch.empty_like(v) for v in vecs]
+        inputs, flat = static_inputs(rows)
         recorded = self.record("the kept backward", k, lambda: self.op._engines.apply(entry.state, inputs, retain=True))
         if recorded is None:
             self.failures.add(k)
@@ -275,7 +333,7 @@ class GraphRecorder:
         graph, outputs, extra = recorded
         entry.nbytes += extra
         self.op._states.nbytes += extra
-        replay = Replay(graph=graph, inputs=inputs, outputs=outputs)
+        replay = Replay(graph=graph, inputs=inputs, outputs=outputs, flat_input=flat)
         entry.replays[k] = replay
         return replay
 
@@ -306,13 +364,13 @@ class GraphRecorder:
             if t is not None
         )
 
-    def fresh_product(self, chunk: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    def fresh_product(self, chunk: Batch, rows: RowBlock) -> Product:
         """A product without a kept state: eager, or replayed from a recording."""
         leaves = batch_leaves(chunk) if self.on() else []
-        sig = self.signature(leaves, vecs[0].shape[0]) if leaves else None
+        sig = self.signature(leaves, rows.k) if leaves else None
         if sig is None:
             with self.op.guard.private_buffers():
-                return self.op._product(chunk, vecs)
+                return self.op._product(chunk, rows.views)
         rec = self.recorded.get(sig)
         if rec is not None and rec.pointers != self.pointers():
             del self.recorded[sig]  # new storage under a parameter or buffer: record again
@@ -321,7 +379,7 @@ class GraphRecorder:
             rec = None
         if rec is None and sig in self.warm_products and sig not in self.attempted_products:
             with self.own_stream():
-                rec = self.record_product(sig, chunk, vecs)
+                rec = self.record_product(sig, chunk, rows)
         if rec is None:  # eager; the first product of a signature measures its state for the room check
             measure = sig not in self.warm_products
             before = _torch_compat.cuda_allocated(self.op.device) if measure else 0
@@ -329,20 +387,17 @@ class GraphRecorder:
                 state = self.op._engines.prepare(chunk)
                 if measure:
                     self.warm_products[sig] = _torch_compat.cuda_allocated(self.op.device) - before
-                return self.op._engines.apply(state, vecs, retain=False)
+                return self.op._engines.apply(state, rows.views, retain=False)
         with self.own_stream():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            _torch_compat.foreach_copy_(rec.batch_inputs + rec.replay.inputs, tensors + vecs)
-            rec.replay.graph.replay()
+            out = rec.replay.run(rows, before=tensors, into=rec.batch_inputs)
         self.op.num_replays += 1
         self.op.num_forwards += 1
-        return rec.replay.outputs
+        return out
 
-    def record_product(
-        self, sig: tuple[Any, ...], chunk: Batch, vecs: list[torch.Tensor]
-    ) -> RecordedProduct | None:
+    def record_product(self, sig: tuple[Any, ...], chunk: Batch, rows: RowBlock) -> RecordedProduct | None:
         self.attempted_products.add(sig)  # one attempt per signature
-        k = vecs[0].shape[0]
+        k = rows.k
         if len(self.recorded) >= self.op.graph_reuse_max_batches:
             return None
         state = self.warm_products[sig]
@@ -351,7 +406,7 @@ class GraphRecorder:
         if not self.room_for((k + 1) * state, free=(k + 2) * state):
             return None
         static = map_tensors(chunk, torch.empty_like)  # outside the capture: not in its pool
-        inputs = [torch.empty_like(v) for v in vecs]
+        inputs, flat = static_inputs(rows)
 
         def product() -> Sequence[torch.Tensor | None]:
             with self.op.guard.private_buffers():
@@ -367,7 +422,7 @@ class GraphRecorder:
             pointers=self.pointers(),
             batch=static,
             batch_inputs=[t for t in batch_leaves(static) if isinstance(t, torch.Tensor)],
-            replay=Replay(graph=graph, inputs=inputs, outputs=outputs),
+            replay=Replay(graph=graph, inputs=inputs, outputs=outputs, flat_input=flat),
             nbytes=extra,
         )
         self.recorded[sig] = rec

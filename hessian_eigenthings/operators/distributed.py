@@ -58,10 +58,11 @@ from hessian_eigenthings.linalg_distributed import (
 )
 from hessian_eigenthings.operators.autodiff import scalar_loss
 from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.cuda_graphs import Product
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock
 
 __all__ = [
     "DDPEmpiricalFisherOperator",
@@ -552,11 +553,9 @@ class FSDPHessianOperator(HessianOperator):
             assert item is not None
             yield item
 
-    def _chunk_product(
-        self, raw: Batch, chunk: Batch, vecs: list[torch.Tensor]
-    ) -> tuple[Sequence[torch.Tensor | None], float]:
+    def _chunk_product(self, raw: Batch, chunk: Batch, rows: RowBlock) -> tuple[Product, float]:
         with self.guard.private_buffers():
-            return self._sharded_product(chunk, self._chunk_weight, vecs)
+            return self._sharded_product(chunk, self._chunk_weight, rows.views)
 
     def _sharded_product(
         self, chunk: Batch, weight: float, vecs: list[torch.Tensor]

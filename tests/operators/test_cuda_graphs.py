@@ -411,3 +411,33 @@ def test_a_dropped_operator_collected_during_a_capture_does_not_break_it() -> No
         assert fresh.num_replays == 2
     finally:
         gc.set_threshold(*threshold)
+
+
+@cuda
+@pytest.mark.parametrize("engine", ["autograd", "functional"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_replayed_products_make_no_shaped_views(
+    engine: str, k: int, reuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [views on demand]: a replayed product copies its direction in and its result out
+    as column blocks; the per-parameter shaped views (a Python call per parameter) are not
+    made. Results equal eager products with graphs off."""
+    from hessian_eigenthings.param_utils import ParamLayout
+
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, graph_reuse=reuse, cuda_graphs=True, engine=engine)  # type: ignore[arg-type]
+    eager = HessianOperator(model, data, loss, graph_reuse=reuse, cuda_graphs=False, engine=engine)  # type: ignore[arg-type]
+    V = torch.randn(graphed.size, k, device="cuda")
+    ref = eager @ V
+    for _ in range(3):  # eager, recorded, replayed
+        graphed @ V
+    calls = []
+    real = ParamLayout.split_rows
+    monkeypatch.setattr(ParamLayout, "split_rows", lambda self, b: calls.append(1) or real(self, b))
+    replays = graphed.num_replays
+    out = graphed @ V
+    assert graphed.num_replays == replays + 1
+    assert calls == []
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -141,3 +141,51 @@ def test_finite_differences_match_the_oracle_with_tied_weights() -> None:
     H = dense_hessian(model, batches, SUP, select_parameters(model))
     v = torch.randn(op.size, dtype=torch.float64)
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "sgd_fused", "adamw_foreach"])
+def test_optimizer_step_that_keeps_versions(engine: str, optimizer: str) -> None:
+    """Fused optimizer steps write the parameters without bumping their version counters
+    (NOTE [updates that keep the version]); the next product must see the new parameters."""
+    model, batches = TwoLayer().double(), data()
+    op = HessianOperator(model, batches, SUP, engine=engine)  # type: ignore[arg-type]
+    v = torch.randn(op.size, dtype=torch.float64)
+    op @ v
+    make = {
+        "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+        "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.5, fused=True),
+        "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+    }[optimizer]
+    opt = make(list(model.parameters()))
+    versions = [p._version for p in model.parameters()]
+    x, y = batches[0]
+    opt.zero_grad()
+    CE(model(x), y).backward()
+    opt.step()
+    if optimizer.endswith("fused"):  # the case this guards: nothing in the version counters
+        assert [p._version for p in model.parameters()] == versions
+    H = dense_hessian(model, batches, SUP, select_parameters(model))
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_data_write_is_seen_by_the_next_algorithm(engine: str) -> None:
+    """A write through ``.data`` keeps the version counter; every algorithm declares its
+    products first (``expect_products``), which compares the parameters' norms."""
+    from hessian_eigenthings.algorithms import lanczos
+
+    model, batches = TwoLayer().double(), data()
+    op = HessianOperator(model, batches, SUP, engine=engine)  # type: ignore[arg-type]
+    v = torch.randn(op.size, dtype=torch.float64)
+    op @ v
+    assert op.held_bytes >= 0 and len(op._states.entries) == 1
+    model.a.weight.data.mul_(2.0)
+    H = dense_hessian(model, batches, SUP, select_parameters(model))
+    top = lanczos(op, k=2, which="LA", tol=1e-10, seed=0)
+    ref = torch.linalg.eigvalsh(H)[-2:].flip(0)
+    torch.testing.assert_close(top.eigenvalues, ref, rtol=1e-8, atol=1e-10)
+    model.b.bias.data.add_(0.5)  # a bias enters the Hessian through the softmax
+    op.expect_products(1)
+    H = dense_hessian(model, batches, SUP, select_parameters(model))
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
