@@ -79,10 +79,9 @@ WeightSharing = Literal["sample", "position"]
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _per_sample_gradients(
-    a: torch.Tensor, g: torch.Tensor
-) -> Iterable[torch.Tensor]:  # (k, chunk, m, q) each
-    """``J = Σ_p g_p a_pᵀ`` for every column and sample, a chunk of samples at a time."""
+def _per_sample_gradients(a: torch.Tensor, g: torch.Tensor) -> Iterable[torch.Tensor]:
+    """``J = Σ_p g_p a_pᵀ`` for every column and sample, a chunk of samples at a time, each chunk
+    ``(k, chunk, m, q)``."""
     k, N, _, m = g.shape
     q = a.shape[-1]
     step = max(1, _CHUNK_ELEMENTS // max(1, k * m * q))
@@ -90,28 +89,33 @@ def _per_sample_gradients(
         yield torch.einsum("cnpm,npq->cnmq", g[:, s : s + step], a[s : s + step])
 
 
+# The contractions below are written as one matrix product over every (column, sample) pair
+# each: a three-operand einsum may build the (k, N, m, m) intermediate first.
 def rearranged_product(a: torch.Tensor, g: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """``Σ_{c,n} J A Jᵀ`` ``(m, m)`` for inputs ``a (N, P, q)`` and output gradients
     ``g (k, N, P, m)``: the rearranged block times ``vec(A)``, for one batch (unweighted)."""
+    m = g.shape[-1]
     if g.shape[2] == 1:  # J = g aᵀ: J A Jᵀ = (aᵀ A a) g gᵀ
         a0, g0 = a[:, 0], g[:, :, 0]
         s = ((a0 @ A) * a0).sum(-1)  # (N,)
-        return torch.einsum("cnm,n,cnr->mr", g0, s, g0)
-    out = g.new_zeros(g.shape[-1], g.shape[-1])
+        return (g0 * s.unsqueeze(-1)).reshape(-1, m).T @ g0.reshape(-1, m)
+    out = g.new_zeros(m, m)
     for J in _per_sample_gradients(a, g):
-        out += torch.einsum("cnmq,cnrq->mr", J @ A, J)
+        Jt = J.transpose(-1, -2)  # (k, chunk, q, m)
+        out += (A @ Jt).reshape(-1, m).T @ Jt.reshape(-1, m)  # A symmetric: (J A)ᵀ = A Jᵀ
     return out
 
 
 def rearranged_transpose_product(a: torch.Tensor, g: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``Σ_{c,n} Jᵀ G J`` ``(q, q)``: the transposed rearranged block times ``vec(G)``."""
+    q = a.shape[-1]
     if g.shape[2] == 1:  # J = g aᵀ: Jᵀ G J = (gᵀ G g) a aᵀ
         a0, g0 = a[:, 0], g[:, :, 0]
         t = ((g0 @ G) * g0).sum((0, -1))  # (N,), summed over the columns
-        return torch.einsum("nq,n,nr->qr", a0, t, a0)
-    out = a.new_zeros(a.shape[-1], a.shape[-1])
+        return (a0 * t.unsqueeze(-1)).T @ a0
+    out = a.new_zeros(q, q)
     for J in _per_sample_gradients(a, g):
-        out += torch.einsum("cnmq,cnmr->qr", G @ J, J)
+        out += (G @ J).reshape(-1, q).T @ J.reshape(-1, q)
     return out
 
 
