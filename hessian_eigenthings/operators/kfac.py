@@ -91,6 +91,7 @@ __all__ = [
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",
+    "KroneckerProductOperator",
 ]
 
 FisherType = Literal["type2", "mc", "empirical"]
@@ -748,8 +749,10 @@ class _EigenFunction(CurvatureOperator):
         return self._op._eigen_apply(V, self._fn)
 
 
-class _KroneckerProducts(_KroneckerFactored):
-    """Operators whose blocks are exactly ``G ⊗ A`` (KFAC, KFOC): trace and norm from the factors."""
+class KroneckerProductOperator(_KroneckerFactored):
+    """Base of the operators whose blocks are exactly ``G ⊗ A`` (KFAC; KFOC in ``kfoc``): the
+    layers, the data pass, the block algebra, and trace and norm from the factors. A subclass
+    sets each layer's factors in ``_compute_factors`` (called once, at construction)."""
 
     def trace(self) -> torch.Tensor:
         """``Σ tr(G)·tr(A)`` over the blocks (no eigendecomposition)."""
@@ -762,7 +765,7 @@ class _KroneckerProducts(_KroneckerFactored):
         return sum((b.G().square().sum() * b.A().square().sum() for b in self._blocks), zero).sqrt()
 
 
-class KFACOperator(_KroneckerProducts):
+class KFACOperator(KroneckerProductOperator):
     """Kronecker-factored approximate curvature (KFAC) of the GGN / Fisher of a mean loss.
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",

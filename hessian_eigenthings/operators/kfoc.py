@@ -31,21 +31,24 @@ of the top singular triple of ``R``. The rearrangement of one term ``vec(J) vec(
 Without weight sharing ``J = g aᵀ`` and these are ``Σ w·(aᵀ A a)·g gᵀ`` and
 ``Σ w·(gᵀ G g)·a aᵀ``: KFAC's sums with one scalar weight per sample. With sharing the
 per-sample gradients ``J`` are formed a chunk of samples at a time. Power iteration on
-``RᵀR`` alternates the two products from ``A₀ = I``; both keep symmetric positive
-semi-definite matrices so, and the top singular vectors of ``R`` can be taken symmetric PSD
-(``R`` maps the PSD cone into itself), the factors are symmetric PSD. Each product is a
+``RᵀR`` alternates the two products from ``A₀ = I``. Both products map symmetric positive
+semi-definite matrices to symmetric PSD ones (``J A Jᵀ`` is PSD for PSD ``A``), so every
+iterate, and the limit (the top singular vectors of ``R`` can be taken PSD), is a symmetric
+PSD factor. Each product is a
 pass over the data (NOTE [a pass per product]). The result is ``G ⊗ A`` with ``G`` the last
 left iterate (unit norm) and ``A = Rᵀ vec(G)``, the optimal partner of that ``G``; the scale
 is then split so that ``‖G‖_F = ‖A‖_F``.
 
 Biases: a separate bias block is ``m × 1``, so ``G ⊗ [1]`` can be any matrix and KFOC's ``G``
-is the exact bias block ``Σ w·ḡ ḡᵀ`` (``ḡ = Σ_p g_p``), with no iteration; with
+is the exact bias block ``Σ w·ḡ ḡᵀ`` (``ḡ = Σ_p g_p``; per position with
+``weight_sharing="position"``), with no iteration; with
 ``separate_bias=False`` a column of ones joins the bias to the input, as in KFAC, and the
 joint ``m × (q + 1)`` block is approximated as above.
 
 Where KFAC is exact (one data point; a single ``Linear`` layer with MSE) the block is a
-Kronecker product, ``R`` has rank one, and KFOC equals KFAC (after one iteration). Elsewhere
-``‖B - G_KFOC ⊗ A_KFOC‖_F <= ‖B - G_KFAC ⊗ A_KFAC‖_F`` by construction.
+Kronecker product, ``R`` has rank one, and KFOC equals KFAC (the first iteration finds it,
+the second sees no change). Elsewhere, once converged,
+``‖B - G_KFOC ⊗ A_KFOC‖_F <= ‖B - G_KFAC ⊗ A_KFAC‖_F``.
 
 Cost: ``2·max_iter`` passes over the data at most (one per product with ``R`` or ``Rᵀ``),
 each a forward and a backward per chunk of columns as KFAC's single pass; stopping when the
@@ -58,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -67,7 +70,7 @@ from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
-from hessian_eigenthings.operators.kfac import FisherType, _KroneckerProducts, _Layer
+from hessian_eigenthings.operators.kfac import FisherType, KroneckerProductOperator
 from hessian_eigenthings.operators.precision import Precision
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -119,11 +122,22 @@ def rearranged_transpose_product(a: torch.Tensor, g: torch.Tensor, G: torch.Tens
     return out
 
 
+class _FactoredLayer(Protocol):
+    """What KFOC reads and sets of a layer of the Kronecker-factored base."""
+
+    name: str
+    weight: int | None  # index of the weight in the layout
+    bias: int | None
+    joint: bool
+    A: torch.Tensor | None
+    G: torch.Tensor | None
+
+
 def _symmetric(M: torch.Tensor) -> torch.Tensor:
     return (M + M.T) / 2
 
 
-class KFOCOperator(_KroneckerProducts):
+class KFOCOperator(KroneckerProductOperator):
     """Kronecker-factored optimal curvature: per layer, the ``G ⊗ A`` nearest the GGN block.
 
     ``KFOCOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
@@ -203,13 +217,16 @@ class KFOCOperator(_KroneckerProducts):
         )
 
     def _pass(
-        self, contribution: Callable[[_Layer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+        self,
+        contribution: Callable[
+            [_FactoredLayer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]
+        ],
     ) -> dict[str, torch.Tensor]:
         """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (layers that never ran in
         the forward are missing: their blocks are zero)."""
         sums: dict[str, torch.Tensor] = {}
 
-        def visit(layer: _Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+        def visit(layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             for key, value in contribution(layer, a, g).items():
                 value = value.mul_(size)
                 sums[key] = value if key not in sums else sums[key].add_(value)
@@ -247,7 +264,9 @@ class KFOCOperator(_KroneckerProducts):
         first = True
         bias_G: dict[str, torch.Tensor] = {}
 
-        def left(layer: _Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        def left(
+            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
             a, g = self._terms(a, g)
             out = {}
             if layer.name in active:
@@ -257,7 +276,9 @@ class KFOCOperator(_KroneckerProducts):
                 out["bias:" + layer.name] = g_bar.T @ g_bar
             return out
 
-        def right(layer: _Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        def right(
+            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
             if layer.name not in active:
                 return {}
             a, g = self._terms(a, g)
@@ -279,6 +300,8 @@ class KFOCOperator(_KroneckerProducts):
                     active.discard(name)
                 else:
                     G_unit[name] = G / norm
+            if not active:
+                break
             sums = self._pass(right)
             self.iterations += 1
             for name in list(active):
