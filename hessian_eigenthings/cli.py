@@ -55,6 +55,7 @@ from hessian_eigenthings.loss_fns import (
 from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
 from hessian_eigenthings.operators import registry
 from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = [
     "CLIError",
@@ -62,6 +63,7 @@ __all__ = [
     "build_from_loss",
     "build_from_loss_of_output",
     "build_from_per_sample_loss",
+    "build_kronecker_factored",
     "build_operator",
     "builtin_problem",
     "load_user_problem",
@@ -560,6 +562,29 @@ def build_from_per_sample_loss(
     return cls(model, dataloader, supervised_per_sample_loss(criterion), **options)
 
 
+def build_kronecker_factored(
+    cls: type, model: nn.Module, dataloader: Iterable[Any], criterion: Criterion, options: Mapping[str, Any]
+) -> Any:
+    """``cls(model, dataloader, supervised_forward, supervised_loss_of_output(criterion),
+    num_batches=...)``: Kronecker-factored operators (KFAC, EKFAC, KFOC), type-2, built in
+    passes over the data. Their factors come a batch at a time, so there is no microbatch."""
+    if options.get("microbatch_size") is not None:
+        raise CLIError(
+            f"--microbatch-size does not apply to {cls.__name__}: its factors are summed a batch "
+            "at a time (use smaller batches in the dataloader, or --num-batches)"
+        )
+    try:
+        return cls(
+            model,
+            dataloader,
+            supervised_forward,
+            supervised_loss_of_output(criterion),
+            num_batches=options.get("num_batches"),
+        )
+    except ValueError as exc:  # an unsupported layer or loss: say so without a traceback
+        raise CLIError(f"{cls.__name__}: {exc}") from None
+
+
 def build_operator(
     problem: Problem,
     operator: str,
@@ -567,7 +592,7 @@ def build_operator(
     method: str | None = None,
     num_batches: int | None = None,
     microbatch_size: int | None = None,
-) -> DataCurvatureOperator:
+) -> CurvatureOperator:
     """The operator the CLI runs, built from ``(model, dataloader, criterion)`` by the curvature's
     registry row (:attr:`~hessian_eigenthings.operators.registry.Curvature.build`)."""
     try:
@@ -578,8 +603,10 @@ def build_operator(
     if row.methods:
         options["method"] = method if method is not None else row.methods[0]
     op = row.builder()(row.operator_class(), problem.model, problem.dataloader, problem.criterion, options)
-    if not isinstance(op, DataCurvatureOperator):
-        raise CLIError(f"curvature {operator!r}: its build returned {type(op).__name__}, not a DataCurvatureOperator")
+    # a factored row's operator read the data when built: a CurvatureOperator with model and params
+    expected = CurvatureOperator if row.factored else DataCurvatureOperator
+    if not isinstance(op, expected):
+        raise CLIError(f"curvature {operator!r}: its build returned {type(op).__name__}, not a {expected.__name__}")
     return op
 
 
@@ -642,7 +669,7 @@ class _ScalarCriterion:
         return loss
 
 
-def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
+def _memory_estimate(problem: Problem, op: CurvatureOperator, args: argparse.Namespace) -> MemoryEstimate | None:
     first = _first_batch(problem)
     n = op.size
     # the algorithms run one after another: the largest set of kept vectors counts
@@ -653,7 +680,7 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
         krylov = max(krylov, args.trace_matvecs // 3)
     block = max(1, min(args.slq_runs, 32))
     return estimate_memory(
-        op.model,
+        problem.model,
         first,
         supervised_loss(problem.criterion),
         operator=args.operator,
@@ -661,7 +688,8 @@ def _memory_estimate(problem: Problem, op: DataCurvatureOperator, args: argparse
         block_size=block,
         microbatch_size=args.microbatch_size,
         krylov_size=krylov,
-        params=op.params,
+        # the selected parameters: data operators and the Kronecker-factored ones both keep them
+        params=getattr(op, "params", None),
     )
 
 

@@ -415,3 +415,21 @@ def test_landscape_along_the_top_eigenvectors(tmp_path: Path, user_module: Path)
     assert saved["center_loss"] == pytest.approx(ref.center_loss, rel=1e-6)
     assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), "-k", "1",
                      "--trace-matvecs", "0", "--slq-runs", "0", "--landscape", "2d"]) == 2
+
+
+@pytest.mark.parametrize("operator", ["kfac", "ekfac", "kfoc"])
+def test_kronecker_factored_operators_from_the_command_line(tmp_path: Path, user_module: Path, operator: str) -> None:
+    # factored registry rows: the CLI builds them (type-2) and runs the algorithms on them
+    out = tmp_path / operator
+    code = cli.main(["--model", f"{user_module}:make", "--dtype", "float64", "--operator", operator,
+                     "-q", "--no-plot", "-o", str(out), *SMALL])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    model, data, criterion = _load(user_module)
+    model = model.double()
+    data = [(x.double(), y) for x, y in data]
+    cls = {"kfac": he.KFACOperator, "ekfac": he.EKFACOperator, "kfoc": he.KFOCOperator}[operator]
+    op = cls(model, data, he.supervised_forward, he.supervised_loss_of_output(criterion))
+    top = torch.linalg.eigvalsh(op.to_dense()).flip(0)[:3]
+    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), top, rtol=1e-6, atol=1e-10)
+    assert res["memory_estimate"]["method"] == he.operators.registry.curvature(operator).memory[0].label

@@ -1,4 +1,5 @@
-"""Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher, and their algebra."""
+"""Curvature operators: Hessian, generalized Gauss-Newton, empirical Fisher, Kronecker-factored
+(KFAC, EKFAC, KFOC), and their algebra."""
 
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, PerSampleLossFn
 from hessian_eigenthings.operators.algebra import (
@@ -36,6 +37,7 @@ from hessian_eigenthings.operators.kfac import (
     KroneckerEigen,
     KroneckerEigenBlock,
 )
+from hessian_eigenthings.operators.kfoc import KFOCOperator
 
 __all__ = [
     "CompileFallbackWarning",
@@ -57,6 +59,7 @@ __all__ = [
     "HvpMethod",
     "JacobianOperator",
     "KFACOperator",
+    "KFOCOperator",
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",

@@ -91,6 +91,7 @@ __all__ = [
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",
+    "KroneckerProductOperator",
 ]
 
 FisherType = Literal["type2", "mc", "empirical"]
@@ -151,16 +152,19 @@ class _Layer:
 class _Block:
     layer: _Layer
     part: Literal["weight", "bias", "joint"]
+    #: the block's own output-side factor where it is not the layer's (KFOC's separate bias)
+    own_G: torch.Tensor | None = None
 
     def A(self) -> torch.Tensor:
         if self.part == "bias":
-            G = self.layer.G
-            assert G is not None
+            G = self.G()
             return torch.ones(1, 1, dtype=G.dtype, device=G.device)
         assert self.layer.A is not None
         return self.layer.A
 
     def G(self) -> torch.Tensor:
+        if self.own_G is not None:
+            return self.own_G
         assert self.layer.G is not None
         return self.layer.G
 
@@ -745,7 +749,23 @@ class _EigenFunction(CurvatureOperator):
         return self._op._eigen_apply(V, self._fn)
 
 
-class KFACOperator(_KroneckerFactored):
+class KroneckerProductOperator(_KroneckerFactored):
+    """Base of the operators whose blocks are exactly ``G ⊗ A`` (KFAC; KFOC in ``kfoc``): the
+    layers, the data pass, the block algebra, and trace and norm from the factors. A subclass
+    sets each layer's factors in ``_compute_factors`` (called once, at construction)."""
+
+    def trace(self) -> torch.Tensor:
+        """``Σ tr(G)·tr(A)`` over the blocks (no eigendecomposition)."""
+        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
+        return sum((b.G().trace() * b.A().trace() for b in self._blocks), zero)
+
+    def frobenius_norm(self) -> torch.Tensor:
+        """``sqrt(Σ ‖G‖²_F ‖A‖²_F)`` over the blocks (no eigendecomposition)."""
+        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
+        return sum((b.G().square().sum() * b.A().square().sum() for b in self._blocks), zero).sqrt()
+
+
+class KFACOperator(KroneckerProductOperator):
     """Kronecker-factored approximate curvature (KFAC) of the GGN / Fisher of a mean loss.
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
@@ -771,16 +791,6 @@ class KFACOperator(_KroneckerFactored):
     ``op.eigh()``, ``op.logdet()``, ``op.trace()``, ``op.frobenius_norm()``; ``op.factors``
     holds the blocks. The module docstring states the conventions.
     """
-
-    def trace(self) -> torch.Tensor:
-        """``Σ tr(G)·tr(A)`` over the blocks (no eigendecomposition)."""
-        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
-        return sum((b.G().trace() * b.A().trace() for b in self._blocks), zero)
-
-    def frobenius_norm(self) -> torch.Tensor:
-        """``sqrt(Σ ‖G‖²_F ‖A‖²_F)`` over the blocks (no eigendecomposition)."""
-        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
-        return sum((b.G().square().sum() * b.A().square().sum() for b in self._blocks), zero).sqrt()
 
 
 class EKFACOperator(_KroneckerFactored):

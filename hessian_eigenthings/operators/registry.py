@@ -14,7 +14,11 @@ the package needs to know about it without importing it:
   is not.
 
 A new curvature is one module with a :class:`DataCurvatureOperator` subclass
-plus one :func:`register` call (docs/howto/new-curvature.md). The table is data
+plus one :func:`register` call (docs/howto/new-curvature.md). A row with
+``factored=True`` names an operator that reads the data only while it is built
+(Kronecker factors: KFAC, EKFAC, KFOC): a plain ``CurvatureOperator`` whose
+products never touch the data, so its memory factors describe the pass that
+builds it and a product's vectors (NOTE [memory factors] in ``memory``). The table is data
 and lookups: the operator classes are named by import path and imported on
 first use, so ``memory`` (which the algorithms import) reads the table
 without importing an operator module; an import-linter contract in
@@ -68,7 +72,9 @@ class Curvature:
     """One curvature: its operator, how the command line builds it, its memory factors."""
 
     name: str  # key of estimate_memory(operator=...) and the CLI's --operator
-    operator: str | type  # the DataCurvatureOperator subclass, or "package.module:Class"
+    #: the DataCurvatureOperator subclass (a CurvatureOperator when factored), or
+    #: "package.module:Class"
+    operator: str | type
     title: str  # how output names it, e.g. "generalized Gauss-Newton (GGN)"
     description: str  # one line: what it is, for --help and the docs
     #: how the command line builds it (a :data:`CLIBuilder` or "package.module:function");
@@ -81,6 +87,11 @@ class Curvature:
     methods: tuple[str, ...] = ()
     #: classes (or import paths) of its multi-process twins, e.g. DDP and FSDP operators
     distributed: tuple[str | type, ...] = field(default=())
+    #: the operator reads the data once, when built, and keeps factors (a ``CurvatureOperator``,
+    #: not a ``DataCurvatureOperator``): ``memory`` then holds the building pass's activations
+    #: (``first_pass``; ``per_vector`` 0, products touch no activations) and the kept factors
+    #: and a product's temporaries (``extra_vectors``)
+    factored: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.name.islower():
@@ -189,6 +200,51 @@ BUILTIN: tuple[Curvature, ...] = (
             ),
         ),
         distributed=(f"{_OPS}.distributed:DDPEmpiricalFisherOperator",),
+    ),
+    Curvature(
+        name="kfac",
+        operator=f"{_OPS}.kfac:KFACOperator",
+        title="KFAC (Kronecker-factored GGN)",
+        description="KFAC: one Kronecker product G ⊗ A per Linear/Conv2d layer of the type-2 GGN",
+        build=f"{_CLI}:build_kronecker_factored",
+        memory=(
+            MemoryFactors(
+                first_pass=17.0, per_vector=0.0, extra_vectors=8, label="Kronecker factors"
+            ),
+        ),
+        factored=True,
+    ),
+    Curvature(
+        name="ekfac",
+        operator=f"{_OPS}.kfac:EKFACOperator",
+        title="EKFAC (eigenvalue-corrected KFAC)",
+        description="EKFAC: KFAC's eigenbases with eigenvalues refit to the per-sample gradients",
+        build=f"{_CLI}:build_kronecker_factored",
+        memory=(
+            MemoryFactors(
+                first_pass=39.0,
+                per_vector=0.0,
+                extra_vectors=8,
+                label="Kronecker factors, corrected eigenvalues",
+            ),
+        ),
+        factored=True,
+    ),
+    Curvature(
+        name="kfoc",
+        operator=f"{_OPS}.kfoc:KFOCOperator",
+        title="KFOC (nearest Kronecker product of the GGN blocks)",
+        description="KFOC: the G ⊗ A nearest each Linear/Conv2d layer's type-2 GGN block",
+        build=f"{_CLI}:build_kronecker_factored",
+        memory=(
+            MemoryFactors(
+                first_pass=31.0,
+                per_vector=0.0,
+                extra_vectors=8,
+                label="Kronecker factors by power iteration",
+            ),
+        ),
+        factored=True,
     ),
 )
 

@@ -63,7 +63,9 @@ def wiring_gaps(row: Curvature) -> list[str]:
 @pytest.mark.parametrize("row", registry.BUILTIN, ids=lambda r: r.name)
 def test_builtin_rows_are_exported_documented_and_cli_choices(row: Curvature) -> None:
     assert wiring_gaps(row) == []
-    assert issubclass(row.operator_class(), ops.DataCurvatureOperator)
+    # a factored operator reads the data when built, so it is not a DataCurvatureOperator
+    assert issubclass(row.operator_class(), ops.DataCurvatureOperator) != row.factored
+    assert issubclass(row.operator_class(), ops.CurvatureOperator)
     assert all(issubclass(d, row.operator_class()) for d in row.distributed_classes())
     assert row.builder() is getattr(cli, row.builder().__name__)
 
@@ -102,7 +104,7 @@ def test_a_row_without_exports_fails_the_wiring_check(toy: Curvature) -> None:
 
 
 def test_lookups_and_registration_errors(toy: Curvature) -> None:
-    assert registry.names() == ("hessian", "ggn", "fisher", toy.name)
+    assert registry.names() == ("hessian", "ggn", "fisher", "kfac", "ekfac", "kfoc", toy.name)
     assert registry.curvature(toy.name) is toy
     with pytest.raises(
         ValueError, match=r"unknown curvature 'laplacian'; known: 'hessian', 'ggn'.*register"
@@ -223,3 +225,51 @@ def test_toy_built_by_the_command_line(toy: Curvature) -> None:
     )
     with pytest.raises(cli.CLIError, match="unknown curvature"):
         cli.build_operator(problem, "laplacian")
+
+
+# -- the Kronecker-factored rows -------------------------------------------------
+
+
+FACTORED = [row for row in registry.BUILTIN if row.factored]
+
+
+def test_the_kronecker_factored_operators_are_rows() -> None:
+    assert [row.name for row in FACTORED] == ["kfac", "ekfac", "kfoc"]
+    assert [row.operator_class() for row in FACTORED] == [
+        he.KFACOperator,
+        he.EKFACOperator,
+        he.KFOCOperator,
+    ]
+
+
+@pytest.mark.parametrize("row", FACTORED, ids=lambda r: r.name)
+def test_factored_rows_built_by_the_command_line_equal_the_operator(row: Curvature) -> None:
+    model, data = mlp(), classification_data(n=10, batch=4)  # batches of 4, 4, 2
+    problem = cli.Problem(model, data, nn.CrossEntropyLoss(), "toy")
+    op = cli.build_operator(problem, row.name, num_batches=2)
+    direct = row.operator_class()(
+        model, data[:2], he.supervised_forward, he.cross_entropy_loss_of_output()
+    )
+    assert type(op) is type(direct)
+    torch.testing.assert_close(op.to_dense(), direct.to_dense(), rtol=1e-12, atol=1e-14)
+    with pytest.raises(cli.CLIError, match="--microbatch-size does not apply"):
+        cli.build_operator(problem, row.name, microbatch_size=2)
+    norm = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3)).double()
+    with pytest.raises(cli.CLIError, match=r"1\.weight \(LayerNorm\)"):
+        cli.build_operator(cli.Problem(norm, data, nn.CrossEntropyLoss(), "n"), row.name)
+
+
+@pytest.mark.parametrize("row", FACTORED, ids=lambda r: r.name)
+def test_factored_memory_estimate_against_the_measured_building_pass(row: Curvature) -> None:
+    # the peak of a factored operator is the pass that builds it (NOTE [memory factors])
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10)
+    )
+    batch = (torch.randn(1024, 32), torch.randint(0, 10, (1024,)))
+    est = estimate_memory(model, batch, CE, operator=row.name, block_size=1)
+    cls = row.operator_class()
+    args = (model, [batch], he.supervised_forward, he.cross_entropy_loss_of_output())
+    cls(*args)  # warm-up
+    measured = _peak_cpu_bytes(lambda: cls(*args))
+    assert 0.5 <= measured / est.product_bytes <= 2.0, (measured, est.product_bytes)

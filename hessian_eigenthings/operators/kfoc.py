@@ -1,0 +1,379 @@
+"""Kronecker-factored optimal curvature (KFOC): per layer, the ``G ⊗ A`` nearest the GGN block.
+
+KFAC (:mod:`hessian_eigenthings.operators.kfac`) takes the factors of a layer's GGN block as
+separate averages of output gradients and inputs; KFOC takes the Kronecker product closest to
+the block itself in Frobenius norm, ``argmin ‖B - G ⊗ A‖_F``, without forming ``B``.
+
+The block. For a layer ``z = W a (+ b)`` with ``W (m, q)``, the contribution of sample ``n``
+and loss-Hessian column ``c`` (the columns of KFAC's module docstring; ``fisher_type``) is the
+per-sample gradient ``J = Σ_p g_p a_pᵀ`` (``m × q``; a sum over the weight-sharing positions
+``p``: patches of a conv, tokens; one position without sharing). That is
+``weight_sharing="sample"``, exact for a loss with one term per sample (logits ``(N, C)``);
+``weight_sharing="position"`` takes each position as its own term, ``J = g_p a_pᵀ``, exact
+when position ``p`` is loss term ``p`` alone (a per-token network; NOTE [weight sharing]).
+With ``vec`` the entries row-major as in the flat vector,
+
+    B = Σ_b (|b| / Σ|b|) Σ_{c, n ∈ b} vec(J) vec(J)ᵀ,
+
+batches weighted by their size as in every operator: the GGN block of the mean loss over the
+dataset (of the Monte-Carlo or empirical Fisher for the other ``fisher_type`` values).
+
+The nearest Kronecker product (Van Loan & Pitsianis 1993). Index ``B`` by
+``((r, s), (r', s'))`` with ``r`` an output row and ``s`` an input column. Its rearrangement
+``R[(r, r'), (s, s')] = B[(r, s), (r', s')]`` (``m² × q²``) turns ``G ⊗ A`` into the rank-one
+``vec(G) vec(A)ᵀ`` while keeping the Frobenius norm, so the nearest ``G ⊗ A`` is ``σ₁ u vᵀ``
+of the top singular triple of ``R``. The rearrangement of one term ``vec(J) vec(J)ᵀ`` is
+``J ⊗ J``, so ``R = Σ w·(J ⊗ J)`` and its products need only the per-sample gradients:
+
+    R vec(A)  = vec(Σ w·J A Jᵀ)     (an m × m matrix)
+    Rᵀ vec(G) = vec(Σ w·Jᵀ G J)     (a q × q matrix).
+
+Without weight sharing ``J = g aᵀ`` and these are ``Σ w·(aᵀ A a)·g gᵀ`` and
+``Σ w·(gᵀ G g)·a aᵀ``: KFAC's sums with one scalar weight per sample. With sharing the
+per-sample gradients ``J`` are formed a chunk of samples at a time. Power iteration on
+``RᵀR`` alternates the two products from ``A₀ = I``. Both products map symmetric positive
+semi-definite matrices to symmetric PSD ones (``J A Jᵀ`` is PSD for PSD ``A``), so every
+iterate, and the limit (the top singular vectors of ``R`` can be taken PSD), is a symmetric
+PSD factor. Each product is a
+pass over the data (NOTE [a pass per product]). The result is ``G ⊗ A`` with ``G`` the last
+left iterate (unit norm) and ``A = Rᵀ vec(G)``, the optimal partner of that ``G``; the scale
+is then split so that ``‖G‖_F = ‖A‖_F``.
+
+Biases: a separate bias block is ``m × 1``, so ``G ⊗ [1]`` can be any matrix and KFOC's ``G``
+is the exact bias block ``Σ w·ḡ ḡᵀ`` (``ḡ = Σ_p g_p``; per position with
+``weight_sharing="position"``), with no iteration; with
+``separate_bias=False`` a column of ones joins the bias to the input, as in KFAC, and the
+joint ``m × (q + 1)`` block is approximated as above.
+
+Where KFAC is exact (one data point; a single ``Linear`` layer with MSE) the block is a
+Kronecker product, ``R`` has rank one, and KFOC equals KFAC (the first iteration finds it,
+the second sees no change). Elsewhere, once converged,
+``‖B - G_KFOC ⊗ A_KFOC‖_F <= ‖B - G_KFAC ⊗ A_KFAC‖_F``.
+
+Cost: ``2·max_iter`` passes over the data at most (one per product with ``R`` or ``Rᵀ``),
+each a forward and a backward per chunk of columns as KFAC's single pass; stopping when the
+input-side factor changes by less than ``tol`` (unit Frobenius norm) between iterations. The
+products, ``inverse``, ``eigh``, ``logdet``, ``trace`` and ``frobenius_norm`` are KFAC's
+(the same Kronecker-block machinery).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal, Protocol
+
+import torch
+from torch import nn
+
+from hessian_eigenthings._checks import check_count
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
+from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
+from hessian_eigenthings.operators.kfac import FisherType, KroneckerProductOperator
+from hessian_eigenthings.operators.precision import Precision
+from hessian_eigenthings.param_utils import ParamFilter
+
+__all__ = ["KFOCOperator", "WeightSharing"]
+
+WeightSharing = Literal["sample", "position"]
+
+# samples of per-sample gradients formed at once with weight sharing: about 2^24 numbers
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _per_sample_gradients(a: torch.Tensor, g: torch.Tensor) -> Iterable[torch.Tensor]:
+    """``J = Σ_p g_p a_pᵀ`` for every column and sample, a chunk of samples at a time, each chunk
+    ``(k, chunk, m, q)``."""
+    k, N, _, m = g.shape
+    q = a.shape[-1]
+    step = max(1, _CHUNK_ELEMENTS // max(1, k * m * q))
+    for s in range(0, N, step):
+        yield torch.einsum("cnpm,npq->cnmq", g[:, s : s + step], a[s : s + step])
+
+
+# The contractions below are written as one matrix product over every (column, sample) pair
+# each: a three-operand einsum may build the (k, N, m, m) intermediate first.
+def rearranged_product(a: torch.Tensor, g: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``Σ_{c,n} J A Jᵀ`` ``(m, m)`` for inputs ``a (N, P, q)`` and output gradients
+    ``g (k, N, P, m)``: the rearranged block times ``vec(A)``, for one batch (unweighted)."""
+    m = g.shape[-1]
+    if g.shape[2] == 1:  # J = g aᵀ: J A Jᵀ = (aᵀ A a) g gᵀ
+        a0, g0 = a[:, 0], g[:, :, 0]
+        s = ((a0 @ A) * a0).sum(-1)  # (N,)
+        return (g0 * s.unsqueeze(-1)).reshape(-1, m).T @ g0.reshape(-1, m)
+    out = g.new_zeros(m, m)
+    for J in _per_sample_gradients(a, g):
+        Jt = J.transpose(-1, -2)  # (k, chunk, q, m)
+        out += (A @ Jt).reshape(-1, m).T @ Jt.reshape(-1, m)  # A symmetric: (J A)ᵀ = A Jᵀ
+    return out
+
+
+def rearranged_transpose_product(a: torch.Tensor, g: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``Σ_{c,n} Jᵀ G J`` ``(q, q)``: the transposed rearranged block times ``vec(G)``."""
+    q = a.shape[-1]
+    if g.shape[2] == 1:  # J = g aᵀ: Jᵀ G J = (gᵀ G g) a aᵀ
+        a0, g0 = a[:, 0], g[:, :, 0]
+        t = ((g0 @ G) * g0).sum((0, -1))  # (N,), summed over the columns
+        return (a0 * t.unsqueeze(-1)).T @ a0
+    out = a.new_zeros(q, q)
+    for J in _per_sample_gradients(a, g):
+        out += (G @ J).reshape(-1, q).T @ J.reshape(-1, q)
+    return out
+
+
+class _FactoredLayer(Protocol):
+    """What KFOC reads and sets of a layer of the Kronecker-factored base."""
+
+    name: str
+    weight: int | None  # index of the weight in the layout
+    bias: int | None
+    joint: bool
+    A: torch.Tensor | None
+    G: torch.Tensor | None
+
+
+def _symmetric(M: torch.Tensor) -> torch.Tensor:
+    return (M + M.T) / 2
+
+
+class KFOCOperator(KroneckerProductOperator):
+    """Kronecker-factored optimal curvature: per layer, the ``G ⊗ A`` nearest the GGN block.
+
+    ``KFOCOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
+    param_filter=None, mc_samples=1, seed=0, num_batches=None, separate_bias=True,
+    exclude_unsupported=False, precision="fp32", column_chunk=16, weight_sharing="sample",
+    max_iter=10, tol=1e-4)``:
+    the arguments and conventions of :class:`~hessian_eigenthings.operators.KFACOperator`
+    but ``kfac_approx`` (KFOC approximates the block itself), plus
+
+    - ``weight_sharing``: ``"sample"`` (a sample's gradient sums the positions of a Conv2d or
+      a Linear on ``(N, T, d)``: the exact block for a loss with one term per sample) or
+      ``"position"`` (one outer product per position, as KFAC's ``"expand"``: the exact block
+      when every position is its own loss term and the model does not mix positions);
+    - ``max_iter``: most power iterations (two passes over the data each) per construction;
+    - ``tol``: stop once every layer's input-side factor, scaled to unit Frobenius norm,
+      moved by less than ``tol`` in an iteration (``0``: run ``max_iter`` iterations).
+
+    ``.iterations`` is the number of iterations run and ``.converged`` whether every layer met
+    ``tol``. The factors are computed at construction; build a new operator after the model
+    changes. ``op @ v``, ``op.inverse(damping)``, ``op.eigh()``, ``op.logdet()``,
+    ``op.trace()``, ``op.frobenius_norm()`` and ``op.factors`` as for KFAC. The module
+    docstring states the math.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        forward_fn: ForwardFn,
+        loss_of_output_fn: LossOfOutputFn,
+        *,
+        fisher_type: FisherType = "type2",
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        mc_samples: int = 1,
+        seed: int = 0,
+        num_batches: int | None = None,
+        separate_bias: bool = True,
+        exclude_unsupported: bool = False,
+        precision: Precision = "fp32",
+        column_chunk: int = 16,
+        weight_sharing: WeightSharing = "sample",
+        max_iter: int = 10,
+        tol: float = 1e-4,
+    ) -> None:
+        if weight_sharing not in ("sample", "position"):
+            raise ValueError(
+                f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"
+            )
+        self.weight_sharing: WeightSharing = weight_sharing
+        # read by _compute_factors, which the base's __init__ calls
+        self.max_iter: int = check_count("max_iter", max_iter)  # type: ignore[assignment]
+        try:
+            self.tol = float(tol)
+        except (TypeError, ValueError):
+            raise ValueError(f"tol must be a number >= 0, got {tol!r}") from None
+        if not math.isfinite(self.tol) or self.tol < 0:
+            raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+        #: power iterations run (each two passes over the data)
+        self.iterations = 0
+        #: whether every layer's factors met ``tol`` within ``max_iter`` iterations
+        self.converged = False
+        super().__init__(
+            model,
+            dataloader,
+            forward_fn,
+            loss_of_output_fn,
+            fisher_type=fisher_type,
+            kfac_approx="expand",  # unused: the block's per-sample gradients sum over positions
+            param_filter=param_filter,
+            mc_samples=mc_samples,
+            seed=seed,
+            num_batches=num_batches,
+            separate_bias=separate_bias,
+            exclude_unsupported=exclude_unsupported,
+            precision=precision,
+            column_chunk=column_chunk,
+        )
+
+    def _pass(
+        self,
+        contribution: Callable[
+            [_FactoredLayer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]
+        ],
+    ) -> dict[str, torch.Tensor]:
+        """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (layers that never ran in
+        the forward are missing: their blocks are zero)."""
+        sums: dict[str, torch.Tensor] = {}
+
+        def visit(layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+            for key, value in contribution(layer, a, g).items():
+                value = value.mul_(size)
+                sums[key] = value if key not in sums else sums[key].add_(value)
+
+        total = self._run(visit, None)
+        return {key: _symmetric(value.div_(total)) for key, value in sums.items()}
+
+    # NOTE [a pass per product]: each product with the rearranged block R needs every
+    # per-sample gradient, so it is a pass over the data; keeping the output gradients of all
+    # samples and columns instead (k·N·P·m numbers per layer, k = classes for type-2) would make
+    # the iterations free but does not scale with the dataset. The first pass starts from A = I,
+    # so no pass is spent on an initial guess; a layer that met tol stops contributing work.
+    def _compute_factors(self) -> None:
+        iterated = [layer for layer in self._layers if layer.weight is not None]
+        bias_blocks = [b for b in self._blocks if b.part == "bias"]
+        dtype, device = self.factor_dtype, self.device
+
+        def eye(n: int) -> torch.Tensor:
+            return torch.eye(n, dtype=dtype, device=device) / math.sqrt(n)
+
+        q_of = {
+            layer.name: self.params[layer.weight][0].numel() + int(layer.joint)  # type: ignore[index]
+            for layer in iterated
+        }
+        m_of = {
+            layer.name: self.params[
+                layer.weight if layer.weight is not None else layer.bias  # type: ignore[index]
+            ].shape[0]
+            for layer in self._layers
+        }
+        A_unit = {name: eye(q) for name, q in q_of.items()}
+        G_unit: dict[str, torch.Tensor] = {}
+        sigma = dict.fromkeys(q_of, 0.0)
+        active = set(q_of)
+        first = True
+        bias_G: dict[str, torch.Tensor] = {}
+
+        def left(
+            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
+            a, g = self._terms(a, g)
+            out = {}
+            if layer.name in active:
+                out[layer.name] = rearranged_product(a, g, A_unit[layer.name])
+            if first and any(b.layer is layer for b in bias_blocks):
+                g_bar = g.sum(2).reshape(-1, g.shape[-1])  # the bias gradient sums positions
+                out["bias:" + layer.name] = g_bar.T @ g_bar
+            return out
+
+        def right(
+            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
+            if layer.name not in active:
+                return {}
+            a, g = self._terms(a, g)
+            return {layer.name: rearranged_transpose_product(a, g, G_unit[layer.name])}
+
+        self.iterations = 0
+        while first or (active and self.iterations < self.max_iter):
+            sums = self._pass(left)
+            if first:
+                bias_G = {k.removeprefix("bias:"): v for k, v in sums.items() if k[:5] == "bias:"}
+                first = False
+            if not active:  # only separate biases: their blocks are exact after one pass
+                break
+            for name in list(active):
+                G = sums.get(name)
+                norm = 0.0 if G is None else float(torch.linalg.matrix_norm(G))
+                if G is None or norm == 0.0:  # a zero block: the layer never ran or got no gradient
+                    sigma[name] = 0.0
+                    active.discard(name)
+                else:
+                    G_unit[name] = G / norm
+            if not active:
+                break
+            sums = self._pass(right)
+            self.iterations += 1
+            for name in list(active):
+                A = sums[name]
+                # σ of the pair: ‖Rᵀ vec(G)‖ for a unit G, the optimal A for that G
+                sigma[name] = float(torch.linalg.matrix_norm(A))
+                if sigma[name] == 0.0:
+                    active.discard(name)
+                    continue
+                new = A / sigma[name]
+                change = float(torch.linalg.matrix_norm(new - A_unit[name]))
+                A_unit[name] = new
+                if change <= self.tol:
+                    active.discard(name)
+        self.converged = not active
+        for layer in self._layers:
+            if layer.weight is None:
+                layer.G = torch.zeros(
+                    m_of[layer.name], m_of[layer.name], dtype=dtype, device=device
+                )
+                continue
+            name = layer.name
+            root = math.sqrt(sigma[name])
+            if root == 0.0:
+                m, q = m_of[name], q_of[name]
+                layer.G = torch.zeros(m, m, dtype=dtype, device=device)
+                layer.A = torch.zeros(q, q, dtype=dtype, device=device)
+            else:
+                layer.G = G_unit[name] * root
+                layer.A = A_unit[name] * root
+        for block in bias_blocks:
+            m = m_of[block.layer.name]
+            block.own_G = bias_G.get(
+                block.layer.name, torch.zeros(m, m, dtype=dtype, device=device)
+            )
+
+    def _terms(self, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a (N, P, q)``, ``g (k, N, P, m)`` regrouped so that dimension 1 indexes the loss terms
+        whose gradients the block sums outer products of (NOTE [weight sharing])."""
+        if self.weight_sharing == "sample" or a.shape[1] == 1:
+            return a, g
+        k, N, P, m = g.shape
+        return a.reshape(N * P, 1, -1), g.reshape(k, N * P, 1, m)
+
+    def _columns(
+        self, output: torch.Tensor, batch: Batch, position: int
+    ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
+        # NOTE [weight sharing]: a column of the loss Hessian covers every loss term of the batch
+        # at once, so the backward keeps samples apart (and positions, as the layer sees them)
+        # but adds up the terms of one sample. With one term per sample (logits (N, C), targets
+        # (N, d)) a sample's gradient Σ_p g_p a_pᵀ is exact: "sample". With several (a sequence
+        # model's (N, T, C)) that sum mixes the terms' gradients, and the exact block is only
+        # reachable when position p of the layer is term p alone (no mixing across positions):
+        # "position", one outer product per position, KFAC's "expand" grouping.
+        if self.weight_sharing == "sample" and output.dim() > 2:
+            if isinstance(self.loss_of_output_fn, CrossEntropyOutputLoss):
+                per_sample = output[0].numel() // output.shape[1]
+            else:
+                per_sample = output[0].numel() // output.shape[-1]
+            if per_sample > 1:
+                raise ValueError(
+                    f"the model output {tuple(output.shape)} has {per_sample} loss terms per sample; "
+                    "KFOC's weight_sharing='sample' needs one (e.g. logits (N, C)). Pass "
+                    "weight_sharing='position' when each position of the layers is its own loss "
+                    "term (a model that does not mix positions, such as a per-token MLP)"
+                )
+        return super()._columns(output, batch, position)
+
+    def __repr__(self) -> str:
+        extra = f", excluded={list(self.excluded_parameters)}" if self.excluded_parameters else ""
+        return (
+            f"{type(self).__name__}(size={self.size}, blocks={len(self._blocks)}, "
+            f"fisher_type={self.fisher_type!r}, weight_sharing={self.weight_sharing!r}, iterations={self.iterations}, "
+            f"converged={self.converged}, dtype={self.dtype}{extra})"
+        )
