@@ -32,14 +32,23 @@ restart buffer of ``l · n``.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from hessian_eigenthings._checks import check_count
+from hessian_eigenthings.algorithms._checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    remove_checkpoint,
+    save_checkpoint,
+)
 from hessian_eigenthings.algorithms._common import (
     HOST_ARITHMETIC_MAX_NUMEL,
     apply_rows,
@@ -166,6 +175,8 @@ def lanczos(
     residuals: Literal["exact", "estimate"] = "exact",
     check_symmetric: bool = False,
     progress: bool | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
 ) -> EigenResult:
     """Top-``k`` eigenpairs of a symmetric operator by thick-restart Lanczos.
 
@@ -222,6 +233,18 @@ def lanczos(
         check_symmetric: spend 2 products checking that ``op`` is symmetric.
         progress: ``True`` a tqdm bar, ``False`` nothing; ``None`` a bar on a terminal or in
             Jupyter, elsewhere a log line on stderr every 30 s of a long run.
+        checkpoint: a file to save the iteration to and to resume from (NOTE [resumable
+            lanczos]): a call that finds the file continues where the call that wrote it
+            stopped (an exception, Ctrl-C, a killed job) and returns what an uninterrupted
+            call with the same arguments returns, bit for bit (eigenpairs, residuals,
+            ``iterations``, ``converged``), spending only the remaining products. A file
+            written with other arguments is refused, naming them. A finished call deletes the
+            file, so a loop that reuses one path (along training) never resumes a finished
+            solve of an older operator. With a sharded backend, give each rank its own file.
+        checkpoint_every: save after every this many products (rounded up to a step);
+            default: at each thick restart, when the basis is smallest (``k`` to ``ncv`` vectors
+            plus a block; a run that converges within its first basis is not saved then). A
+            save writes the kept basis, ``O(ncv · n)`` numbers at most.
 
     Returns an :class:`EigenResult` (most wanted first). Warns
     :class:`ConvergenceWarning` when the budget ends before all ``k`` pairs
@@ -283,8 +306,15 @@ def lanczos(
             f"(max_iter counts operator products, not restarts)"
         )
     full = reorthogonalize is None or bool(reorthogonalize)
+    checkpoint_every = check_count("checkpoint_every", checkpoint_every, allow_none=True)
+    path = checkpoint_path(checkpoint)
+    if checkpoint_every is not None and path is None:
+        raise ValueError(
+            "checkpoint_every is given without checkpoint= (a file to save the iteration to)"
+        )
+    resuming = path is not None and path.exists()
     op.expect_products(min(max_iter, 3 * ncv))  # a typical run: a few restarts of the basis
-    if check_symmetric:
+    if check_symmetric and not resuming:  # the call that wrote the checkpoint checked
         check_symmetry(op, seed=seed, backend=backend)
 
     wd = work_dtype(op, precision)
@@ -361,9 +391,35 @@ def lanczos(
     scheduled = V.device.type == "cpu" and V.numel() <= HOST_ARITHMETIC_MAX_NUMEL
     last_check: tuple[int, float] | None = None  # (products, worst est / threshold) of the last
 
+    config: dict[str, Any] = {
+        "n": n,
+        "op_dtype": str(op.dtype),
+        "work_dtype": str(wd),
+        "k": k,
+        "which": which,
+        "tol": tol,
+        "max_iter": max_iter if explicit_budget else None,
+        "ncv": m,
+        "block_size": block_size,
+        "reorthogonalize": full,
+        "residuals": residuals,
+        "seed": seed,
+        "v0": _digest(v0),
+    }
+    if resuming:
+        assert path is not None
+        loop = _restore(load_checkpoint(path, "lanczos", config, gen), V, T, b, path)
+        j, restart_l, it, anorm = loop["j"], loop["restart_l"], loop["it"], loop["anorm"]
+        products = loop["products"]
+        theta, S, est, order = loop["theta"], loop["S"], loop["est"], loop["order"]
+        next_check, last_check = loop["next_check"], loop["last_check"]
+    saved_at = products
+
     # the bar counts products with no total: max_iter is a cap that a converging run never
     # reaches, and a percentage of it would promise an ETA many times too long
     with progress_bar(None, f"lanczos (k={k})", progress) as bar:
+        if products:
+            bar.update(products)
         while True:
             it += 1
             top = j + b
@@ -404,7 +460,8 @@ def lanczos(
                 last_check = (products, ratio)
             if last_step:
                 break
-            if top + b > m:
+            restarted = top + b > m
+            if restarted:
                 # thick restart: keep the n_keep most wanted Ritz vectors and the residual block
                 # (n_conv: the Ritz check of this step, which a restart always makes)
                 n_keep = _num_kept(k, m, b, n_conv)
@@ -427,6 +484,20 @@ def lanczos(
                 restart_l = n_keep
             else:
                 j = top
+            if path is not None and (
+                restarted if checkpoint_every is None else products - saved_at >= checkpoint_every
+            ):
+                loop = {
+                    "j": j,
+                    "restart_l": restart_l,
+                    "products": products,
+                    "it": it,
+                    "anorm": anorm,
+                    "next_check": next_check,
+                    "last_check": None if last_check is None else list(last_check),
+                }
+                _save(path, config, gen, V, T, j + b, loop, (theta, S, est, order))
+                saved_at = products
 
     want = order[:k]
     Y = torch.from_numpy(np.ascontiguousarray(S[:, want].T)).to(device=device, dtype=wd) @ V[:top]
@@ -442,6 +513,8 @@ def lanczos(
         res = torch.from_numpy(est[want].copy())
     thresh_t = torch.clamp(tol * lam.abs(), min=noise * anorm)
     converged = res <= thresh_t
+    if path is not None:  # finished: See NOTE [resumable lanczos]
+        remove_checkpoint(path)
     if not bool(converged.all()):
         hint = "raise max_iter or ncv, or loosen tol"
         if residuals == "exact" and bool((torch.from_numpy(est[want].copy()) <= thresh_t).all()):
@@ -467,6 +540,87 @@ def lanczos(
         iterations=products,
         converged=converged,
     )
+
+
+# NOTE [resumable lanczos]
+# Between two steps the iteration is: the basis rows V[:j + b] (the kept Ritz vectors and the
+# block to expand next; the rows past them are written before they are read), the projected
+# matrix T (zero outside [:j + b, :j + b]), the counters (j, restart_l, products, steps), the
+# norm estimate, the Ritz data of the last check with the check schedule (NOTE [ritz check
+# schedule]) and the generator (fresh directions after an invariant subspace). `_save`
+# writes them (NOTE [checkpoint files] in `_checkpoint`); `_restore` puts them back into
+# freshly allocated buffers, after which every step computes what it computed in the call
+# that wrote them: same shapes, same data, same operations, hence the same bits on the same
+# device and versions. The default saves at thick restarts, where the basis is smallest
+# (n_keep + b rows). The start vector is not needed to resume (it is row 0 of the basis at
+# the start), but a different one would have given another run: the config holds a digest of
+# `v0`. A finished call deletes the file rather than marking it: the common way to reuse a
+# path is a loop over training steps, where returning the stored result of an older
+# operator would be silently wrong; a resumed file of an older operator is the caller's to
+# avoid (the file cannot tell operators of the same size apart).
+
+
+def _digest(v0: torch.Tensor | EigenResult | None) -> str | None:
+    """Short fingerprint of a start vector / warm start, for the checkpoint's config."""
+    if v0 is None:
+        return None
+    t = v0.eigenvectors if isinstance(v0, EigenResult) else v0
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    h = hashlib.sha256(raw)
+    h.update(f"{type(v0).__name__}{tuple(t.shape)}{t.dtype}".encode())
+    return f"sha256:{h.hexdigest()[:16]}"
+
+
+def _save(
+    path: Path,
+    config: dict[str, Any],
+    gen: torch.Generator,
+    V: torch.Tensor,
+    T: np.ndarray[Any, Any],
+    rows: int,
+    loop: dict[str, Any],
+    ritz: tuple[np.ndarray[Any, Any], ...],
+) -> None:
+    """The iteration between two steps: See NOTE [resumable lanczos]."""
+    state = dict(loop)
+    state["V"] = V[:rows].to("cpu", copy=True)  # a copy: a view would save the whole buffer
+    state["T"] = torch.from_numpy(T[:rows, :rows].copy())
+    for name, a in zip(("theta", "S", "est", "order"), ritz, strict=True):
+        state[name] = torch.from_numpy(np.ascontiguousarray(a))
+    save_checkpoint(path, "lanczos", config, state, gen)
+
+
+def _restore(
+    state: dict[str, Any], V: torch.Tensor, T: np.ndarray[Any, Any], b: int, path: Path
+) -> dict[str, Any]:
+    """Fill ``V`` and ``T`` from a checkpoint's state; the loop variables, as ``_save`` got them."""
+    try:
+        loop = {key: state[key] for key in ("j", "restart_l", "products", "it", "next_check")}
+        if not all(isinstance(x, int) for x in loop.values()):
+            raise TypeError("counters are not ints")
+        loop["anorm"] = float(state["anorm"])
+        last = state["last_check"]
+        loop["last_check"] = None if last is None else (int(last[0]), float(last[1]))
+        for name in ("theta", "S", "est", "order"):
+            loop[name] = state[name].numpy()
+        rows = loop["j"] + b
+        Vs, Ts = state["V"], state["T"]
+        if Vs.shape != (rows, V.shape[1]) or Vs.dtype != V.dtype or rows > V.shape[0]:
+            raise ValueError(
+                f"a basis of shape {tuple(Vs.shape)} ({Vs.dtype}), expected ({rows}, {V.shape[1]}) ({V.dtype})"
+            )
+        if Ts.shape != (rows, rows) or Ts.dtype != torch.float64:
+            raise ValueError(f"a projection of shape {tuple(Ts.shape)}, expected ({rows}, {rows})")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not a complete lanczos state for this call ({exc}); "
+            "remove it to start afresh"
+        ) from exc
+    V[:rows] = Vs.to(V.device)
+    T[:rows, :rows] = Ts.numpy()
+    return loop
 
 
 _TINY = float(np.finfo(np.float64).tiny)

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hessian_eigenthings._checks import check_count
+from hessian_eigenthings.algorithms._checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hessian_eigenthings.algorithms._common import (
     check_operator,
     global_size,
@@ -121,19 +125,28 @@ def spectral_density(
     checkpoint_runs = check_count("checkpoint_runs", checkpoint_runs, allow_none=True)
     if checkpoint_runs is not None:
         if checkpoint is None:
-            raise ValueError("checkpoint_runs is given without checkpoint= (a file to save the runs to)")
+            raise ValueError(
+                "checkpoint_runs is given without checkpoint= (a file to save the runs to)"
+            )
         group = min(group, checkpoint_runs)
 
     nodes: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
     first = 0
-    path = None if checkpoint is None else Path(checkpoint)
+    path = checkpoint_path(checkpoint)
     config: dict[str, Any] = {
-        "num_runs": num_runs, "steps": steps, "group": group, "n": global_size(op), "seed": seed,
-        "reorthogonalize": reorthogonalize, "work_dtype": str(wd), "op_dtype": str(op.dtype),
+        "num_runs": num_runs,
+        "steps": steps,
+        "group": group,
+        "n": global_size(op),
+        "seed": seed,
+        "reorthogonalize": reorthogonalize,
+        "work_dtype": str(wd),
+        "op_dtype": str(op.dtype),
     }
     if path is not None and path.exists():
-        first, nodes, weights = _resume(path, config, gen)
+        saved = load_checkpoint(path, "spectral_density", config, gen)
+        first, nodes, weights = int(saved["done"]), list(saved["nodes"]), list(saved["weights"])
     with progress_bar(steps * math.ceil(num_runs / group), "spectral density", progress) as bar:
         bar.update(steps * (first // group))
         for start in range(first, num_runs, group):
@@ -157,7 +170,8 @@ def spectral_density(
                 nodes.append(theta)
                 weights.append(S[0] ** 2)
             if path is not None:
-                _save(path, config, start + r, nodes, weights, gen)
+                state = {"done": start + r, "nodes": nodes, "weights": weights}
+                save_checkpoint(path, "spectral_density", config, state, gen)
     # one row per run (the 1.0 alpha's layout); a run cut short by an exhausted Krylov
     # space is padded with NaN nodes and zero weights
     m = max(t.shape[0] for t in nodes)
@@ -188,42 +202,10 @@ def spectral_density(
 # The runs are independent: each group of runs draws its start vectors from the generator
 # and runs its Lanczos steps, so the state between groups is (runs done, their nodes and
 # weights, the generator's state). After each group it goes to the checkpoint file
-# (torch.save to a temporary file, then os.replace: an interruption mid-write leaves the
-# previous checkpoint whole). A call that finds the file checks that it was written by a
-# call with the same arguments (runs, steps, group size, operator size, seed, dtypes) and
-# continues from it: the remaining groups draw what they would have drawn, so the result
-# is the uninterrupted one, bit for bit, on the same device and versions. The group size
-# is part of the arguments: with reorthogonalization each run's basis is its own, but the
-# block products of a group may round differently from another grouping.
-
-
-def _save(path: Path, config: dict[str, Any], done: int, nodes: list[torch.Tensor],
-          weights: list[torch.Tensor], gen: torch.Generator) -> None:
-    state = {"format": 1, "config": config, "done": done, "nodes": nodes, "weights": weights,
-             "generator": gen.get_state(), "generator_device": str(gen.device)}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _resume(path: Path, config: dict[str, Any], gen: torch.Generator) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read as a spectral_density checkpoint: {exc}") from exc
-    if not isinstance(state, dict) or state.get("format") != 1:
-        raise ValueError(f"checkpoint {str(path)!r} is not a spectral_density checkpoint")
-    saved = state["config"]
-    diff = [f"{key}: {saved.get(key)!r} in the file, {value!r} now" for key, value in config.items() if saved.get(key) != value]
-    if diff:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was written by a call with other arguments ({'; '.join(diff)}); "
-            "pass the same arguments to resume, or another file to start afresh"
-        )
-    if state["generator_device"] != str(gen.device):
-        raise ValueError(
-            f"checkpoint {str(path)!r} was written with a generator on {state['generator_device']}, "
-            f"this call's is on {gen.device}: resume on the same device"
-        )
-    gen.set_state(state["generator"])
-    return int(state["done"]), list(state["nodes"]), list(state["weights"])
+# (atomically: NOTE [checkpoint files] in `_checkpoint`). A call that finds the file checks
+# that it was written by a call with the same arguments (runs, steps, group size, operator
+# size, seed, dtypes) and continues from it: the remaining groups draw what they would
+# have drawn, so the result is the uninterrupted one, bit for bit, on the same device and
+# versions. The group size is part of the arguments: with reorthogonalization each run's
+# basis is its own, but the block products of a group may round differently from another
+# grouping.
