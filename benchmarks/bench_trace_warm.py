@@ -94,16 +94,25 @@ def main() -> None:
         ce(model(x), y).backward()
         opt.step()
     target = float(np.mean(warm_err[1:]))
-    print(f"mean rms error over warm calls (all but the first): warm {target:.2e}, "
-          f"cold {float(np.mean(cold_err[1:])):.2e}")
+    print(
+        f"mean rms error over warm calls (all but the first): warm {target:.2e}, "
+        f"cold {float(np.mean(cold_err[1:])):.2e}"
+    )
     for budget in (a.budget, int(1.5 * a.budget), 2 * a.budget, 3 * a.budget):
         errs = []
         for h in hs[1:]:
             truth = float(torch.trace(h))
-            errs.append(np.sqrt(np.mean([
-                (hutch_plus_plus(_op(h), num_matvecs=budget, seed=s).estimate - truth) ** 2
-                for s in range(a.seeds)
-            ])))
+            errs.append(
+                np.sqrt(
+                    np.mean(
+                        [
+                            (hutch_plus_plus(_op(h), num_matvecs=budget, seed=s).estimate - truth)
+                            ** 2
+                            for s in range(a.seeds)
+                        ]
+                    )
+                )
+            )
         print(f"cold budget {budget:4d}: mean rms error {float(np.mean(errs)):.2e}")
 
 

@@ -187,7 +187,11 @@ def default_sigma(nodes: torch.Tensor, steps: int) -> float:
 
 
 def density_on_grid(
-    nodes: torch.Tensor, weights: torch.Tensor, sigma: float, num_grid_points: int, grid_padding: float
+    nodes: torch.Tensor,
+    weights: torch.Tensor,
+    sigma: float,
+    num_grid_points: int,
+    grid_padding: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid of :func:`spectral_density` around ``nodes`` and the smoothed density on it,
     from the flat quadrature ``nodes`` and ``weights`` (float64, CPU; weights summing to 1)."""
