@@ -35,13 +35,8 @@ from hessian_eigenthings.tracking_lightning import (  # noqa: E402
     lightning_callback_class,
 )
 
-# Lightning's own noise, not ours to fix: its pytree helper on torch >= 2.10, and advice
-# for real runs (dataloader workers, max_epochs)
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\).*:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
-    pytest.mark.filterwarnings("ignore:.*`max_epochs` was not set"),
-]
+# Lightning's advice for real runs (its other noise is ignored in pyproject.toml)
+pytestmark = pytest.mark.filterwarnings("ignore:.*`max_epochs` was not set")
 
 CE = nn.CrossEntropyLoss()
 g = torch.Generator().manual_seed(0)
