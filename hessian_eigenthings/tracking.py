@@ -3,9 +3,10 @@
 :class:`CurvatureTracker` builds one :class:`~hessian_eigenthings.operators.HessianOperator`
 on a fixed probe batch (or loader) and, on each due :meth:`CurvatureTracker.step`, runs
 ``lanczos`` warm-started from its previous result (NOTE [warm starts] in
-``algorithms._common``) and optionally ``hutch_plus_plus``. The operator reads the
-parameters in place, so nothing is rebuilt between calls; its kept graphs are keyed on the
-parameters' version counters, which an optimizer step bumps (NOTE [graph reuse]).
+``algorithms._common``), optionally ``hutch_plus_plus`` warm-started from the previous
+sketch basis (NOTE [warm Hutch++ sketch] in ``algorithms.trace``), and optionally a small
+``spectral_density`` snapshot (SLQ). The operator reads the parameters in place, so nothing is
+rebuilt between calls.
 """
 
 from __future__ import annotations
@@ -15,27 +16,54 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hessian_eigenthings.algorithms import EigenResult, hutch_plus_plus, lanczos
+from hessian_eigenthings.algorithms import (
+    EigenResult,
+    TraceResult,
+    hutch_plus_plus,
+    lanczos,
+    spectral_density,
+)
+from hessian_eigenthings.algorithms.spectral_density import density_on_grid
 from hessian_eigenthings.operators import HessianOperator
 
 
 @dataclass(frozen=True)
 class TrackRecord:
     """One tracked step: the top eigenvalues (most wanted first), the trace estimate (or
-    ``None``), the operator products spent and the wall time of the computation."""
+    ``None``; ``trace_stderr`` its standard error), the operator products spent, the wall
+    time of the computation, and the spectral density snapshot (or ``None``) as its
+    quadrature, ``{"nodes": [...], "weights": [...], "sigma": s}``: the Ritz values of all
+    SLQ runs and their weights (summing to 1), a few hundred numbers from which
+    :meth:`density_curve` draws the smoothed density."""
 
     step: int
     eigenvalues: list[float]
     trace: float | None
     products: int
     seconds: float
+    density: dict[str, Any] | None = None
+    trace_stderr: float | None = None  # Hutch++'s standard error of ``trace``
+
+    def density_curve(
+        self, num_grid_points: int = 1000, grid_padding: float = 0.1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(grid, density)`` of the snapshot, on the grid ``spectral_density`` would use."""
+        if self.density is None:
+            raise ValueError(
+                f"step {self.step} has no density snapshot (CurvatureTracker(density_every=...))"
+            )
+        nodes = torch.tensor(self.density["nodes"], dtype=torch.float64)
+        weights = torch.tensor(self.density["weights"], dtype=torch.float64)
+        return density_on_grid(
+            nodes, weights, float(self.density["sigma"]), num_grid_points, grid_padding
+        )
 
 
 @contextlib.contextmanager
@@ -85,9 +113,15 @@ class CurvatureTracker:
         k: top eigenvalues (``which="LA"``: largest algebraic, the sharpness; ``"LM"``:
             largest magnitude).
         trace: also estimate ``tr(H)`` by Hutch++ with ``trace_matvecs`` products.
+        density_every: also take an SLQ spectral density snapshot at the tracked steps that
+            are multiples of this (a multiple of ``every``); ``density_options`` go to
+            ``spectral_density`` (default ``num_runs=4, lanczos_steps=30``: ``120`` products).
         tol: Lanczos tolerance. ``seed``: the solvers' seed (local generators).
         warm_start: start each Lanczos from the previous result (fewer products when the
-            parameters moved little; the answer is that of a cold start either way).
+            parameters moved little; the answer is that of a cold start either way), and
+            each Hutch++ sketch from the previous sketch basis (the same products, a smaller
+            error when the parameters moved little; unbiased either way; keeps ``q · n``
+            numbers, ``q = trace_matvecs // 3``, between calls).
         eval_mode: compute with the model in ``eval()`` (default; no dropout, BatchNorm
             running stats) and restore its flags afterwards; ``False`` keeps its mode.
         operator_options: passed to ``HessianOperator`` (``param_filter``, ...).
@@ -105,6 +139,8 @@ class CurvatureTracker:
         which: Literal["LA", "LM"] = "LA",
         trace: bool = False,
         trace_matvecs: int = 30,
+        density_every: int | None = None,
+        density_options: Mapping[str, Any] | None = None,
         tol: float = 1e-4,
         seed: int = 0,
         warm_start: bool = True,
@@ -119,12 +155,22 @@ class CurvatureTracker:
             raise ValueError(f"k must be a positive int, got {k!r}")
         if which not in ("LA", "LM"):
             raise ValueError(f"which must be 'LA' or 'LM', got {which!r}")
+        if density_every is not None and (
+            not isinstance(density_every, int) or density_every < 1 or density_every % every
+        ):
+            raise ValueError(
+                f"density_every must be a positive multiple of every={every} (a snapshot is "
+                f"taken on a tracked step), got {density_every!r}"
+            )
         self.model = model
         self.every = every
         self.k = k
         self.which = which
         self.trace = trace
         self.trace_matvecs = trace_matvecs
+        self.density_every = density_every
+        self.density_options: dict[str, Any] = {"num_runs": 4, "lanczos_steps": 30}
+        self.density_options.update(density_options or {})
         self.tol = tol
         self.seed = seed
         self.warm_start = warm_start
@@ -135,6 +181,7 @@ class CurvatureTracker:
             self.operator = HessianOperator(model, data, loss_fn, **operator_options)
         self.history: list[TrackRecord] = []
         self.last_result: EigenResult | None = None
+        self.last_trace: TraceResult | None = None
         self._calls = 0
 
     def due(self, step: int) -> bool:
@@ -165,17 +212,35 @@ class CurvatureTracker:
         with _training_untouched(self.model, self.eval_mode):
             v0 = self.last_result if self.warm_start else None
             res = lanczos(op, k=self.k, which=self.which, tol=self.tol, seed=self.seed, v0=v0)
-            tr = None
+            tr = tr_stderr = None
             if self.trace:
-                tr = float(
-                    hutch_plus_plus(op, num_matvecs=self.trace_matvecs, seed=self.seed).estimate
+                tres = hutch_plus_plus(
+                    op,
+                    num_matvecs=self.trace_matvecs,
+                    seed=self.seed,
+                    sketch=self.last_trace if self.warm_start else None,
+                    keep_sketch=self.warm_start,
                 )
+                tr, tr_stderr = tres.estimate, tres.stderr
+                self.last_trace = tres if self.warm_start else None
+            density = None
+            if self.density_every is not None and step % self.density_every == 0:
+                options = {"seed": self.seed, "num_grid_points": 2, **self.density_options}
+                sd = spectral_density(op, **options)
+                keep = ~torch.isnan(sd.raw_eigenvalues)
+                density = {
+                    "nodes": sd.raw_eigenvalues[keep].tolist(),
+                    "weights": (sd.raw_weights[keep] / sd.raw_weights.shape[0]).tolist(),
+                    "sigma": sd.sigma,
+                }
         rec = TrackRecord(
             step=int(step),
             eigenvalues=[float(x) for x in res.eigenvalues],
             trace=tr,
             products=int(op.num_matvecs - before),
             seconds=time.perf_counter() - t0,
+            density=density,
+            trace_stderr=tr_stderr,
         )
         self.last_result = res
         self.history.append(rec)

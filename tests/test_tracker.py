@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from hessian_eigenthings.algorithms import lanczos
+from hessian_eigenthings.algorithms import lanczos, spectral_density
 from hessian_eigenthings.operators import HessianOperator
 from hessian_eigenthings.tracking import CurvatureTracker, TrackRecord
 
@@ -80,6 +80,8 @@ def test_training_is_bit_identical_with_and_without_tracking(eval_mode: bool) ->
         k=2,
         trace=True,
         trace_matvecs=12,
+        density_every=10,
+        density_options={"num_runs": 2, "lanczos_steps": 10},
         eval_mode=eval_mode,
     )
     tracked_losses = train(tracked, tr, lr=0.05, momentum=0.9)
@@ -90,6 +92,7 @@ def test_training_is_bit_identical_with_and_without_tracking(eval_mode: bool) ->
     assert tracked.training and all(m.training for m in tracked.modules())
     assert torch.is_grad_enabled()
     assert all(r.trace is not None and np.isfinite(r.trace) for r in tr.history)
+    assert [r.density is not None for r in tr.history] == [True, False, True, False]
 
 
 def _dense_hessian(model: nn.Module) -> np.ndarray:
@@ -175,3 +178,50 @@ def test_fused_optimizer_steps_are_seen() -> None:
         HessianOperator(model, [PROBE], loss_fn, graph_reuse=False), k=1, which="LA", seed=1
     )
     assert rec.eigenvalues[0] == pytest.approx(float(cold.eigenvalues[0]), rel=1e-6)
+
+
+def test_density_snapshots_and_warm_trace_match_cold_references(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The density snapshot is the quadrature of a cold ``spectral_density`` with the same seed
+    and options; its top node is the dense Hessian's top eigenvalue; the warm-started trace
+    spends the cold call's products and lands near the dense trace."""
+    model = make_model(running_stats=False)
+    tr = CurvatureTracker(
+        model, loss_fn, batch=PROBE, every=5, k=1, trace=True, density_every=10, seed=3
+    )
+    snaps: dict[int, dict[str, torch.Tensor]] = {}
+    train(model, tr, lr=1e-3, momentum=0.0, steps=15, snapshots=snaps)
+    assert [r.step for r in tr.history] == [0, 5, 10]
+    assert [r.density is not None for r in tr.history] == [True, False, True]
+    assert tr.last_trace is not None and tr.last_trace.sketch is not None
+    # lanczos (warm: fewer) + 30 for the trace (warm: the same) + 4 x 30 for a density
+    assert tr.history[0].products - tr.history[1].products > 120 - 30
+    for rec in (tr.history[0], tr.history[2]):
+        ref = make_model(running_stats=False)
+        ref.load_state_dict(snaps[rec.step])
+        ref.eval()
+        op = HessianOperator(ref, [PROBE], loss_fn)
+        cold = spectral_density(op, num_runs=4, lanczos_steps=30, num_grid_points=300, seed=3)
+        keep = ~torch.isnan(cold.raw_eigenvalues)
+        assert rec.density is not None
+        np.testing.assert_allclose(rec.density["nodes"], cold.raw_eigenvalues[keep], atol=1e-9)
+        np.testing.assert_allclose(rec.density["weights"], cold.raw_weights[keep] / 4, atol=1e-9)
+        assert rec.density["sigma"] == pytest.approx(cold.sigma, rel=1e-9)
+        grid, density = rec.density_curve(num_grid_points=300)
+        np.testing.assert_allclose(grid, cold.grid, rtol=1e-9)
+        np.testing.assert_allclose(density, cold.density, rtol=1e-6, atol=1e-9)
+        dense = np.linalg.eigvalsh(_dense_hessian(ref))
+        assert max(rec.density["nodes"]) == pytest.approx(dense[-1], rel=1e-6)
+        assert sum(rec.density["weights"]) == pytest.approx(1.0, rel=1e-12)
+        assert rec.trace is not None and rec.trace_stderr is not None
+        assert abs(rec.trace - dense.sum()) < 4 * rec.trace_stderr, (rec.trace, dense.sum())
+    with pytest.raises(ValueError, match="no density snapshot"):
+        tr.history[1].density_curve()
+    path = tmp_path / "track.jsonl"
+    tr.to_jsonl(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [TrackRecord(**r) for r in rows] == tr.history
+    with pytest.raises(ValueError, match="multiple of every=5"):
+        CurvatureTracker(model, loss_fn, batch=PROBE, every=5, density_every=7)
+    cold_tr = CurvatureTracker(model, loss_fn, batch=PROBE, trace=True, warm_start=False)
+    cold_tr.step()
+    assert cold_tr.last_trace is None

@@ -127,6 +127,9 @@ class TraceResult:
     estimate: float
     stderr: float  # standard error of the estimate (from the sample variance)
     samples: torch.Tensor  # (s,) float64 per-probe values whose mean is ``estimate``
+    # (q, n) Hutch++'s sketch basis Q (orthonormal rows), kept with ``keep_sketch=True`` to
+    # warm-start the next call (``sketch=``); None otherwise
+    sketch: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         # hundreds of per-probe values would bury the two numbers people look for

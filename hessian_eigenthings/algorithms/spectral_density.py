@@ -44,7 +44,7 @@ from hessian_eigenthings.algorithms.result import SpectralDensityResult
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
-__all__ = ["gaussian_density", "spectral_density"]
+__all__ = ["default_sigma", "density_on_grid", "gaussian_density", "spectral_density"]
 
 
 def gaussian_density(
@@ -182,13 +182,9 @@ def spectral_density(
         raw_weights[i, : w.shape[0]] = w
     flat = ~torch.isnan(raw_nodes)
     flat_nodes, flat_weights = raw_nodes[flat], raw_weights[flat] / num_runs
-    lo, hi = float(flat_nodes.min()), float(flat_nodes.max())
-    span = hi - lo
     if sigma is None:
-        sigma = span / (2.0 * steps) if span > 0 else 1e-3 * max(abs(lo), 1.0)
-    pad = max(grid_padding * span, 5.0 * sigma)
-    grid = torch.linspace(lo - pad, hi + pad, num_grid_points, dtype=torch.float64)
-    density = gaussian_density(flat_nodes, flat_weights, grid, sigma)
+        sigma = default_sigma(flat_nodes, steps)
+    grid, density = density_on_grid(flat_nodes, flat_weights, sigma, num_grid_points, grid_padding)
     return SpectralDensityResult(
         grid=grid,
         density=density,
@@ -196,6 +192,27 @@ def spectral_density(
         raw_weights=raw_weights,
         sigma=float(sigma),
     )
+
+
+def default_sigma(nodes: torch.Tensor, steps: int) -> float:
+    """``range / (2 · steps)`` over the quadrature nodes (a small width when they coincide)."""
+    lo, hi = float(nodes.min()), float(nodes.max())
+    return (hi - lo) / (2.0 * steps) if hi > lo else 1e-3 * max(abs(lo), 1.0)
+
+
+def density_on_grid(
+    nodes: torch.Tensor,
+    weights: torch.Tensor,
+    sigma: float,
+    num_grid_points: int,
+    grid_padding: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of :func:`spectral_density` around ``nodes`` and the smoothed density on it,
+    from the flat quadrature ``nodes`` and ``weights`` (float64, CPU; weights summing to 1)."""
+    lo, hi = float(nodes.min()), float(nodes.max())
+    pad = max(grid_padding * (hi - lo), 5.0 * sigma)
+    grid = torch.linspace(lo - pad, hi + pad, num_grid_points, dtype=torch.float64)
+    return grid, gaussian_density(nodes, weights, grid, sigma)
 
 
 # NOTE [resumable density]

@@ -106,9 +106,18 @@ def sketch_range(
     backend: LinAlgBackend,
     wd: torch.dtype,
     bar: object,
+    warm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Q = orth(A S)`` for ``count`` random probes ``S``: rows ``(q, n)``, ``q <= count``."""
+    """``Q = orth(A S)`` for ``count`` random probes ``S``: rows ``(q, n)``, ``q <= count``.
+
+    ``warm``: rows of a previous basis that replace the first random rows of ``S`` (see
+    NOTE [warm Hutch++ sketch]); the random rows are drawn all the same."""
     S = random_rows(count, op.size, gen, device=op.device, dtype=wd, distribution=distribution)
+    if warm is not None and warm.shape[0]:
+        r = min(count, warm.shape[0])
+        # scaled to the probes' length (sqrt(n) for Rademacher rows) so that the rank cut of
+        # orthonormalize_rows sees both kinds of rows on one scale
+        S[:r] = warm[:r].to(S.dtype) * math.sqrt(global_size(op))
     AS = apply_rows(op, S)
     del S  # (count, n) each: at 124 M parameters and 33 probes, 15 GiB that the basis need not share
     bar.update(count)  # type: ignore[attr-defined]
@@ -117,11 +126,11 @@ def sketch_range(
     return orthonormalize_rows(AS, backend)
 
 
-def _result(samples: torch.Tensor) -> TraceResult:
+def _result(samples: torch.Tensor, sketch: torch.Tensor | None = None) -> TraceResult:
     s = samples.shape[0]
     est = float(samples.mean())
     stderr = float(samples.std(unbiased=True)) / math.sqrt(s) if s > 1 else float("inf")
-    return TraceResult(estimate=est, stderr=stderr, samples=samples)
+    return TraceResult(estimate=est, stderr=stderr, samples=samples, sketch=sketch)
 
 
 def hutchinson(
@@ -165,6 +174,8 @@ def hutch_plus_plus(
     backend: LinAlgBackend | None = None,
     precision: torch.dtype | None = None,
     progress: bool | None = None,
+    sketch: TraceResult | torch.Tensor | None = None,
+    keep_sketch: bool = False,
 ) -> TraceResult:
     """Hutch++ estimate of ``tr(A)`` with ``num_matvecs`` products (at least 3).
 
@@ -172,14 +183,34 @@ def hutch_plus_plus(
     the rest for Hutchinson on the deflated operator. ``samples`` holds
     ``tr(QᵀAQ) + zᵢᵀ P A P zᵢ`` per probe (their mean is the estimate; the
     stderr is the probes' conditional standard error given the sketch).
+
+    Warm start (NOTE [warm Hutch++ sketch]): ``sketch=`` a previous result made with
+    ``keep_sketch=True`` (or its ``(q, n)`` basis) sketches ``Q = orth(A Q_prev)`` instead of
+    ``orth(A S)`` for random ``S``: the same products, a sketch closer to the top eigenspace
+    when the matrix changed little since (one more subspace-iteration step per call), so a
+    smaller deflated remainder and a smaller error. Unbiased either way. ``keep_sketch``
+    returns ``Q`` in ``result.sketch`` (``q · n`` numbers kept alive).
     """
     num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3)  # type: ignore[assignment]
     block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
+    warm = sketch.sketch if isinstance(sketch, TraceResult) else sketch
+    if isinstance(sketch, TraceResult) and warm is None:
+        raise ValueError(
+            "sketch= got a TraceResult without a sketch basis: make the previous call with "
+            "keep_sketch=True"
+        )
+    if warm is not None and (warm.dim() != 2 or warm.shape[1] != op.size):
+        raise ValueError(
+            f"sketch= must be a (q, {op.size}) basis (rows) of this operator's size, got shape "
+            f"{tuple(warm.shape)}"
+        )
     op.expect_products(num_matvecs)
     s = num_matvecs // 3
     with progress_bar(num_matvecs, "hutch++", progress) as bar:
-        Q = sketch_range(op, s, gen, distribution=distribution, backend=backend, wd=wd, bar=bar)
+        Q = sketch_range(
+            op, s, gen, distribution=distribution, backend=backend, wd=wd, bar=bar, warm=warm
+        )
         q = Q.shape[0]
         low = torch.zeros((), dtype=torch.float64)
         if q:
@@ -188,8 +219,9 @@ def hutch_plus_plus(
             low = row_dots(backend, Q, AQ).to("cpu", torch.float64).sum()
             del AQ  # (q, n): the probes below need the room
         g = num_matvecs - s - q
+        kept = Q if keep_sketch else None
         if q >= global_size(op):  # the sketch spans everything: the trace is exact
-            return TraceResult(estimate=float(low), stderr=0.0, samples=low.reshape(1))
+            return TraceResult(estimate=float(low), stderr=0.0, samples=low.reshape(1), sketch=kept)
         vals = _quadratic_forms(
             op,
             g,
@@ -201,7 +233,23 @@ def hutch_plus_plus(
             Q=Q,
             bar=bar,
         )
-    return _result(low + vals)
+    return _result(low + vals, kept)
+
+
+# NOTE [warm Hutch++ sketch]
+# Hutch++ is unbiased for any sketch basis Q that is independent of its Hutchinson probes:
+# tr(A) = tr(QᵀAQ) + tr(PAP) with P = I − QQᵀ, the first term exact, the second estimated by
+# probes z with E[zzᵀ] = I. Its variance, 2||PAP||_F² / g for Gaussian probes (Rademacher:
+# the off-diagonal part), is smallest when Q spans the top eigenspace. A cold call sketches
+# Q = orth(A S) for random S; a warm call puts the previous call's Q in place of S, so the
+# sketch is one more step of subspace iteration, orth(A A_prev S), and after t calls on a
+# slowly moving matrix close to orth(A^{t+1} S): the same products, less remainder.
+# Independence: Q_prev must not depend on this call's probes. Calls with one fixed seed (the
+# tracker's) draw the same stream, so a warm call still draws S (and overwrites its rows
+# with Q_prev): its probes z are then the stream positions after S, which no call used for a
+# sketch. Were S not drawn, this call's z would be the previous call's S, and Q_prev,
+# built from A S, would depend on them: a bias, not just noise. When the matrix moved a lot,
+# Q_prev is a sketch basis like any other: still unbiased, just no better than random.
 
 
 # NOTE [leave-one-out basis]
