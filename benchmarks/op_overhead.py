@@ -130,6 +130,22 @@ def _measure(he: Any, model: Any, batches: Any, crit: Any, v: torch.Tensor, args
         replay.graph.replay = real  # type: ignore[method-assign]
         lead.sort()
         emit({"variant": "host_to_launch", "ms": lead[len(lead) // 2]})
+    if replay is not None:
+        # Python's view of the same calls (the graph launch and the device wait included)
+        import cProfile
+        import pstats
+
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        for _ in range(args.reps):
+            op @ v
+            torch.cuda.synchronize()
+        prof_py.disable()
+        st = pstats.Stats(prof_py)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]  # type: ignore[attr-defined]
+        emit({"variant": "cprofile_tottime_ms", "top": [
+            (f"{fn[0].split('/')[-1]}:{fn[1]}:{fn[2]}", round(v[2] * 1e3 / args.reps, 4), v[1] // args.reps)
+            for fn, v in top]})
     t_alloc = median_ms(lambda: op.layout.empty(1), args.reps)
     emit({"variant": "alloc_out", "ms": t_alloc})
     from torch.profiler import ProfilerActivity, profile

@@ -203,12 +203,10 @@ class CurvatureTracker:
         op = self.operator
         before = op.num_matvecs
         t0 = time.perf_counter()
-        # NOTE [tracker drops kept graphs]. Kept graphs are keyed on the parameters' version
-        # counters, and a fused optimizer step (torch.optim.AdamW(fused=True), the default of
-        # transformers' Trainer on torch >= 2.8) updates the parameters without bumping them:
-        # the operator would answer with the Hessian of an earlier step. The parameters have
-        # moved between two tracked steps anyway, so nothing kept is worth keeping.
-        op.clear_cache()
+        # The parameters moved since the last call (an optimizer step, fused or not, or a
+        # write through .data): the operator's reuse key sees it and rebuilds its kept state
+        # (NOTE [updates that keep the version] in operators.graph_reuse); compiled programs
+        # and recordings of fresh products are kept.
         with _training_untouched(self.model, self.eval_mode):
             v0 = self.last_result if self.warm_start else None
             res = lanczos(op, k=self.k, which=self.which, tol=self.tol, seed=self.seed, v0=v0)

@@ -162,7 +162,7 @@ def test_tracker_arguments() -> None:
 
 def test_fused_optimizer_steps_are_seen() -> None:
     """A fused AdamW step leaves the parameters' version counters alone (torch 2.13); the
-    tracker must still compute at the new parameters (NOTE [tracker drops kept graphs])."""
+    tracker must still compute at the new parameters (NOTE [updates that keep the version])."""
     model = make_model(running_stats=False)
     tr = CurvatureTracker(model, loss_fn, batch=PROBE, every=1, k=1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)

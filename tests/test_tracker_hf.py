@@ -63,5 +63,5 @@ def test_hf_trainer_callback(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert [e["step"] for e in logged] == [2, 4]
     model.eval()
     cold = lanczos(HessianOperator(model, [PROBE], hf_lm_loss()), k=1, which="LA", seed=1)
-    # NOTE [tracker drops kept graphs]: the Trainer's fused AdamW leaves version counters alone
+    # NOTE [updates that keep the version]: the Trainer's fused AdamW leaves version counters alone
     np.testing.assert_allclose(tracker.history[-1].eigenvalues, cold.eigenvalues.numpy(), rtol=1e-5)
