@@ -199,10 +199,11 @@ def _shifted_rows(
     most = max(shifts)
     ranges = {0: base}
     if most:
-        edge = torch.cat([torch.arange(most), torch.arange(OH, OH + most)]).to(view.device)
+        edge = torch.cat(
+            [patches[:, :most], patches[:, OH : OH + most]], dim=1
+        )  # (kh·ck, 2·most, M)
         per_row = torch.bmm(
-            rep.index_select(1, edge).transpose(0, 1),
-            patches.index_select(1, edge).permute(1, 2, 0),
+            edge[: period * ck].transpose(0, 1), edge.permute(1, 2, 0)
         )  # (2·most, period·ck, kh·ck)
         change = (per_row[most:] - per_row[:most]).cumsum(0)
         for t in set(shifts) - {0}:

@@ -384,9 +384,9 @@ class _KroneckerFactored(CurvatureOperator):
             a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
         return a
 
-    def _input_moment(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """``mean ã ãᵀ`` over the layer input's rows (positions as samples, or a sample's mean
-        position with ``reduce``), in the factor dtype, without materializing conv patches."""
+    def _input_moment(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
+        mean position with ``reduce``), in the factor dtype, without materializing conv patches."""
         module = layer.module
         x = x.detach().to(self.factor_dtype)
         reduce = self.kfac_approx == "reduce"
@@ -411,7 +411,7 @@ class _KroneckerFactored(CurvatureOperator):
             s = flat.sum(0) if layer.joint else S.new_empty(0)
         if layer.joint:
             S = _joined(S, s, rows)
-        return S.div_(rows)
+        return S, rows
 
     def _grads(self, layer: _Layer, g: torch.Tensor) -> torch.Tensor:
         """Output gradients ``(k, N, positions, d_out)`` of a block of ``k`` columns."""
@@ -608,18 +608,20 @@ class _KroneckerFactored(CurvatureOperator):
         for layer in self._layers:
             layer.A = layer.G = None
 
-        def add(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-            return value if current is None else current.add_(value)
-
         def on_input(layer: _Layer, x: torch.Tensor, size: float) -> None:
             if layer.weight is None:
                 return
-            layer.A = add(layer.A, self._input_moment(layer, x).mul_(size))
+            S, rows = self._input_moment(layer, x)
+            weight = size / rows  # the batch's mean over rows, weighted by its size
+            layer.A = S.mul_(weight) if layer.A is None else layer.A.add_(S, alpha=weight)
 
         def visit(layer: _Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             g = g.sum(2, keepdim=True) if self.kfac_approx == "reduce" else g
             flat = g.reshape(-1, g.shape[-1])
-            layer.G = add(layer.G, (flat.T @ flat).mul_(size))
+            if layer.G is None:
+                layer.G = (flat.T @ flat).mul_(size)
+            else:  # one fused product-and-add per later column chunk or batch
+                layer.G.addmm_(flat.T, flat, alpha=size)
 
         try:
             total = self._run(visit, on_input)
