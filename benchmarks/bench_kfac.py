@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings import KFACOperator
 from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
+from hessian_eigenthings.operators.conv_factors import conv_factor_plan, conv_input_moment
 
 
 class Block(nn.Module):
@@ -216,6 +218,58 @@ def bench(cell: Cell, fisher: str, repeats: int, device: torch.device) -> dict[s
     return row
 
 
+def bench_conv_factors(cell: Cell, repeats: int, device: torch.device) -> dict[str, Any]:
+    """The input factors of every Conv2d alone, on the inputs one forward gives them: the
+    unfolded patches' product (``F.unfold``, what KFAC did before) against
+    ``conv_input_moment`` (``impl="auto"``), with the multiply-adds of each."""
+    inputs: list[tuple[nn.Conv2d, torch.Tensor]] = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, o: inputs.append((m, a[0].detach())))
+        for m in cell.model.modules()
+        if isinstance(m, nn.Conv2d)
+    ]
+    with torch.no_grad():
+        cell.model(cell.batch[0])
+    for h in hooks:
+        h.remove()
+
+    def geometry(m: nn.Conv2d) -> tuple[Any, Any, Any, Any]:
+        return m.kernel_size, m.stride, m.padding, m.dilation
+
+    def unfolded() -> None:
+        for m, x in inputs:
+            k, st, pad, dil = geometry(m)
+            a = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)
+            flat = a.reshape(-1, a.shape[-1])
+            flat.T @ flat
+
+    def ours() -> None:
+        for m, x in inputs:
+            conv_input_moment(x, *geometry(m))
+
+    plans = [conv_factor_plan(x.shape, *geometry(m)) for m, x in inputs]
+    timer = _timer(device)
+    times: dict[str, list[float]] = {"unfold": [], "ours": []}
+    unfolded(), ours()
+    for _ in range(repeats):
+        times["unfold"].append(timer(unfolded))
+        times["ours"].append(timer(ours))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    macs = sum(p.multiply_adds for p in plans)
+    ref = sum(p.unfold_multiply_adds for p in plans)
+    return {
+        "workload": cell.name,
+        "cell": "conv input factors alone",
+        "batch": int(cell.batch[0].shape[0]),
+        "layers": len(plans),
+        "routes": {r: sum(p.route == r for p in plans) for r in ("rows", "unfold", "zero")},
+        "ms": med,
+        "ours_over_unfold": med["ours"] / med["unfold"],
+        "gmac": {"unfold": ref / 1e9, "ours": macs / 1e9},
+        "macs_ours_over_unfold": macs / ref,
+    }
+
+
 WORKLOADS = ("mlp", "resnet_like", "resnet18", "gpt2")
 
 
@@ -229,6 +283,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--quick", action="store_true", help="small models, 2 repeats (CPU smoke run)")
+    ap.add_argument(
+        "--factors",
+        action="store_true",
+        help="also time the conv input factors alone (unfolded product vs ours) per CNN",
+    )
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -269,6 +328,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             cell = _image_cell("ResNet-18 32x32", ResNet18(), (3, 32, 32), args.batch, device)
         else:
             cell = _gpt2_cell(device, args.quick)
+        if args.factors and key in ("resnet_like", "resnet18"):
+            row = bench_conv_factors(cell, args.repeats, device)
+            row["device"] = meta["device"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
         for fisher in args.fisher:
             if key == "gpt2" and fisher == "type2":
                 continue  # a backward per vocabulary entry

@@ -30,12 +30,19 @@ another order.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ConvFactorImpl", "conv_input_moment", "conv_output_size"]
+__all__ = [
+    "ConvFactorImpl",
+    "ConvFactorPlan",
+    "conv_factor_plan",
+    "conv_input_moment",
+    "conv_output_size",
+]
 
 ConvFactorImpl = Literal["auto", "unfold", "rows"]
 
@@ -86,6 +93,56 @@ def _costs(
     return unfold, lag
 
 
+@dataclass(frozen=True)
+class ConvFactorPlan:
+    """How :func:`conv_input_moment` computes ``Σ a aᵀ`` for one input shape and convolution."""
+
+    route: Literal["unfold", "rows", "zero"]  # "zero": every patch entry is padding
+    transpose: bool  # the row shifts run along the image's columns
+    box: tuple[int, int, int, int]  # live kernel offsets: rows [h0, h1), columns [w0, w1)
+    period: int  # representative kernel rows (along the shifted axis); = box rows when unfolded
+    shifts: tuple[int, ...]  # output-row shift of each kernel row of the box
+    multiply_adds: int  # of the products
+    unfold_multiply_adds: int  # of one product of the unfolded patches of the whole kernel
+
+
+def conv_factor_plan(
+    shape: tuple[int, ...] | torch.Size,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    impl: ConvFactorImpl = "auto",
+) -> ConvFactorPlan:
+    """The plan for an input of ``shape (N, C, H, W)`` (shapes only: no data is read)."""
+    if impl not in ("auto", "unfold", "rows"):
+        raise ValueError(f"impl must be 'auto', 'unfold' or 'rows', got {impl!r}")
+    N, C, H, W = shape
+    KH, KW = kernel_size
+    OH = conv_output_size(H, KH, stride[0], padding[0], dilation[0])
+    OW = conv_output_size(W, KW, stride[1], padding[1], dilation[1])
+    reference = (C * KH * KW) ** 2 * N * OH * OW
+    live_h = _live(H, OH, KH, stride[0], padding[0], dilation[0])
+    live_w = _live(W, OW, KW, stride[1], padding[1], dilation[1])
+    if not live_h or not live_w:
+        return ConvFactorPlan("zero", False, (0, 0, 0, 0), 0, (), 0, reference)
+    box = (live_h[0], live_h[-1] + 1, live_w[0], live_w[-1] + 1)
+    bh, bw = box[1] - box[0], box[3] - box[2]
+    unfold, lag_h = _costs(C, bh, bw, N, OH, OW, stride[0], dilation[0])
+    _, lag_w = _costs(C, bw, bh, N, OW, OH, stride[1], dilation[1])
+    transpose = lag_w < lag_h
+    if transpose:
+        bh, bw, OH, OW = bw, bh, OW, OH
+    axis = 1 if transpose else 0
+    q = C * bh * bw
+    if (impl == "rows" or (impl == "auto" and min(lag_h, lag_w) < unfold)) and bh > 1:
+        period, shifts = _row_plan(bh, stride[axis], dilation[axis])
+        macs = (OH + 2 * max(shifts)) * period * C * bw * q * N * OW
+        return ConvFactorPlan("rows", transpose, box, period, tuple(shifts), macs, reference)
+    macs = q * q * N * OH * OW
+    return ConvFactorPlan("unfold", transpose, box, bh, (0,) * bh, macs, reference)
+
+
 def conv_input_moment(
     x: torch.Tensor,
     kernel_size: tuple[int, int],
@@ -97,13 +154,15 @@ def conv_input_moment(
     impl: ConvFactorImpl = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(S, s, rows)``: ``S = Σ a aᵀ`` (``(q, q)``, ``q = C·K_h·K_w`` in the weight's row-major
-        order ``(c, k_h, k_w)``), ``s = Σ a`` (``(q,)``) and the number of rows summed, over every
-        sample and output position of ``x (N, C, H, W)`` (``reduce``: over samples, ``a`` the mean of
-        a sample's patches). ``impl``: ``"unfold"`` (the reference: one product of the unfolded
-    patches), ``"rows"`` (NOTE [row shifts], wherever a kernel axis has more than one live offset)
-    or ``"auto"`` (the cheaper of the two by an estimate of multiply-adds and memory traffic)."""
-    if impl not in ("auto", "unfold", "rows"):
-        raise ValueError(f"impl must be 'auto', 'unfold' or 'rows', got {impl!r}")
+    order ``(c, k_h, k_w)``), ``s = Σ a`` (``(q,)``) and the number of rows summed, over every
+    sample and output position of ``x (N, C, H, W)`` (``reduce``: over samples, ``a`` the mean of
+    a sample's patches: window sums, no products per position).
+
+    ``impl``: ``"unfold"`` (one product of the unfolded patches of the live kernel offsets),
+    ``"rows"`` (NOTE [row shifts], wherever the shifted axis has more than one live offset) or
+    ``"auto"`` (the cheaper of the two by an estimate of multiply-adds and memory traffic; see
+    :func:`conv_factor_plan`)."""
+    plan = conv_factor_plan(x.shape, kernel_size, stride, padding, dilation, impl)
     N, C, H, W = x.shape
     KH, KW = kernel_size
     OH = conv_output_size(H, KH, stride[0], padding[0], dilation[0])
@@ -114,24 +173,18 @@ def conv_input_moment(
         mean = view.sum((-2, -1)).reshape(N, -1).div_(OH * OW)  # (N, q)
         return mean.T @ mean, mean.sum(0), N
     q = C * KH * KW
-    # the live box of kernel offsets (a contiguous range per axis holding every live one)
-    live_h = _live(H, OH, KH, stride[0], padding[0], dilation[0])
-    live_w = _live(W, OW, KW, stride[1], padding[1], dilation[1])
     s = x.new_zeros(C, KH, KW)
-    if not live_h or not live_w:  # every patch is padding
+    if plan.route == "zero":
         return x.new_zeros(q, q), s.reshape(q), N * OH * OW
-    h0, h1 = live_h[0], live_h[-1] + 1
-    w0, w1 = live_w[0], live_w[-1] + 1
-    full = (h0, h1, w0, w1) == (0, KH, 0, KW)
+    h0, h1, w0, w1 = plan.box
+    full = plan.box == (0, KH, 0, KW)
     S_full = (x.new_empty if full else x.new_zeros)(C, KH, KW, C, KH, KW)
     S = S_full
     box = (h1 - h0, w1 - w0)
     # the input padded (negative: cropped) so that the box's offsets start at 0
     pad_h = padding[0] - dilation[0] * h0
     pad_w = padding[1] - dilation[1] * w0
-    unfold, lag_h = _costs(C, box[0], box[1], N, OH, OW, stride[0], dilation[0])
-    _, lag_w = _costs(C, box[1], box[0], N, OW, OH, stride[1], dilation[1])
-    transpose = lag_w < lag_h
+    transpose = plan.transpose
     if transpose:  # shift columns instead: the same computation on the transposed image
         x, box = x.transpose(2, 3), (box[1], box[0])
         pad_h, pad_w = pad_w, pad_h
@@ -140,12 +193,8 @@ def conv_input_moment(
     kh, kw = box
     sh, sw = stride
     dh, dw = dilation
-    use_rows = impl == "rows" or (impl == "auto" and min(lag_h, lag_w) < unfold)
-    if use_rows and kh > 1:
-        period, shifts = _row_plan(kh, sh, dh)
-        rows = OH + max(shifts)
-    else:
-        period, shifts, rows = kh, [0] * kh, OH
+    period, shifts = plan.period, list(plan.shifts)
+    rows = OH + max(shifts)
     # enough zero rows / columns after the input for every output row evaluated
     need_h = sh * (rows - 1) + dh * (kh - 1) + 1
     need_w = sw * (OW - 1) + dw * (kw - 1) + 1

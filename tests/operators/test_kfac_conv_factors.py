@@ -13,7 +13,7 @@ from torch import nn
 
 from hessian_eigenthings import KFACOperator
 from hessian_eigenthings.loss_fns import cross_entropy_loss_of_output, supervised_forward
-from hessian_eigenthings.operators.conv_factors import conv_input_moment
+from hessian_eigenthings.operators.conv_factors import conv_factor_plan, conv_input_moment
 
 
 def _patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
@@ -140,3 +140,20 @@ def test_kfac_input_factor_is_the_unfolded_second_moment(approx: str, separate: 
         expected = expected + (flat.T @ flat) * (xb.shape[0] / flat.shape[0])
     expected = expected / X.shape[0]
     torch.testing.assert_close(op.factors[0].A, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_plan_counts_and_routes() -> None:
+    # a 3×3 convolution on a 32×32 map: one representative kernel row and two edge rows
+    plan = conv_factor_plan((128, 64, 32, 32), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert plan.route == "rows" and plan.period == 1 and plan.shifts == (0, 1, 2)
+    assert plan.multiply_adds == (32 + 4) * 64 * 3 * (64 * 9) * 128 * 32
+    assert plan.multiply_adds < 0.4 * plan.unfold_multiply_adds
+    # a 1×1 map with padding 1: only the centre offset reads the input
+    plan = conv_factor_plan((128, 512, 1, 1), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert plan.box == (1, 2, 1, 2) and plan.multiply_adds == 512 * 512 * 128
+    # a wide, short map shifts along columns
+    assert conv_factor_plan((64, 32, 4, 64), (3, 3), (1, 1), (1, 1), (1, 1)).transpose
+    # a 1×1 convolution has nothing to shift
+    assert conv_factor_plan((8, 16, 9, 9), (1, 1), (2, 2), (0, 0), (1, 1)).route == "unfold"
+    with pytest.raises(ValueError, match="impl must be"):
+        conv_factor_plan((1, 1, 3, 3), (3, 3), (1, 1), (1, 1), (1, 1), impl="fast")  # type: ignore[arg-type]
