@@ -250,7 +250,8 @@ def bench_conv_factors(cell: Cell, repeats: int, device: torch.device) -> dict[s
     plans = [conv_factor_plan(x.shape, *geometry(m)) for m, x in inputs]
     timer = _timer(device)
     times: dict[str, list[float]] = {"unfold": [], "ours": []}
-    unfolded(), ours()
+    unfolded()  # warm-up
+    ours()
     for _ in range(repeats):
         times["unfold"].append(timer(unfolded))
         times["ours"].append(timer(ours))

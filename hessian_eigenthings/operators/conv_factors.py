@@ -88,8 +88,8 @@ def _costs(
     rows = OH + 2 * most  # the first OH output rows, and each edge row once more
     left = period * C * kw
     lag = rows * left * q * N * OW + _MEMORY_WEIGHT * (
-        2 * (OH + most) * q * N * OW + (3 * most + len(set(shifts))) * left * q + 4 * q * q
-    )
+        2 * (OH + most) * q * N * OW + (3 * most + len(set(shifts))) * left * q + 12 * q * q
+    )  # 12 q²: the blocks' strided copies and transposes (calibrated on CPU against unfolding)
     return unfold, lag
 
 
@@ -126,10 +126,23 @@ def conv_factor_plan(
     live_w = _live(W, OW, KW, stride[1], padding[1], dilation[1])
     if not live_h or not live_w:
         return ConvFactorPlan("zero", False, (0, 0, 0, 0), 0, (), 0, reference)
+
+    def costs(box: tuple[int, int, int, int]) -> tuple[float, float, float]:
+        bh, bw = box[1] - box[0], box[3] - box[2]
+        unfold, lag_h = _costs(C, bh, bw, N, OH, OW, stride[0], dilation[0])
+        _, lag_w = _costs(C, bw, bh, N, OW, OH, stride[1], dilation[1])
+        return unfold, lag_h, lag_w
+
     box = (live_h[0], live_h[-1] + 1, live_w[0], live_w[-1] + 1)
+    unfold, lag_h, lag_w = costs(box)
+    whole = (0, KH, 0, KW)
+    if impl == "auto" and box != whole:  # embedding a box costs a zero fill and a strided copy
+        q_box = C * (box[1] - box[0]) * (box[3] - box[2])
+        embed = _MEMORY_WEIGHT * ((C * KH * KW) ** 2 + 2 * q_box**2)
+        if min(costs(whole)) <= min(unfold, lag_h, lag_w) + embed:
+            box = whole
+            unfold, lag_h, lag_w = costs(box)
     bh, bw = box[1] - box[0], box[3] - box[2]
-    unfold, lag_h = _costs(C, bh, bw, N, OH, OW, stride[0], dilation[0])
-    _, lag_w = _costs(C, bw, bh, N, OW, OH, stride[1], dilation[1])
     transpose = lag_w < lag_h
     if transpose:
         bh, bw, OH, OW = bw, bh, OW, OH
@@ -208,8 +221,10 @@ def conv_input_moment(
         h0, h1, w0, w1 = w0, w1, h0, h1
     target = S[:, h0:h1, w0:w1, :, h0:h1, w0:w1]  # (C, kh, kw, C, kh, kw)
     if period == kh:  # unfolded: one product over every position
-        flat = view.permute(1, 2, 3, 0, 4, 5).reshape(C * kh * kw, -1)
-        target.copy_((flat @ flat.T).view(C, kh, kw, C, kh, kw))
+        flat = view.permute(0, 4, 5, 1, 2, 3).reshape(-1, C * kh * kw)  # (positions, q)
+        if full and not transpose:  # the product is the factor itself
+            return flat.T @ flat, s.reshape(q), N * OH * OW
+        target.copy_((flat.T @ flat).view(C, kh, kw, C, kh, kw))
     else:
         _shifted_rows(view, period, shifts, OH, target)
     return S_full.reshape(q, q), s.reshape(q), N * OH * OW
