@@ -12,14 +12,18 @@ of the factor differ only in which output rows are summed:
 
     A[(·, k_h, ·), (·, j_h, ·)] = Σ_{r ∈ [t, t + OH)} P[r][(·, k_h - δ, ·), (·, j_h - δ, ·)]
 
-where ``P[r]`` is the moment of output row ``r`` alone (over samples and output columns),
-evaluated on ``OH + max t`` output rows (reading zero padding past the input). Every kernel row is thus reached from a representative row (the smallest of its
-class ``d·k_h mod s``: one for stride 1) by such a shift, applied to whichever of the pair has
-the smaller shift (the other block is the transpose of its mirror). So one batched product of
-the representative rows' patches against all patches, per output row, gives every block: cost
-``(OH + max t)·R / (OH·K_h)`` of unfolding's (``R`` representatives; ``≈ 1/3`` for a 3×3
-stride-1 convolution on a large image). The same works along columns; the cheaper direction is
-used, and unfolding where neither saves (tiny images, strided small kernels).
+where ``P[r]`` is the moment of output row ``r`` alone (over samples and output columns; rows
+past the last read zero padding past the input). Every kernel row is reached from a
+representative row (the smallest of its class ``d·k_h mod s``: one for stride 1) by such a
+shift, applied to whichever of the pair has the smaller shift (the other block is the transpose
+of its mirror). So the representative rows' patches are multiplied with all patches once over
+the first ``OH`` output rows, and once per output row for the ``max t`` rows at either edge;
+a range ``[t, t + OH)`` is the first sum minus the top ``t`` rows plus the next ``t``. Cost
+``(OH + 2·max t)·R / (OH·K_h)`` of unfolding's multiply-adds (``R`` representatives; ``≈ 1/3``
+for a 3×3 stride-1 convolution on a large map), plus an intermediate per edge row and the
+assembly of the blocks. The same works along columns; the cheaper direction is used, and
+unfolding where neither saves by an estimate of multiply-adds and memory traffic (small maps,
+strided small kernels, 1×1 kernels).
 
 Kernel offsets whose every patch entry falls into the padding (a 3×3 convolution on a 1×1 map)
 have zero rows and columns: they are left out of the products and the box of live offsets is
