@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return rows
