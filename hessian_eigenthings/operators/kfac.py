@@ -1,6 +1,7 @@
 """Kronecker-factored curvature: KFAC and eigenvalue-corrected KFAC (EKFAC).
 
-For a layer ``z = W a (+ b)`` (``nn.Linear``; ``nn.Conv2d`` on unfolded patches)
+For a layer ``z = W a (+ b)`` (``nn.Linear``; ``nn.Conv2d`` on unfolded patches; HuggingFace's
+``Conv1D``, ``z = a W + b`` with ``W`` stored ``(in, out)``, as a Linear of weight ``Wᵀ``)
 the GGN block of ``W`` is ``Σ_c (Σ_p g_cp ⊗ a_p)(Σ_p g_cp ⊗ a_p)ᵀ`` summed over
 the samples, where ``a_p`` is the layer's input at weight-sharing position ``p``
 (a token, a patch; one position without sharing), ``g_cp = ∂z_p`` of the model
@@ -46,13 +47,17 @@ a second pass over the data.
 
 Cost: one pass over the data (EKFAC: two), each a forward and, per batch of
 columns, one backward to the layers' outputs (no parameter gradients); then an
-eigendecomposition per factor on first use of ``inverse``/``eigh``/``logdet``.
+eigendecomposition per factor on first use of ``inverse``/``eigh``/``logdet``. A convolution's
+input factor is computed without unfolding where that is cheaper (see
+:mod:`~hessian_eigenthings.operators.conv_factors`: about a third of unfolding's multiply-adds for
+a 3×3 convolution on a large map).
 A product costs two small matrix products per block and never reads the data.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -78,6 +83,7 @@ from hessian_eigenthings.loss_fns.standard import (
     CrossEntropyOutputLoss,
     MSEOutputLoss,
 )
+from hessian_eigenthings.operators.conv_factors import conv_input_moment
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.precision import Precision, check_precision
 from hessian_eigenthings.operators.protocol import CurvatureOperator
@@ -99,13 +105,38 @@ KFACApprox = Literal["expand", "reduce"]
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """HuggingFace's ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layers: ``x @ W + b``,
+    ``W (in, out)``), recognized without importing ``transformers``: if a model holds one, the
+    module defining it is loaded already."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(utils, "Conv1D", None)
+    return cls is not None and isinstance(module, cls)
+
+
+def _supported(module: nn.Module) -> bool:
+    return isinstance(module, _SUPPORTED) or _is_hf_conv1d(module)
+
+
+def _joined(S: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
+    """``Σ ã ãᵀ`` of the inputs with a one appended, ``ã = [a, 1]``, from ``Σ a aᵀ``, ``Σ a`` and the
+    number of rows (no copy of the inputs)."""
+    q = S.shape[0]
+    out = S.new_empty(q + 1, q + 1)
+    out[:q, :q] = S
+    out[:q, q] = s
+    out[q, :q] = s
+    out[q, q] = rows
+    return out
+
+
 @dataclass(frozen=True)
 class KroneckerBlock:
     """One diagonal block ``G ⊗ A`` of the operator over the parameters ``names``.
 
     The block acts on the matrix ``X (m, q)`` made of the parameters' entries:
-    the weight's rows (a conv weight flattened to ``(out, in·kh·kw)``), then the
-    bias as a last column when it is joined to the weight; a bias alone is
+    the weight's rows (a conv weight flattened to ``(out, in·kh·kw)``; a ``Conv1D`` weight
+    ``(in, out)`` transposed), then the bias as a last column when it is joined to the weight; a bias alone is
     ``(m, 1)`` with ``A = [[1]]``. ``G`` is ``(m, m)``, ``A`` is ``(q, q)``.
     """
 
@@ -275,19 +306,21 @@ class _KroneckerFactored(CurvatureOperator):
         named = []
         for name, p in selected.items():
             mname, module, pname = owner[id(p)]
-            if isinstance(module, _SUPPORTED) and pname in ("weight", "bias"):
+            if _supported(module) and pname in ("weight", "bias"):
                 _check_layer(mname, module)
                 named.append((name, p))
             else:
                 unsupported.append(f"{name} ({type(module).__name__})")
         if unsupported and not exclude_unsupported:
             raise ValueError(
-                f"{type(self).__name__} covers nn.Linear and nn.Conv2d layers; these selected parameters belong to "
+                f"{type(self).__name__} covers nn.Linear, nn.Conv2d and transformers' Conv1D layers; these selected parameters belong to "
                 f"none: {', '.join(unsupported)}. Leave them out with param_filter, or pass "
                 "exclude_unsupported=True to drop them (listed in .excluded_parameters)"
             )
         if not named:
-            raise ValueError("no selected parameter belongs to an nn.Linear or nn.Conv2d layer")
+            raise ValueError(
+                "no selected parameter belongs to an nn.Linear, nn.Conv2d or transformers' Conv1D layer"
+            )
         #: selected parameters left out with ``exclude_unsupported=True`` (name and layer type)
         self.excluded_parameters: tuple[str, ...] = tuple(unsupported)
         self.named_params = named
@@ -354,6 +387,35 @@ class _KroneckerFactored(CurvatureOperator):
         if layer.joint:
             a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
         return a
+
+    def _input_moment(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
+        mean position with ``reduce``), in the factor dtype, without materializing conv patches."""
+        module = layer.module
+        x = x.detach().to(self.factor_dtype)
+        reduce = self.kfac_approx == "reduce"
+        if isinstance(module, nn.Conv2d):
+            padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid"
+            S, s, rows = conv_input_moment(
+                x,
+                module.kernel_size,  # type: ignore[arg-type]
+                module.stride,  # type: ignore[arg-type]
+                padding,  # type: ignore[arg-type]
+                module.dilation,  # type: ignore[arg-type]
+                reduce=reduce,
+            )
+        else:
+            if x.dim() < 2:
+                raise ValueError(
+                    f"KFAC needs a batch dimension at the input of layer {layer.name!r}"
+                )
+            a = x.reshape(x.shape[0], -1, x.shape[-1])
+            flat = a.mean(1) if reduce else a.reshape(-1, a.shape[-1])
+            S, rows = flat.T @ flat, flat.shape[0]
+            s = flat.sum(0) if layer.joint else S.new_empty(0)
+        if layer.joint:
+            S = _joined(S, s, rows)
+        return S, rows
 
     def _grads(self, layer: _Layer, g: torch.Tensor) -> torch.Tensor:
         """Output gradients ``(k, N, positions, d_out)`` of a block of ``k`` columns."""
@@ -436,7 +498,8 @@ class _KroneckerFactored(CurvatureOperator):
         visit: Callable[[_Layer, torch.Tensor, torch.Tensor, float], None],
         on_input: Callable[[_Layer, torch.Tensor, float], None] | None,
     ) -> float:
-        """One pass: for each batch, ``on_input(layer, a, weight)`` in the forward and
+        """One pass: for each batch, ``on_input(layer, x, weight)`` in the forward (``x`` the
+        layer's raw input; without it, the inputs are kept as ``a``) and
         ``visit(layer, a_or_empty, g, weight)`` after the backward. Returns the total weight."""
         total = 0.0
         with self.guard.product(self.precision, double_backward=False):
@@ -504,11 +567,10 @@ class _KroneckerFactored(CurvatureOperator):
                 raise ValueError(
                     f"layer {layer.name!r} ran twice in one forward; KFAC needs each layer called once per batch"
                 )
-            a = self._inputs(layer, args[0])
             if on_input is not None:
-                on_input(layer, a, size)
+                on_input(layer, args[0], size)
             else:
-                inputs[layer.name] = a
+                inputs[layer.name] = self._inputs(layer, args[0])
             outputs[layer.name] = out
             versions[layer.name] = out._version
             return out.clone() if self._clone_outputs else None
@@ -550,20 +612,20 @@ class _KroneckerFactored(CurvatureOperator):
         for layer in self._layers:
             layer.A = layer.G = None
 
-        def add(current: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-            return value if current is None else current.add_(value)
-
-        def on_input(layer: _Layer, a: torch.Tensor, size: float) -> None:
+        def on_input(layer: _Layer, x: torch.Tensor, size: float) -> None:
             if layer.weight is None:
                 return
-            a = a.mean(1, keepdim=True) if self.kfac_approx == "reduce" else a
-            flat = a.reshape(-1, a.shape[-1])
-            layer.A = add(layer.A, (flat.T @ flat).mul_(size / flat.shape[0]))
+            S, rows = self._input_moment(layer, x)
+            weight = size / rows  # the batch's mean over rows, weighted by its size
+            layer.A = S.mul_(weight) if layer.A is None else layer.A.add_(S, alpha=weight)
 
         def visit(layer: _Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             g = g.sum(2, keepdim=True) if self.kfac_approx == "reduce" else g
             flat = g.reshape(-1, g.shape[-1])
-            layer.G = add(layer.G, (flat.T @ flat).mul_(size))
+            if layer.G is None:
+                layer.G = (flat.T @ flat).mul_(size)
+            else:  # one fused product-and-add per later column chunk or batch
+                layer.G.addmm_(flat.T, flat, alpha=size)
 
         try:
             total = self._run(visit, on_input)
@@ -575,10 +637,14 @@ class _KroneckerFactored(CurvatureOperator):
             total = self._run(visit, on_input)
         for layer in self._layers:
             if layer.G is None:  # the layer never ran in the forward: its GGN block is zero
-                m = self.params[layer.weight if layer.weight is not None else layer.bias].shape[0]  # type: ignore[index]
+                m = (
+                    self._weight_matrix_shape(layer)[0]
+                    if layer.weight is not None
+                    else self.params[layer.bias].shape[0]  # type: ignore[index]
+                )
                 layer.G = torch.zeros(m, m, dtype=self.factor_dtype, device=self.device)
             if layer.A is None and layer.weight is not None:
-                q = self.params[layer.weight][0].numel() + int(layer.joint)
+                q = self._weight_matrix_shape(layer)[1] + int(layer.joint)
                 layer.A = torch.zeros(q, q, dtype=self.factor_dtype, device=self.device)
             if layer.A is not None:
                 layer.A.div_(total)
@@ -598,6 +664,14 @@ class _KroneckerFactored(CurvatureOperator):
         return tuple(self.layout.names[i] for i in idx if i is not None)
 
     # -- blocks as matrices ------------------------------------------------------------------
+    def _weight_matrix_shape(self, layer: _Layer) -> tuple[int, int]:
+        """``(out, in)`` of the layer's weight as a matrix (a Conv2d's kernel flattened)."""
+        assert layer.weight is not None
+        shape = self.params[layer.weight].shape
+        if _is_hf_conv1d(layer.module):
+            return shape[1], shape[0]
+        return shape[0], shape[1:].numel()
+
     def _gather(self, block: _Block, views: list[torch.Tensor]) -> torch.Tensor:
         """``(k, m, q)`` of the block's parameters in a row block's per-parameter views."""
         layer = block.layer
@@ -605,7 +679,10 @@ class _KroneckerFactored(CurvatureOperator):
         if block.part in ("weight", "joint"):
             assert layer.weight is not None
             w = views[layer.weight]
-            parts.append(w.reshape(w.shape[0], w.shape[1], -1))
+            if _is_hf_conv1d(layer.module):  # (k, in, out) entries: X is the transpose
+                parts.append(w.transpose(1, 2))
+            else:
+                parts.append(w.reshape(w.shape[0], w.shape[1], -1))
         if block.part in ("bias", "joint"):
             assert layer.bias is not None
             parts.append(views[layer.bias].unsqueeze(-1))
@@ -620,8 +697,11 @@ class _KroneckerFactored(CurvatureOperator):
             return
         assert layer.weight is not None
         w = views[layer.weight]
-        d = w[0].numel() // w.shape[1]
-        w.copy_(Y[..., :d].reshape(w.shape))
+        d = self._weight_matrix_shape(layer)[1]
+        if _is_hf_conv1d(layer.module):
+            w.copy_(Y[..., :d].transpose(-1, -2))
+        else:
+            w.copy_(Y[..., :d].reshape(w.shape))
         if block.part == "joint":
             assert layer.bias is not None
             views[layer.bias].copy_(Y[..., d])
@@ -783,7 +863,7 @@ class KFACOperator(KroneckerProductOperator):
       through a column of ones (one block ``G ⊗ Ã``).
     - ``column_chunk``: most loss-Hessian columns (type-2: one per class; mc: ``mc_samples``)
       backpropagated together in one batched backward (memory: that many activation gradients).
-    - Selected parameters outside ``nn.Linear``/``nn.Conv2d`` raise a ``ValueError`` naming
+    - Selected parameters outside ``nn.Linear``/``nn.Conv2d``/``transformers``' ``Conv1D`` raise a ``ValueError`` naming
       them; ``exclude_unsupported=True`` leaves them out (``.excluded_parameters``).
 
     The factors are computed once, at construction (one pass over ``dataloader``); build a new

@@ -15,7 +15,7 @@ from hessian_eigenthings.loss_fns import (
     supervised_forward,
     supervised_loss_of_output,
 )
-from hessian_eigenthings.param_utils import select_parameters
+from hessian_eigenthings.param_utils import match_regex, select_parameters
 from tests.conftest import classification_data
 from tests.operators.curvature_oracles import dense_ggn
 
@@ -423,3 +423,77 @@ def test_a_layer_outside_the_forward_has_a_zero_block() -> None:
         K[:15, :15],
         KFACOperator(model, data, supervised_forward, MSE, param_filter="used.*").to_dense(),
     )
+
+
+# -- HuggingFace Conv1D (GPT-2's linear layers: x @ W + b, W stored (in, out)) ----------------
+def _conv1d_net() -> tuple[nn.Module, nn.Module]:
+    """A Conv1D network and the same network with nn.Linear (weights transposed)."""
+    transformers = pytest.importorskip("transformers")
+    Conv1D = transformers.pytorch_utils.Conv1D
+    lin = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    conv = nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)).double()
+    with torch.no_grad():
+        for c, ln in ((conv[0], lin[0]), (conv[2], lin[2])):
+            c.weight.copy_(torch.randn_like(c.weight))
+            c.bias.copy_(torch.randn_like(c.bias))
+            ln.weight.copy_(c.weight.T)
+            ln.bias.copy_(c.bias)
+    return conv, lin
+
+
+@pytest.mark.parametrize("separate", [True, False])
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_hf_conv1d_is_a_linear_layer_with_the_weight_transposed(
+    separate: bool, approx: str
+) -> None:
+    conv, lin = _conv1d_net()
+    x = torch.randn(5, 6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (5, 6))
+    data = [(x[:3], y[:3]), (x[3:], y[3:])]
+    CE3 = supervised_loss_of_output(nn.CrossEntropyLoss())
+
+    def forward(model: nn.Module, batch: tuple) -> torch.Tensor:  # (N, classes, T) for CE
+        return model(batch[0]).transpose(1, 2)
+
+    kw = dict(kfac_approx=approx, separate_bias=separate)
+    K_conv = KFACOperator(conv, data, forward, CE3, **kw).to_dense()  # type: ignore[arg-type]
+    K_lin = KFACOperator(lin, data, forward, CE3, **kw).to_dense()  # type: ignore[arg-type]
+    # the flat index of the Conv1D layout in the Linear layout (weights transposed)
+    perm, offset = [], 0
+    for p in lin.parameters():
+        idx = torch.arange(p.numel()) + offset
+        perm.append(idx.view(p.shape).T.reshape(-1) if p.dim() == 2 else idx)
+        offset += p.numel()
+    P = torch.cat(perm)
+    torch.testing.assert_close(K_conv, K_lin[P][:, P], rtol=1e-12, atol=1e-14)
+    ek_conv = EKFACOperator(conv, data, forward, CE3, **kw).to_dense()  # type: ignore[arg-type]
+    ek_lin = EKFACOperator(lin, data, forward, CE3, **kw).to_dense()  # type: ignore[arg-type]
+    torch.testing.assert_close(ek_conv, ek_lin[P][:, P], rtol=1e-9, atol=1e-12)
+
+
+class _NextTokenLogits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids, use_cache=False).logits
+        return logits.reshape(-1, logits.shape[-1])
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_tiny_gpt2_blocks_on_one_token_are_the_ggn_blocks(separate: bool) -> None:
+    # one sequence of one token: every layer sees one input, so KFAC is the GGN's block diagonal
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=11, n_positions=4, n_embd=8, n_layer=2, n_head=2, attn_implementation="eager"
+    )
+    torch.manual_seed(3)
+    model = _NextTokenLogits(transformers.GPT2LMHeadModel(config).double().eval())
+    data = [(torch.tensor([[4]]), torch.tensor([7]))]
+    flt = match_regex(r"lm\.transformer\.h\.\d+\.(attn|mlp)\.c_\w+\.(weight|bias)")
+    op = KFACOperator(model, data, supervised_forward, CE, param_filter=flt, separate_bias=separate)
+    assert len(op.layout.names) == 16
+    G = _ggn(model, data, CE, flt)
+    mask = _block_mask(op)
+    torch.testing.assert_close(op.to_dense(), torch.where(mask, G, 0.0), rtol=1e-9, atol=1e-12)
