@@ -6,6 +6,8 @@ On one kept batch, TF32 off, one JSON line per measurement (ms, median of ``--re
 
 - ``gradient`` / ``hvp_0x_style``: the units, same process;
 - ``op``: ``op @ v`` with a device sync around each call (how the parity tables time it);
+- ``interleaved``: the 0.x-style product and ``op @ v`` in turns, the median of the
+  per-turn speedups (and their range);
 - ``op_pipelined``: ``--reps`` products back to back, one sync at the end, per product;
 - ``replay``: the operator's own CUDA graph of the product replayed alone;
 - ``copy_in`` / ``copy_out``: the direction copied into the recording's inputs, its outputs
@@ -64,13 +66,16 @@ def main() -> None:
     emit({"variant": "hvp_0x_style", "ms": median_ms(hvp_0x, args.reps)})
     v = torch.cat([t.reshape(-1) for t in vl])
     for blas in args.blas.split(","):
-        op = _measure(he, model, batches, crit, v, args, blas, emit)
+        op = _measure(he, model, batches, crit, v, args, blas, emit, hvp_0x)
         del op
         gc.collect()
         torch.cuda.empty_cache()
 
 
-def _measure(he: Any, model: Any, batches: Any, crit: Any, v: torch.Tensor, args: Any, blas: str, emit_row: Any) -> Any:
+def _measure(
+    he: Any, model: Any, batches: Any, crit: Any, v: torch.Tensor, args: Any, blas: str, emit_row: Any,
+    hvp_0x: Any,
+) -> Any:
     from hessian_eigenthings import _torch_compat
 
     cuda = v.is_cuda
@@ -92,6 +97,15 @@ def _measure(he: Any, model: Any, batches: Any, crit: Any, v: torch.Tensor, args
 
     emit({"variant": "first", "s": round(time.perf_counter() - t0, 2), "report": op.engine_report})
     emit({"variant": "op", "ms": median_ms(lambda: op @ v, args.reps)})
+    # the baseline and the product in turns, so drift of the device's clocks between two
+    # blocks of measurements does not enter the ratio: median of the per-turn ratios
+    pairs = []
+    for _ in range(args.reps):
+        pairs.append((median_ms(hvp_0x, 1, warm=0), median_ms(lambda: op @ v, 1, warm=0)))
+    ratios = sorted(a / b for a, b in pairs)
+    emit({"variant": "interleaved", "hvp_0x_style_ms": sorted(a for a, _ in pairs)[len(pairs) // 2],
+          "op_ms": sorted(b for _, b in pairs)[len(pairs) // 2], "speedup_median": ratios[len(ratios) // 2],
+          "speedup_min": ratios[0], "speedup_max": ratios[-1]})
 
     def pipelined() -> None:
         for _ in range(args.reps):

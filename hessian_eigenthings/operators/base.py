@@ -326,6 +326,7 @@ class DataCurvatureOperator(CurvatureOperator):
         """
         rows = RowBlock(self.layout, V)
         out_rows = RowBlock(self.layout, out)
+        self.recorder.copy_ahead(rows)  # NOTE [direction copied ahead]
         count = 0
         total = 0.0
         math_sdpa = self.needs_double_backward or self._engines.traced

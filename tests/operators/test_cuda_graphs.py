@@ -441,3 +441,29 @@ def test_replayed_products_make_no_shaped_views(
     assert graphed.num_replays == replays + 1
     assert calls == []
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+@pytest.mark.parametrize("engine", ["autograd", "functional"])
+def test_direction_copied_ahead_is_the_one_replayed(engine: str) -> None:
+    """NOTE [direction copied ahead]: a single-vector pass copies its direction into the last
+    recording before checking the reuse key; products stay equal to eager ones when the
+    directions change every call, when the kept state is dropped (a parameter changed) and
+    when a block of another width comes in between."""
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    graphed = HessianOperator(model, data, loss, cuda_graphs=True, engine=engine)  # type: ignore[arg-type]
+    eager = HessianOperator(model, data, loss, cuda_graphs=False, engine=engine)  # type: ignore[arg-type]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(8):
+        v = torch.randn(graphed.size, device="cuda", generator=g)
+        if step == 4:
+            with torch.no_grad():
+                model[0].weight.mul_(1.5)  # drops the kept state and its recording
+        if step == 6:
+            W = torch.randn(graphed.size, 2, device="cuda", generator=g)
+            torch.testing.assert_close(graphed @ W, eager @ W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(graphed @ v, eager @ v, rtol=1e-5, atol=1e-6)
+    assert graphed.num_replays > 0
+    rec = graphed.recorder
+    assert rec.last_replay is not None and rec.last_replay() is not None
