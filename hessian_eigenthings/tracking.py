@@ -203,10 +203,13 @@ class CurvatureTracker:
         op = self.operator
         before = op.num_matvecs
         t0 = time.perf_counter()
-        # The parameters moved since the last call (an optimizer step, fused or not, or a
-        # write through .data): the operator's reuse key sees it and rebuilds its kept state
-        # (NOTE [updates that keep the version] in operators.graph_reuse); compiled programs
-        # and recordings of fresh products are kept.
+        # NOTE [tracker frees kept states]. The parameters move between two tracked steps, so
+        # nothing kept by one call is valid at the next (the operator's reuse key would see it,
+        # NOTE [updates that keep the version] in operators.graph_reuse). The kept state and its
+        # recordings are dropped at the end of each call instead of being carried through the
+        # training steps in between: the training gets that memory back (gigabytes on an LM),
+        # and a call never holds the old state while it builds the new one. Compiled programs
+        # are kept.
         with _training_untouched(self.model, self.eval_mode):
             v0 = self.last_result if self.warm_start else None
             res = lanczos(op, k=self.k, which=self.which, tol=self.tol, seed=self.seed, v0=v0)
@@ -242,6 +245,7 @@ class CurvatureTracker:
         )
         self.last_result = res
         self.history.append(rec)
+        op.clear_cache()  # NOTE [tracker frees kept states]
         return rec
 
     def to_jsonl(self, path: str | os.PathLike[str]) -> None:

@@ -225,3 +225,16 @@ def test_density_snapshots_and_warm_trace_match_cold_references(tmp_path) -> Non
     cold_tr = CurvatureTracker(model, loss_fn, batch=PROBE, trace=True, warm_start=False)
     cold_tr.step()
     assert cold_tr.last_trace is None
+
+
+def test_kept_state_is_not_carried_between_calls() -> None:
+    """NOTE [tracker frees kept states]: each call builds its state anew and leaves none behind
+    for the training steps in between (one forward per call on the probe batch)."""
+    model = make_model(running_stats=False)
+    tr = CurvatureTracker(model, loss_fn, batch=PROBE, every=1, k=1)
+    tr.step()
+    op = tr.operator
+    after_first = op.num_forwards
+    tr.step()  # same parameters: a kept state would have answered without a forward
+    assert op.num_forwards == after_first + 1
+    assert op.held_bytes == 0
