@@ -65,6 +65,9 @@ def main() -> None:
         if rec is None:
             continue
         tracked_s = time.perf_counter() - t0
+        top = tracker.operator
+        counters = {"replays": top.num_replays, "passes": top.num_passes, "forwards": top.num_forwards,
+                    "engine": top.engine_report}
         op = he.HessianOperator(model, [batch], loss_fn)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -77,7 +80,8 @@ def main() -> None:
         diff = float(((vals - cold.eigenvalues).abs() / cold.eigenvalues.abs()).max())
         emit({"cell": "track", "step": step, "loss": float(loss.detach()), "tracked_products": rec.products,
               "tracked_s": tracked_s, "cold_products": cold.iterations, "cold_s": cold_s,
-              "cost_ratio_s": tracked_s / cold_s, "max_rel_diff": diff,
+              "cost_ratio_s": tracked_s / cold_s, "max_rel_diff": diff, "tracker_op": counters,
+              "cold_op": {"replays": op.num_replays, "passes": op.num_passes},
               "eigenvalues": [float(x) for x in vals], "cold_eigenvalues": [float(x) for x in cold.eigenvalues]})
         del op
 
