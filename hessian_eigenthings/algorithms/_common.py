@@ -451,9 +451,11 @@ def warm_start_rows(v0: Any, n: int, name: str) -> torch.Tensor | None:
             f"{name} has no vectors (shape {tuple(v0.shape if isinstance(v0, torch.Tensor) else Y.shape)})"
         )
     Y = Y.contiguous()
-    Yd = Y.detach().to("cpu", torch.float64)
-    norms = Yd.norm(dim=1)
-    if not bool(torch.isfinite(Yd).all()) or not bool((norms > 0).all()):
+    # on the vectors' device, accumulated in float64: one small read back (a copy of the
+    # whole basis to the host cost seconds for a GPT-2's five vectors); a non-finite entry
+    # makes its vector's norm non-finite
+    norms = torch.linalg.vector_norm(Y.detach(), dim=1, dtype=torch.float64).cpu()
+    if not bool(torch.isfinite(norms).all()) or not bool((norms > 0).all()):
         warnings.warn(
             f"{name}: the warm start has zero or non-finite vectors; starting from a random "
             "vector instead (a cold start)",
