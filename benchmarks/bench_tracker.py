@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-4, help="Adam's learning rate")
+    ap.add_argument("--engine", default="auto", help="the tracker operator's engine")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -45,14 +47,16 @@ def main() -> None:
     w = build_parity(args.workload, device, args.scale)
     model, batch, crit = w.model, w.batches[0], w.criterion
     loss_fn = he.supervised_loss(crit)
-    tracker = he.CurvatureTracker(model, loss_fn, batch=batch, every=args.every, k=args.k, tol=args.tol)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    tracker = he.CurvatureTracker(model, loss_fn, batch=batch, every=args.every, k=args.k, tol=args.tol,
+                                  engine=args.engine)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr, foreach=True)
 
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps({"workload": args.workload, **row}), flush=True)
 
     emit({"cell": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-          "torch": torch.__version__, "tf32": False, "k": args.k, "tol": args.tol, "every": args.every})
+          "torch": torch.__version__, "tf32": False, "k": args.k, "tol": args.tol, "every": args.every,
+          "lr": args.lr, "engine": args.engine})
     for step in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
