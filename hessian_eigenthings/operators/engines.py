@@ -154,6 +154,9 @@ class SplitProgram:
     general: bool
     trace_s: float
     nodes: int
+    #: a specialized program whose Python read the value of a parameter or buffer (so it is
+    #: valid only while they are unchanged; NOTE [what a specialized program read])
+    reads_state: bool = True
     #: the tangent part for blocks of k directions (traced through vmap), by k
     blocks: dict[int, torch.fx.GraphModule] = field(default_factory=dict)
     #: compiled tangent parts by k (None: compiling failed, the eager one runs)
@@ -190,17 +193,45 @@ def batch_signature(batch: Batch) -> tuple[Any, ...] | None:
 MAX_SPECIALIZED = 4
 
 
-def _batch_identity(batch: Batch, model: nn.Module) -> tuple[Any, ...]:
+def _batch_identity(batch: Batch, model: nn.Module, reads_state: bool = True) -> tuple[Any, ...]:
     """What a specialized program may have baked in: the values its Python read can come from
-    the batch or from any parameter or buffer, so it is valid while the batch's tensors, its
-    plain values, every parameter and buffer (object and version) and the modules' modes are
-    unchanged."""
+    the batch or (``reads_state``) from any parameter or buffer, so it is valid while the
+    batch's tensors, its plain values, the modules' modes and (then) every parameter and buffer
+    (object and version) are unchanged (NOTE [what a specialized program read])."""
     leaves = pytree.tree_leaves(batch)
+    state = (
+        tuple((id(t), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
+        if reads_state
+        else None
+    )
     return (
         tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("V", repr(x)) for x in leaves),
-        tuple((id(t), t._version) for t in itertools.chain(model.parameters(), model.buffers())),
+        state,
         tuple(m.training for m in model.modules()),
     )
+
+
+# NOTE [what a specialized program read]
+# A program traced with the batch as a constant has the values its Python read
+# baked in. If those reads come from the batch alone (HF GPT-2 checks its
+# attention mask with `.all()`: one read, of a tensor built from the batch),
+# the program stays valid when the parameters change — an optimizer step between
+# two tracked calls must not cost a new trace and compilation (it cost 20-60 s per
+# call on GPT-2). Parameters and buffers are inputs of the trace, so a read that
+# depends on them is a host-read node (`_local_scalar_dense`, `equal`, ...) with a
+# path from an input; only then is the program keyed on the parameters' versions.
+_HOST_READS = ("_local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.allclose", "aten.item")
+
+
+def reads_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether a host read in ``gm`` depends on one of its inputs (NOTE [what a specialized
+    program read])."""
+    depends: dict[torch.fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        depends[node] = node.op == "placeholder" or any(depends.get(a, False) for a in node.all_input_nodes)
+        if node.op == "call_function" and depends[node] and any(h in str(node.target) for h in _HOST_READS):
+            return True
+    return False
 
 
 def _is_data_dependent(exc: BaseException) -> bool:
@@ -254,11 +285,14 @@ class _Tracer:
         t0 = time.perf_counter()
         with _ElementwiseLosses():  # NOTE [losses without forward-mode rules]
             gm = _torch_compat.make_fx_real(product, data_dependent_ok=not general)(*primals, *tangents)
+        reads_state = not general and reads_inputs(gm)
         primal, tangent, num_kept = split_by_tangent(gm, len(primals))
         trace_s = time.perf_counter() - t0
         del make_fx
         key = hashlib.sha1(tangent.code.encode()).hexdigest()[:16]
-        return SplitProgram(primal, tangent, num_kept, key, general, trace_s, len(gm.graph.nodes))
+        return SplitProgram(
+            primal, tangent, num_kept, key, general, trace_s, len(gm.graph.nodes), reads_state=reads_state
+        )
 
     def primal_inputs(self, batch: Batch, program: SplitProgram) -> list[torch.Tensor]:
         others, state = self.inputs()
@@ -378,9 +412,9 @@ class FunctionalEngine:
             return self._programs[key]
         # a program specialized to one batch serves that batch again while it is unchanged
         # (same tensor objects, same versions): products whose state is not kept stay cheap
-        ident = _batch_identity(batch, self.op.model)
+        idents = {flag: _batch_identity(batch, self.op.model, flag) for flag in (True, False)}
         for kept_ident, kept_prog in self._specialized:
-            if kept_ident == ident:
+            if kept_ident == idents[kept_prog.reads_state]:
                 return kept_prog
         prog = None
         if key is not None:
@@ -397,7 +431,7 @@ class FunctionalEngine:
         if prog.general and key is not None:
             self._programs[key] = prog
         elif not prog.general:
-            self._specialized = [*self._specialized[-(MAX_SPECIALIZED - 1):], (ident, prog)]
+            self._specialized = [*self._specialized[-(MAX_SPECIALIZED - 1):], (idents[prog.reads_state], prog)]
         return prog
 
     def prepare(self, batch: Batch) -> SplitState:

@@ -447,3 +447,29 @@ def test_legacy_loss_arguments_keep_torchs_own_loss() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's deprecation of size_average
             torch.testing.assert_close(nn.functional.mse_loss(a, b, size_average=False), ((a - b) ** 2).sum())
+
+
+def _reads_the_batch(model: nn.Module, batch: object) -> torch.Tensor:
+    # Python reads a value of the batch only: the program is traced per batch, and stays
+    # valid when the parameters change (NOTE [what a specialized program read])
+    x, _ = batch  # type: ignore[misc]
+    scale = 1.0 + float(x.abs().max())
+    return scale * SUP(model, batch)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_program_that_read_only_the_batch_survives_parameter_changes(reuse: bool) -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, _reads_the_batch, engine="functional", graph_reuse=reuse)
+    v = torch.randn(op.size, dtype=torch.float64)
+    for step in range(3):
+        H = dense_hessian(model, data, _reads_the_batch, select_parameters(model))
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            model[0].weight.mul_(1.3)  # type: ignore[index]
+    assert op.engine_report["traces"] == 1
+    # a new batch (other values) is traced anew
+    data[0] = (data[0][0] * 2, data[0][1])
+    H = dense_hessian(model, data, _reads_the_batch, select_parameters(model))
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
+    assert op.engine_report["traces"] == 2
