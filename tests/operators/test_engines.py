@@ -462,7 +462,7 @@ def test_a_program_that_read_only_the_batch_survives_parameter_changes(reuse: bo
     model, data = mlp(), classification_data(n=4, batch=4)
     op = HessianOperator(model, data, _reads_the_batch, engine="functional", graph_reuse=reuse)
     v = torch.randn(op.size, dtype=torch.float64)
-    for step in range(3):
+    for _ in range(3):
         H = dense_hessian(model, data, _reads_the_batch, select_parameters(model))
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
         with torch.no_grad():
