@@ -82,6 +82,26 @@ def _profile(fn: Callable[[], Any], calls: int = 3) -> dict[str, Any]:
             "top": [(k[:80], round(t, 2), c) for k, t, c in rows[:12]]}
 
 
+def emit_units(
+    model: torch.nn.Module, x: Any, y: Any, crit: Any, params: list[torch.Tensor], reps: int,
+    emit: Callable[[dict[str, Any]], None],
+) -> tuple[list[torch.Tensor], Callable[[], Any]]:
+    """Emit the ``env``, ``gradient`` and ``hvp_0x_style`` rows (the units every table divides
+    by); returns the direction used and the 0.x-style product."""
+    cuda = torch.cuda.is_available()
+    emit({"variant": "env", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+          "params": sum(p.numel() for p in params), "tf32": False})
+    emit({"variant": "gradient", "ms": median_ms(lambda: torch.autograd.grad(crit(model(x), y), params), reps)})
+    vl = [torch.randn_like(p) for p in params]
+
+    def hvp_0x() -> Any:
+        g = torch.autograd.grad(crit(model(x), y), params, create_graph=True)
+        return torch.autograd.grad(g, params, vl)
+
+    emit({"variant": "hvp_0x_style", "ms": median_ms(hvp_0x, reps)})
+    return vl, hvp_0x
+
+
 def main() -> None:
     import hessian_eigenthings as he
     from hessian_eigenthings import _torch_compat
@@ -106,16 +126,7 @@ def main() -> None:
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps({"workload": args.workload, **row}), flush=True)
 
-    emit({"variant": "env", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-          "params": sum(p.numel() for p in params), "tf32": False})
-    emit({"variant": "gradient", "ms": median_ms(lambda: torch.autograd.grad(crit(model(x), y), params), args.reps)})
-    vl = [torch.randn_like(p) for p in params]
-
-    def hvp_0x() -> Any:
-        g = torch.autograd.grad(crit(model(x), y), params, create_graph=True)
-        return torch.autograd.grad(g, params, vl)
-
-    emit({"variant": "hvp_0x_style", "ms": median_ms(hvp_0x, args.reps)})
+    vl, _ = emit_units(model, x, y, crit, params, args.reps, emit)
     sup = he.supervised_loss(crit)
     ref: torch.Tensor | None = None
 

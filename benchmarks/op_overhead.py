@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_engines import median_ms
+from benchmarks.hessian_gap import emit_units
 from benchmarks.workloads import build_parity
 
 
@@ -54,16 +55,7 @@ def main() -> None:
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps({"workload": args.workload, "engine": args.engine, **row}), flush=True)
 
-    emit({"variant": "env", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-          "params": sum(p.numel() for p in params), "tf32": False})
-    emit({"variant": "gradient", "ms": median_ms(lambda: torch.autograd.grad(crit(model(x), y), params), args.reps)})
-    vl = [torch.randn_like(p) for p in params]
-
-    def hvp_0x() -> Any:
-        g = torch.autograd.grad(crit(model(x), y), params, create_graph=True)
-        return torch.autograd.grad(g, params, vl)
-
-    emit({"variant": "hvp_0x_style", "ms": median_ms(hvp_0x, args.reps)})
+    vl, hvp_0x = emit_units(model, x, y, crit, params, args.reps, emit)
     v = torch.cat([t.reshape(-1) for t in vl])
     for blas in args.blas.split(","):
         op = _measure(he, model, batches, crit, v, args, blas, emit, hvp_0x)
