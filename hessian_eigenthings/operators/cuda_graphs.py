@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +21,7 @@ import torch
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch, map_tensors
-from hessian_eigenthings.operators.graph_reuse import KeptState, batch_leaves
+from hessian_eigenthings.operators.graph_reuse import KeptState, batch_leaves, model_tensors
 from hessian_eigenthings.operators.protocol import same_device
 from hessian_eigenthings.param_utils import RowBlock
 
@@ -395,12 +394,7 @@ class GraphRecorder:
         return tuple(sig)
 
     def pointers(self) -> tuple[int, ...]:
-        return tuple(
-            t.data_ptr()
-            for m in self.op.guard.modules
-            for t in itertools.chain(m._parameters.values(), m._buffers.values())
-            if t is not None
-        )
+        return tuple(t.data_ptr() for t in model_tensors(self.op.guard.modules))
 
     def fresh_product(self, chunk: Batch, rows: RowBlock) -> Product:
         """A product without a kept state: eager, or replayed from a recording."""

@@ -10,11 +10,12 @@ them by count and bytes (NOTE [graph reuse]).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
@@ -96,13 +97,23 @@ class KeptState:
     state: Any
     size: int
     nbytes: int
-    #: the selected parameters' norms when the state was built (NOTE [updates that keep the version])
+    #: the norms of the model's parameters and floating-point buffers when the state was built
+    #: (NOTE [updates that keep the version])
     norms: torch.Tensor | None = None
     #: block widths that ran eagerly once on this state (warm-up before a capture)
     warm: set[int] = field(default_factory=set)
     #: block widths whose recording was attempted (one attempt per width and state)
     attempted: set[int] = field(default_factory=set)
     replays: dict[int, Replay] = field(default_factory=dict)
+
+
+def model_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of ``modules`` (each module's own, in registration order):
+    what a product reads besides the batch."""
+    for m in modules:
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None:
+                yield t
 
 
 def batch_leaves(batch: Batch) -> list[Any]:
@@ -171,12 +182,7 @@ class StateCache:
     def versions(self) -> tuple[Any, ...]:
         """The reuse key's model part, see NOTE [reuse key]."""
         modules = self.op.guard.modules
-        tensors = tuple(
-            (id(t), t._version)
-            for m in modules
-            for t in itertools.chain(m._parameters.values(), m._buffers.values())
-            if t is not None
-        )
+        tensors = tuple((id(t), t._version) for t in model_tensors(modules))
         return tensors, tuple(m.training for m in modules), precision_flags(), _optimizer_steps
 
     def drop_changed(self) -> int:
@@ -194,12 +200,7 @@ class StateCache:
 
     def watched(self) -> list[torch.Tensor]:
         """Every parameter and floating-point buffer of the model (what a kept state read)."""
-        return [
-            t
-            for m in self.op.guard.modules
-            for t in itertools.chain(m._parameters.values(), m._buffers.values())
-            if t is not None and t.is_floating_point()
-        ]
+        return [t for t in model_tensors(self.op.guard.modules) if t.is_floating_point()]
 
     def get(self, key: tuple[int, int], raw: Batch) -> KeptState | None:
         """The kept state of chunk ``key`` if it still answers for the model and ``raw``."""
