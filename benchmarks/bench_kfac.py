@@ -248,7 +248,7 @@ def bench_conv_factors(cell: Cell, repeats: int, device: torch.device) -> dict[s
         for m, x in inputs:
             conv_input_moment(x, *geometry(m))
 
-    plans = [conv_factor_plan(x.shape, *geometry(m)) for m, x in inputs]
+    plans = [conv_factor_plan(x.shape, *geometry(m), device_type=x.device.type) for m, x in inputs]
     timer = _timer(device)
     times: dict[str, list[float]] = {"unfold": [], "ours": []}
     unfolded()  # warm-up

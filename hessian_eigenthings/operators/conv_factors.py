@@ -33,6 +33,7 @@ another order.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -76,6 +77,17 @@ def _row_plan(kernel: int, stride: int, dilation: int) -> tuple[int, list[int]]:
 #: (fp32, H100: ~30 TFLOP/s over ~3 TB/s; two CPU cores: similar): the per-row route writes an
 #: intermediate per output row, which only pays where products over samples and columns are long
 _MEMORY_WEIGHT = 32.0
+#: NOTE [launches count on a GPU]: one kernel launch costs about as much time as this many
+#: multiply-adds. On a GPU the factor pass is bound by the host: launching a kernel (with its
+#: Python) takes ~15-25 us, in which an H100 does 2-4e8 fp32 multiply-adds, and the host runs
+#: ahead of the device, so the row shifts' launches (and their small, slow kernels) cost more
+#: than the multiply-adds they save on maps up to 32×32. Measured, the whole KFAC pass (H100,
+#: batch 128, mc): ResNet-18 at 32×32 19.5 ms with the row shifts on every layer, 12.0 ms
+#: unfolded (gradient 7.1 ms); the ResNet-like CNN of bench_kfac (maps 32×32 to 4×4) 21.8 ms
+#: and 16.3 ms (gradient 9.0 ms). The weight is set so that a GPU unfolds up to there and
+#: takes the row shifts where they save tens of GMACs (56×56 maps of an ImageNet ResNet). On
+#: a CPU a kernel is its arithmetic: no weight.
+_LAUNCH_WEIGHT = {"cuda": 6e8}
 
 
 def _costs(
@@ -117,10 +129,27 @@ def conv_factor_plan(
     padding: tuple[int, int],
     dilation: tuple[int, int],
     impl: ConvFactorImpl = "auto",
+    device_type: str = "cpu",
 ) -> ConvFactorPlan:
-    """The plan for an input of ``shape (N, C, H, W)`` (shapes only: no data is read)."""
+    """The plan for an input of ``shape (N, C, H, W)`` (shapes only: no data is read) on a device
+    of ``device_type`` (``"cuda"``: kernel launches are weighed too, NOTE [launches count on a
+    GPU])."""
     if impl not in ("auto", "unfold", "rows"):
         raise ValueError(f"impl must be 'auto', 'unfold' or 'rows', got {impl!r}")
+    geometry = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    return _plan(tuple(shape), *geometry, impl, _LAUNCH_WEIGHT.get(device_type, 0.0))
+
+
+@functools.lru_cache(maxsize=256)  # plain arithmetic, but per layer and pass: kept per shape
+def _plan(
+    shape: tuple[int, ...],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    impl: ConvFactorImpl,
+    launch: float,
+) -> ConvFactorPlan:
     N, C, H, W = shape
     KH, KW = kernel_size
     OH = conv_output_size(H, KH, stride[0], padding[0], dilation[0])
@@ -147,6 +176,10 @@ def conv_factor_plan(
             box = whole
             unfold, lag_h, lag_w = costs(box)
     bh, bw = box[1] - box[0], box[3] - box[2]
+    # launches: unfolding 3 (a pad, the patches' copy, one product), the row shifts ~9 + kh²
+    unfold += 3 * launch
+    lag_h += (9 + bh * bh) * launch
+    lag_w += (9 + bw * bw) * launch
     transpose = lag_w < lag_h
     if transpose:
         bh, bw, OH, OW = bw, bh, OW, OH
@@ -169,6 +202,7 @@ def conv_input_moment(
     *,
     reduce: bool = False,
     impl: ConvFactorImpl = "auto",
+    sums: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(S, s, rows)``: ``S = Σ a aᵀ`` (``(q, q)``, ``q = C·K_h·K_w`` in the weight's row-major
     order ``(c, k_h, k_w)``), ``s = Σ a`` (``(q,)``) and the number of rows summed, over every
@@ -177,9 +211,10 @@ def conv_input_moment(
 
     ``impl``: ``"unfold"`` (one product of the unfolded patches of the live kernel offsets),
     ``"rows"`` (NOTE [row shifts], wherever the shifted axis has more than one live offset) or
-    ``"auto"`` (the cheaper of the two by an estimate of multiply-adds and memory traffic; see
-    :func:`conv_factor_plan`)."""
-    plan = conv_factor_plan(x.shape, kernel_size, stride, padding, dilation, impl)
+    ``"auto"`` (the cheaper of the two by an estimate of multiply-adds, memory traffic and, on a
+    GPU, launches; see :func:`conv_factor_plan`). ``sums=False`` skips ``s`` (an empty tensor
+    comes back), for a caller with no bias joined to the weight."""
+    plan = conv_factor_plan(x.shape, kernel_size, stride, padding, dilation, impl, x.device.type)
     N, C, H, W = x.shape
     KH, KW = kernel_size
     OH = conv_output_size(H, KH, stride[0], padding[0], dilation[0])
@@ -190,9 +225,9 @@ def conv_input_moment(
         mean = view.sum((-2, -1)).reshape(N, -1).div_(OH * OW)  # (N, q)
         return mean.T @ mean, mean.sum(0), N
     q = C * KH * KW
-    s = x.new_zeros(C, KH, KW)
+    s = x.new_zeros(C, KH, KW) if sums else x.new_empty(0)
     if plan.route == "zero":
-        return x.new_zeros(q, q), s.reshape(q), N * OH * OW
+        return x.new_zeros(q, q), s.reshape(-1), N * OH * OW
     h0, h1, w0, w1 = plan.box
     full = plan.box == (0, KH, 0, KW)
     S_full = (x.new_empty if full else x.new_zeros)(C, KH, KW, C, KH, KW)
@@ -217,9 +252,9 @@ def conv_input_moment(
     need_w = sw * (OW - 1) + dw * (kw - 1) + 1
     xp = F.pad(x, (pad_w, need_w - pad_w - x.shape[3], pad_h, need_h - pad_h - x.shape[2]))
     view = _patches(xp, box, stride, dilation, (rows, OW))  # (N, C, kh, kw, rows, OW)
-    # Σ a: window sums of the input summed over samples (one pass over x, then N times smaller)
-    s_box = _patches(xp.sum(0, keepdim=True), box, stride, dilation, (OH, OW)).sum((0, -2, -1))
-    s[:, h0:h1, w0:w1] = s_box.transpose(1, 2) if transpose else s_box
+    if sums:  # Σ a: window sums of the input summed over samples (one pass over x, then N times smaller)
+        s_box = _patches(xp.sum(0, keepdim=True), box, stride, dilation, (OH, OW)).sum((0, -2, -1))
+        s[:, h0:h1, w0:w1] = s_box.transpose(1, 2) if transpose else s_box
     if transpose:  # write through a view of S in the transposed axes
         S = S.permute(0, 2, 1, 3, 5, 4)
         h0, h1, w0, w1 = w0, w1, h0, h1
@@ -227,11 +262,11 @@ def conv_input_moment(
     if period == kh:  # unfolded: one product over every position
         flat = view.permute(0, 4, 5, 1, 2, 3).reshape(-1, C * kh * kw)  # (positions, q)
         if full and not transpose:  # the product is the factor itself
-            return flat.T @ flat, s.reshape(q), N * OH * OW
+            return flat.T @ flat, s.reshape(-1), N * OH * OW
         target.copy_((flat.T @ flat).view(C, kh, kw, C, kh, kw))
     else:
         _shifted_rows(view, period, shifts, OH, target)
-    return S_full.reshape(q, q), s.reshape(q), N * OH * OW
+    return S_full.reshape(q, q), s.reshape(-1), N * OH * OW
 
 
 def _patches(

@@ -224,6 +224,49 @@ def _conv_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return cols.transpose(1, 2)
 
 
+_NO_INPUT = torch.empty(0)  # a layer whose inputs were not kept (the factors take them as they come)
+
+
+class _WeightedSum:
+    """``Σ wᵢ Xᵢ / total``, accumulated in place; the first term's weight is applied late.
+
+    NOTE [factor weights applied late]: with one batch (the common case) a factor's weights cancel
+    (``size · X / size``), and a multiply and a divide per factor, two launches each on dozens of
+    layers, cost more host time than the arithmetic they do; so the first term is kept as it
+    comes and its weight is folded into the next term's scaling or into the final division."""
+
+    __slots__ = ("scale", "value")
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.scale = 1.0
+
+    def _settle(self) -> torch.Tensor:
+        assert self.value is not None
+        if self.scale != 1.0:
+            self.value.mul_(self.scale)
+            self.scale = 1.0
+        return self.value
+
+    def add(self, X: torch.Tensor, weight: float) -> None:
+        if self.value is None:
+            self.value, self.scale = X, weight
+        else:
+            self._settle().add_(X, alpha=weight)
+
+    def addmm(self, a: torch.Tensor, b: torch.Tensor, weight: float) -> None:
+        """Adds ``weight · a @ b`` (one fused product-and-add after the first term)."""
+        if self.value is None:
+            self.value, self.scale = a @ b, weight
+        else:
+            self._settle().addmm_(a, b, alpha=weight)
+
+    def mean(self, total: float) -> torch.Tensor:
+        assert self.value is not None
+        factor = self.scale / total
+        return self.value if factor == 1.0 else self.value.mul_(factor)
+
+
 class _KroneckerFactored(CurvatureOperator):
     """The shared part of KFAC and EKFAC: layers, factor pass, blocks and their algebra."""
 
@@ -403,6 +446,7 @@ class _KroneckerFactored(CurvatureOperator):
                 padding,  # type: ignore[arg-type]
                 module.dilation,  # type: ignore[arg-type]
                 reduce=reduce,
+                sums=layer.joint,
             )
         else:
             if x.dim() < 2:
@@ -539,7 +583,7 @@ class _KroneckerFactored(CurvatureOperator):
                             )
                         visit(
                             layer,
-                            inputs.get(layer.name, torch.empty(0)),
+                            inputs.get(layer.name, _NO_INPUT),
                             self._grads(layer, g),
                             size,
                         )
@@ -611,31 +655,34 @@ class _KroneckerFactored(CurvatureOperator):
     def _compute_factors(self) -> None:
         for layer in self._layers:
             layer.A = layer.G = None
+        sums_A: dict[str, _WeightedSum] = {}
+        sums_G: dict[str, _WeightedSum] = {}
 
         def on_input(layer: _Layer, x: torch.Tensor, size: float) -> None:
             if layer.weight is None:
                 return
             S, rows = self._input_moment(layer, x)
-            weight = size / rows  # the batch's mean over rows, weighted by its size
-            layer.A = S.mul_(weight) if layer.A is None else layer.A.add_(S, alpha=weight)
+            # the batch's mean over rows, weighted by its size
+            sums_A.setdefault(layer.name, _WeightedSum()).add(S, size / rows)
 
         def visit(layer: _Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             g = g.sum(2, keepdim=True) if self.kfac_approx == "reduce" else g
             flat = g.reshape(-1, g.shape[-1])
-            if layer.G is None:
-                layer.G = (flat.T @ flat).mul_(size)
-            else:  # one fused product-and-add per later column chunk or batch
-                layer.G.addmm_(flat.T, flat, alpha=size)
+            sums_G.setdefault(layer.name, _WeightedSum()).addmm(flat.T, flat, size)
 
         try:
             total = self._run(visit, on_input)
         except (
             _Retry
         ):  # the first forward found outputs changed in place: start again, copying them
-            for layer in self._layers:
-                layer.A = layer.G = None
+            sums_A.clear()
+            sums_G.clear()
             total = self._run(visit, on_input)
         for layer in self._layers:
+            if layer.name in sums_A:
+                layer.A = sums_A[layer.name].mean(total)
+            if layer.name in sums_G:
+                layer.G = sums_G[layer.name].mean(total)
             if layer.G is None:  # the layer never ran in the forward: its GGN block is zero
                 m = (
                     self._weight_matrix_shape(layer)[0]
@@ -646,9 +693,6 @@ class _KroneckerFactored(CurvatureOperator):
             if layer.A is None and layer.weight is not None:
                 q = self._weight_matrix_shape(layer)[1] + int(layer.joint)
                 layer.A = torch.zeros(q, q, dtype=self.factor_dtype, device=self.device)
-            if layer.A is not None:
-                layer.A.div_(total)
-            layer.G.div_(total)
 
     @property
     def factors(self) -> tuple[KroneckerBlock, ...]:

@@ -95,6 +95,34 @@ def test_row_shift_route_on_larger_channel_counts(shape, kernel, stride, padding
         torch.testing.assert_close(s, a.sum(0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("impl", ["auto", "unfold", "rows"])
+def test_sums_can_be_skipped(impl: str) -> None:
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    geometry = ((3, 3), (1, 1), (1, 1), (1, 1))
+    S, s, rows = conv_input_moment(x, *geometry, impl=impl, sums=False)  # type: ignore[arg-type]
+    S_ref, _, rows_ref = conv_input_moment(x, *geometry, impl="unfold")
+    assert s.numel() == 0 and rows == rows_ref
+    torch.testing.assert_close(S, S_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_gpu_plan_weighs_launches() -> None:
+    # NOTE [launches count on a GPU]: ResNet-18's maps at 32×32 inputs (8×8 and smaller) are
+    # unfolded on a GPU, where the row shifts' launches cost more than the multiply-adds they
+    # save; on a CPU the same shapes take the row shifts. A 56×56 map saves enough for them
+    # on either.
+    for shape in [(128, 64, 8, 8), (128, 128, 4, 4)]:
+        geometry = ((3, 3), (1, 1), (1, 1), (1, 1))
+        assert conv_factor_plan(shape, *geometry).route == "rows"
+        assert conv_factor_plan(shape, *geometry, device_type="cuda").route == "unfold"
+    stem = ((128, 3, 32, 32), (7, 7), (2, 2), (3, 3), (1, 1))
+    assert conv_factor_plan(*stem, device_type="cuda").route == "unfold"
+    cifar = ((128, 32, 32, 32), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert conv_factor_plan(*cifar).route == "rows"
+    assert conv_factor_plan(*cifar, device_type="cuda").route == "unfold"
+    imagenet = ((128, 64, 56, 56), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert conv_factor_plan(*imagenet, device_type="cuda").route == "rows"
+
+
 def test_bad_impl_is_named() -> None:
     with pytest.raises(ValueError, match="impl must be"):
         conv_input_moment(torch.zeros(1, 1, 3, 3), (3, 3), (1, 1), (1, 1), (1, 1), impl="fast")  # type: ignore[arg-type]
