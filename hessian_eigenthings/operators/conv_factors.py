@@ -22,8 +22,8 @@ a range ``[t, t + OH)`` is the first sum minus the top ``t`` rows plus the next 
 ``(OH + 2·max t)·R / (OH·K_h)`` of unfolding's multiply-adds (``R`` representatives; ``≈ 1/3``
 for a 3×3 stride-1 convolution on a large map), plus an intermediate per edge row and the
 assembly of the blocks. The same works along columns; the cheaper direction is used, and
-unfolding where neither saves by an estimate of multiply-adds and memory traffic (small maps,
-strided small kernels, 1×1 kernels).
+unfolding where neither saves by an estimate of multiply-adds, memory traffic and, on a GPU,
+kernel launches (small maps, strided small kernels, 1×1 kernels; NOTE [launches count on a GPU]).
 
 Kernel offsets whose every patch entry falls into the padding (a 3×3 convolution on a 1×1 map)
 have zero rows and columns: they are left out of the products and the box of live offsets is

@@ -50,7 +50,8 @@ columns, one backward to the layers' outputs (no parameter gradients); then an
 eigendecomposition per factor on first use of ``inverse``/``eigh``/``logdet``. A convolution's
 input factor is computed without unfolding where that is cheaper (see
 :mod:`~hessian_eigenthings.operators.conv_factors`: about a third of unfolding's multiply-adds for
-a 3×3 convolution on a large map).
+a 3×3 convolution on a large map; on a GPU only on maps above 32×32, where the multiply-adds saved
+outweigh the extra kernel launches).
 A product costs two small matrix products per block and never reads the data.
 """
 
