@@ -2,9 +2,12 @@
 
     python -m benchmarks.bench_tracker [--workload gpt2] [--steps 150] [--every 50] [--k 5]
 
-Trains the parity workload (``benchmarks.workloads``) with Adam (lr 1e-4, not fused) on its
-batch and tracks the top-k Hessian eigenvalues every ``--every`` steps on the same batch,
-warm-started. After each call, a cold ``lanczos`` (fresh operator, random start) on the same
+Trains the parity workload (``benchmarks.workloads``) with Adam (lr 1e-4, not fused) and tracks
+the top-k Hessian eigenvalues every ``--every`` steps on a probe batch, warm-started. With
+``--data batch`` (default) the training runs on the probe batch itself (it memorises the batch:
+the spectrum moves fast); with ``--data stream`` (GPT-2 only) every step trains on a fresh batch
+of sequences from a fixed random Markov chain over 512 tokens (four likely successors per token,
+a structure the model learns gradually), and the probe is one more batch from the chain. After each call, a cold ``lanczos`` (fresh operator, random start) on the same
 parameters gives the reference cost and values. One JSON line per call: products and seconds
 of the tracked call and of the cold run, and the largest relative eigenvalue difference.
 fp32, TF32 off.
@@ -28,6 +31,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _markov_stream(shape: torch.Size, device: str) -> Any:
+    """Batches ``(ids, next ids)`` of ``shape`` from a fixed random Markov chain over 512 tokens."""
+    g = torch.Generator().manual_seed(1)
+    succ = torch.randint(0, 512, (512, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    stream = torch.Generator(device=device).manual_seed(2)
+    succ, probs = succ.to(device), probs.to(device)
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = shape
+        ids = torch.empty(B, T, dtype=torch.long, device=device)
+        ids[:, 0] = torch.randint(0, 512, (B,), generator=stream, device=device)
+        for t in range(1, T):
+            pick = torch.multinomial(probs.expand(B, 4), 1, generator=stream).squeeze(1)
+            ids[:, t] = succ[ids[:, t - 1], pick]
+        return ids, ids[:, 1:].reshape(-1)
+
+    return draw
+
+
 def main() -> None:
     import hessian_eigenthings as he
 
@@ -40,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--lr", type=float, default=1e-4, help="Adam's learning rate")
     ap.add_argument("--engine", default="auto", help="the tracker operator's engine")
+    ap.add_argument("--data", choices=["batch", "stream"], default="batch")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -47,6 +71,12 @@ def main() -> None:
     w = build_parity(args.workload, device, args.scale)
     model, batch, crit = w.model, w.batches[0], w.criterion
     loss_fn = he.supervised_loss(crit)
+    draw = None
+    if args.data == "stream":
+        if args.workload != "gpt2":
+            raise SystemExit("--data stream is for the gpt2 workload")
+        draw = _markov_stream(batch[0].shape, device)
+        batch = draw()
     tracker = he.CurvatureTracker(model, loss_fn, batch=batch, every=args.every, k=args.k, tol=args.tol,
                                   engine=args.engine)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, foreach=True)
@@ -56,10 +86,10 @@ def main() -> None:
 
     emit({"cell": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
           "torch": torch.__version__, "tf32": False, "k": args.k, "tol": args.tol, "every": args.every,
-          "lr": args.lr, "engine": args.engine})
+          "lr": args.lr, "engine": args.engine, "data": args.data})
     for step in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
+        loss = loss_fn(model, batch if draw is None else draw())
         loss.backward()
         opt.step()
         _sync()
