@@ -160,6 +160,33 @@ def test_tracker_arguments() -> None:
     assert tr.step(step=9) is not None and tr.history[-1].step == 9
 
 
+def test_residual_check_estimate_saves_k_products_per_call() -> None:
+    """NOTE [tracker residual check]: the default checks convergence on the Lanczos estimates;
+    ``residuals="exact"`` spends one block of ``k`` more products per call. Same eigenvalues."""
+    runs = {}
+    for residuals in ("estimate", "exact"):
+        model = make_model(running_stats=False)
+        tr = CurvatureTracker(model, loss_fn, batch=PROBE, every=5, k=2, residuals=residuals)
+        widths: list[int] = []
+        matmat = tr.operator.matmat
+
+        def record(V: torch.Tensor, matmat=matmat, widths=widths) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            widths.append(V.shape[1])
+            return matmat(V)
+
+        tr.operator.matmat = record  # type: ignore[method-assign]
+        train(model, tr, lr=1e-4, momentum=0.0)
+        runs[residuals] = (tr.history, widths)
+    estimate, exact = runs["estimate"][0], runs["exact"][0]
+    assert len(estimate) == len(exact) == 4
+    for a, b in zip(estimate, exact, strict=True):
+        assert a.products == b.products - 2
+        np.testing.assert_allclose(a.eigenvalues, b.eigenvalues, rtol=1e-10)
+    assert runs["estimate"][1] == [] and runs["exact"][1] == [2] * 4  # the k-wide blocks
+    with pytest.raises(ValueError, match="residuals"):
+        CurvatureTracker(make_model(), loss_fn, batch=PROBE, residuals="true")  # type: ignore[arg-type]
+
+
 def test_fused_optimizer_steps_are_seen() -> None:
     """A fused AdamW step leaves the parameters' version counters alone (torch 2.13); the
     tracker must still compute at the new parameters (NOTE [updates that keep the version])."""
