@@ -223,7 +223,7 @@ def conv_input_moment(
         xp = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
         view = _patches(xp, kernel_size, stride, dilation, (OH, OW))
         mean = view.sum((-2, -1)).reshape(N, -1).div_(OH * OW)  # (N, q)
-        return mean.T @ mean, mean.sum(0), N
+        return mean.T @ mean, (mean.sum(0) if sums else mean.new_empty(0)), N
     q = C * KH * KW
     s = x.new_zeros(C, KH, KW) if sums else x.new_empty(0)
     if plan.route == "zero":

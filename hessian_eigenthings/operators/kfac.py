@@ -434,7 +434,8 @@ class _KroneckerFactored(CurvatureOperator):
 
     def _input_moment(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
-        mean position with ``reduce``), in the factor dtype, without materializing conv patches."""
+        mean position with ``reduce``), in the factor dtype; a convolution's by the route
+        :func:`conv_input_moment` plans (unfolded or row shifts), its patch sums only for a joined bias."""
         module = layer.module
         x = x.detach().to(self.factor_dtype)
         reduce = self.kfac_approx == "reduce"

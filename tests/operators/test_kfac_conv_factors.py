@@ -103,6 +103,10 @@ def test_sums_can_be_skipped(impl: str) -> None:
     S_ref, _, rows_ref = conv_input_moment(x, *geometry, impl="unfold")
     assert s.numel() == 0 and rows == rows_ref
     torch.testing.assert_close(S, S_ref, rtol=1e-12, atol=1e-12)
+    S, s, rows = conv_input_moment(x, *geometry, impl=impl, sums=False, reduce=True)  # type: ignore[arg-type]
+    S_ref, _, rows_ref = conv_input_moment(x, *geometry, impl="unfold", reduce=True)
+    assert s.numel() == 0 and rows == rows_ref
+    torch.testing.assert_close(S, S_ref, rtol=1e-12, atol=1e-12)
 
 
 def test_a_gpu_plan_weighs_launches() -> None:
