@@ -87,9 +87,12 @@ def check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: in
 def check_k(k: int, n: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if k < 1 or k > n:
-        over = f", which exceeds operator size {n}" if k > n else ""
-        raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}{over}")
+    if k > n:  # the alpha's words ("exceeds operator size"), the size said once
+        raise ValueError(
+            f"k must be between 1 and the operator size, got k={k}, which exceeds operator size {n}"
+        )
+    if k < 1:
+        raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}")
 
 
 def non_finite_error(what: str, iteration: int) -> ValueError:
@@ -170,7 +173,9 @@ def device_free_bytes(device: torch.device) -> int | None:
     return available_memory(device) if device.type == "cuda" else None
 
 
-def rows_that_fit(op: CurvatureOperator, wd: torch.dtype, free: int | None, share: float = 0.5) -> int | None:
+def rows_that_fit(
+    op: CurvatureOperator, wd: torch.dtype, free: int | None, share: float = 0.5
+) -> int | None:
     """How many probe rows of a block fit in ``share`` of ``free`` bytes (``None``: no limit).
 
     A block of ``b`` probes holds ``b`` rows three times: the probes, the
@@ -348,8 +353,11 @@ class _LogLines:
         if now - self.last >= LOG_INTERVAL_S:
             self.last = now
             of = f"/{self.total}" if self.total else ""
-            print(f"{self.desc}: {self.n}{of} products{self.postfix}, {now - self.start:.0f} s elapsed",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.desc}: {self.n}{of} products{self.postfix}, {now - self.start:.0f} s elapsed",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def set_postfix(self, **values: Any) -> None:
         self.postfix = "".join(f", {k} {v}" for k, v in values.items())
@@ -394,7 +402,11 @@ def rounding_level(work: torch.dtype, op_dtype: torch.dtype) -> float:
 
 
 def probe_setup(
-    op: Any, backend: LinAlgBackend | None, distribution: str, seed: int | None, precision: torch.dtype | None
+    op: Any,
+    backend: LinAlgBackend | None,
+    distribution: str,
+    seed: int | None,
+    precision: torch.dtype | None,
 ) -> tuple[CurvatureOperator, LinAlgBackend, torch.Generator, torch.dtype]:
     """What every randomized estimator starts with: the checked operator, the backend,
     the probe generator and the working dtype (``distribution`` validated)."""
@@ -402,7 +414,6 @@ def probe_setup(
     backend = operator_backend(op, backend)
     check_distribution(distribution)
     return op, backend, make_generator(seed, backend), work_dtype(op, precision)
-
 
 
 # NOTE [warm starts]
