@@ -101,31 +101,47 @@ _DEFLATED = _Route(
 
 
 def lanczos(*args: Any, **kwargs: Any) -> Any:
-    """Top-``k`` eigenpairs by restarted Lanczos: the 1.0 :func:`hessian_eigenthings.algorithms.lanczos`.
-
-    ``lanczos(op, *, k=10, max_iter=None, tol=1e-4, which="LM", seed=None, ncv=None, v0=None, ...)
-    -> EigenResult``. Calls written for 0.x (``lanczos(operator, num_eigenthings=10, which="LM",
-    max_steps=20, tol=1e-6, num_lanczos_vectors=None, init_vec=None, use_gpu=False, fp16=False)``)
-    still work, warn, and return 0.x's numpy pair; see NOTE [routing colliding names].
-    """
+    # shows the 1.0 signature and docstring: See NOTE [routed signatures]
     if _LANCZOS.wants_0x(args, kwargs):
         return legacy_lanczos(*args, **kwargs)
     return core_lanczos(*args, **kwargs)
 
 
 def deflated_power_iteration(*args: Any, **kwargs: Any) -> Any:
-    """Top-``k`` eigenpairs by power iteration with deflation: the 1.0
-    :func:`hessian_eigenthings.algorithms.deflated_power_iteration`.
-
-    ``deflated_power_iteration(op, *, k=10, max_iter=100, tol=1e-4, momentum=0.0, seed=None, ...)
-    -> EigenResult``. Calls written for 0.x (``deflated_power_iteration(operator, num_eigenthings=10,
-    power_iter_steps=20, power_iter_err_threshold=1e-4, momentum=0.0, use_gpu=True, fp16=False,
-    to_numpy=True)``) still work, warn, and return 0.x's pair; see NOTE [routing colliding names].
-    """
+    # shows the 1.0 signature and docstring: See NOTE [routed signatures]
     if _DEFLATED.wants_0x(args, kwargs):
         return legacy_deflated_power_iteration(*args, **kwargs)
     return core_deflated_power_iteration(*args, **kwargs)
 
+
+# NOTE [routed signatures]
+# The routed functions take (*args, **kwargs), which is all that help(), inspect.signature and IDEs
+# would show of the library's main functions. They show the 1.0 function instead: its signature
+# (__signature__, which inspect and pydoc read first) and its docstring, closed by a paragraph on
+# the 0.x calls. No __wrapped__: the router is not the core function (a 0.x call does not reach
+# it), and __module__/__qualname__ stay the router's so that pickling finds the router.
+_ROUTED_0X = """
+
+    Calls written for 0.x are routed too: {old} (deprecated) still works, warns and returns
+    0.x's numpy pair. A call goes to 0.x when its arguments bind only to that signature, or
+    bind to both and the operator is a 0.x type; see NOTE [routing colliding names] in
+    ``hessian_eigenthings.compat.routing``.
+    """
+
+
+def _show_core(routed: Callable[..., Any], route: _Route) -> None:
+    """Give ``routed`` the 1.0 function's signature and docstring. See NOTE [routed signatures]."""
+    setattr(routed, "__signature__", route.new_sig)  # noqa: B010
+    doc = (route.new.__doc__ or "").rstrip()
+    params = ", ".join(
+        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+        for p in route.old_sig.parameters.values()
+    )
+    routed.__doc__ = doc + _ROUTED_0X.format(old=f"``{route.name}({params})``")
+
+
+_show_core(lanczos, _LANCZOS)
+_show_core(deflated_power_iteration, _DEFLATED)
 
 # `import hessian_eigenthings.lanczos as lz` binds lz to the package attribute, which is the routed
 # function (not the 0.x module): give it the module's one public name so 0.x `lz.lanczos(...)` works.
