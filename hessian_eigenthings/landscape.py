@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hessian_eigenthings import _plot_style as style
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms import EigenResult
 from hessian_eigenthings.algorithms._common import progress_bar
@@ -52,7 +53,8 @@ class LandscapeResult:
     ``losses[i]`` (1-D) or ``losses[i, j]`` (2-D) is the mean loss over the data at
     ``θ + alphas[i]·d₁ (+ betas[j]·d₂)``; ``directions`` are the rows ``d`` (in the
     flat layout of the selected parameters, ``names``); ``center_loss`` is the loss at
-    ``θ`` itself (the grid holds it when it contains 0).
+    ``θ`` itself (the grid holds it when it contains 0); ``eigenvalues`` the eigenvalues of
+    the directions when they are eigenvectors (``directions=EigenResult``), else ``None``.
     """
 
     alphas: torch.Tensor  # (steps,) float64
@@ -62,9 +64,26 @@ class LandscapeResult:
     center_loss: float
     names: list[str]
     kind: str  # "eigenvectors", "random (filter-normalised)", "random", "given"
+    eigenvalues: torch.Tensor | None = None  # (dims,) float64 for eigenvector directions
+
+    def title(self) -> str:
+        """What the slice shows: the eigenvalues of its directions, or their kind."""
+        dims = 1 if self.betas is None else 2
+        if self.eigenvalues is not None:
+            values = ", ".join(f"{float(v):.3g}" for v in self.eigenvalues)
+            return f"loss along the eigenvector{'s' if dims == 2 else ''} of λ = {values}"
+        return f"loss along {'a' if dims == 1 else dims} {self.kind} direction{'s' if dims == 2 else ''}"
 
     def plot(self, ax: Any = None, *, title: str | None = None, **kwargs: Any) -> Any:
-        """The slice as a line (1-D) or filled contours (2-D); returns the matplotlib axes."""
+        """The slice as a line (1-D) or filled contours (2-D, equal axes); returns the axes.
+
+        The trained point is marked; along eigenvectors the second-order model
+        ``L(θ) + λα²/2`` (2-D: ``+ λ₁α²/2 + λ₂β²/2``, dashed contours) is drawn over the
+        measured losses, the curve they follow near ``θ`` when the gradient is small. A grid
+        is drawn interpolated (bicubic, 8 points per measured interval) so that its contours
+        are smooth; the measured values are those at the grid's nodes, in ``losses``.
+        ``kwargs`` go to ``ax.plot`` (1-D) or ``ax.contourf`` (2-D).
+        """
         try:
             import matplotlib.pyplot as plt
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -72,19 +91,80 @@ class LandscapeResult:
                 "LandscapeResult.plot needs matplotlib; install it with `pip install hessian-eigenthings[plotting]`"
             ) from exc
         if ax is None:
-            _, ax = plt.subplots()
+            _, ax = plt.subplots(figsize=(6, 4.5))
+        lam = None if self.eigenvalues is None else [float(v) for v in self.eigenvalues]
         if self.betas is None:
-            ax.plot(self.alphas.numpy(), self.losses.numpy(), **kwargs)
+            a = self.alphas
+            ax.plot(
+                a.numpy(),
+                self.losses.numpy(),
+                **{"color": style.MEASURED, "lw": 1.5, "label": "loss", **kwargs},
+            )
+            if lam is not None:
+                fine = torch.linspace(float(a[0]), float(a[-1]), 201, dtype=torch.float64)
+                ax.plot(
+                    fine.numpy(),
+                    (self.center_loss + 0.5 * lam[0] * fine**2).numpy(),
+                    color=style.REFERENCE,
+                    ls="--",
+                    lw=1.0,
+                    label="L(θ) + λα²/2",
+                )
+            ax.plot(
+                [0.0], [self.center_loss], "o", color=style.EIGEN, ms=6, zorder=3, label="trained θ"
+            )
             ax.set_xlabel("α (along d₁)")
             ax.set_ylabel("loss")
         else:
-            a, b = torch.meshgrid(self.alphas, self.betas, indexing="ij")
-            filled = ax.contourf(a.numpy(), b.numpy(), self.losses.numpy(), levels=30, **kwargs)
+            a, b, z = _smooth_grid(self.alphas, self.betas, self.losses, per_interval=8)
+            filled = ax.contourf(
+                a.numpy(), b.numpy(), z.numpy(), **{"levels": 30, "cmap": "viridis", **kwargs}
+            )
             ax.figure.colorbar(filled, ax=ax, label="loss")
+            if lam is not None:
+                model = self.center_loss + 0.5 * lam[0] * a**2 + 0.5 * lam[1] * b**2
+                levels = [float(x) for x in filled.levels[1:-1:3]]
+                if len(set(levels)) > 1:
+                    ax.contour(
+                        a.numpy(),
+                        b.numpy(),
+                        model.numpy(),
+                        levels=levels,
+                        colors="white",
+                        linestyles="--",
+                        linewidths=0.7,
+                    )
+                    ax.plot(
+                        [],
+                        [],
+                        color=style.REFERENCE,
+                        ls="--",
+                        lw=0.7,
+                        label="L(θ) + λ₁α²/2 + λ₂β²/2",
+                    )
+            ax.plot([0.0], [0.0], "o", color=style.EIGEN, ms=6, zorder=3, label="trained θ")
+            ax.set_aspect("equal")
+            ax.locator_params(nbins=5)  # square axes of a narrow figure: fewer ticks, readable
             ax.set_xlabel("α (along d₁)")
             ax.set_ylabel("β (along d₂)")
-        ax.set_title(f"loss landscape along {self.kind} directions" if title is None else title)
+        ax.set_title(self.title() if title is None else title)
+        style.finish(ax)
         return ax
+
+
+def _smooth_grid(
+    alphas: torch.Tensor, betas: torch.Tensor, losses: torch.Tensor, per_interval: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grid bicubically interpolated to ``per_interval`` points per interval (for display)."""
+    steps = alphas.shape[0]
+    fine = (steps - 1) * per_interval + 1
+    z = torch.nn.functional.interpolate(
+        losses.reshape(1, 1, steps, steps), size=(fine, fine), mode="bicubic", align_corners=True
+    ).reshape(fine, fine)
+    a = torch.linspace(float(alphas[0]), float(alphas[-1]), fine, dtype=torch.float64)
+    b = torch.linspace(float(betas[0]), float(betas[-1]), fine, dtype=torch.float64)
+    A, B = torch.meshgrid(a, b, indexing="ij")
+    return A, B, z
 
 
 def random_directions(
@@ -168,7 +248,11 @@ def loss_landscape(
         raise ValueError(f"dims must be 1 or 2, got {dims}")
     steps = int(check_count("steps", steps, minimum=2) or 0)
     num_batches = check_count("num_batches", num_batches, allow_none=True)
-    if isinstance(span, bool) or not isinstance(span, (int, float)) or not (math.isfinite(span) and span > 0):
+    if (
+        isinstance(span, bool)
+        or not isinstance(span, (int, float))
+        or not (math.isfinite(span) and span > 0)
+    ):
         raise ValueError(f"span must be a positive finite number, got {span!r}")
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar loss")
@@ -178,27 +262,39 @@ def loss_landscape(
     n = sum(p.numel() for p in params)
     device, dtype = params[0].device, params[0].dtype
 
+    eigenvalues = None
     if isinstance(directions, EigenResult):
         vecs = directions.eigenvectors
         if vecs.shape[0] < dims:
-            raise ValueError(f"directions holds {vecs.shape[0]} eigenvectors, dims={dims} needs {dims}")
+            raise ValueError(
+                f"directions holds {vecs.shape[0]} eigenvectors, dims={dims} needs {dims}"
+            )
         d = vecs[:dims]
         kind = "eigenvectors"
+        eigenvalues = directions.eigenvalues[:dims].to("cpu", torch.float64)
     elif isinstance(directions, str):
         if directions != "random":
-            raise ValueError(f"directions must be an EigenResult, a tensor or 'random', got {directions!r}")
-        d = random_directions(model, dims, param_filter=param_filter, normalization=normalization, seed=seed)
+            raise ValueError(
+                f"directions must be an EigenResult, a tensor or 'random', got {directions!r}"
+            )
+        d = random_directions(
+            model, dims, param_filter=param_filter, normalization=normalization, seed=seed
+        )
         kind = "random (filter-normalised)" if normalization == "filter" else "random"
     elif isinstance(directions, torch.Tensor):
         d = directions.reshape(1, -1) if directions.dim() == 1 else directions
         if d.dim() != 2 or (d.shape[0] != dims and d.shape[-1] == dims and d.shape[0] == n):
             d = d.T if d.dim() == 2 else d
         if d.dim() != 2 or d.shape[0] < dims:
-            raise ValueError(f"directions must be a ({dims}, n) or (n, {dims}) tensor, got shape {tuple(directions.shape)}")
+            raise ValueError(
+                f"directions must be a ({dims}, n) or (n, {dims}) tensor, got shape {tuple(directions.shape)}"
+            )
         d = d[:dims]
         kind = "given"
     else:
-        raise TypeError(f"directions must be an EigenResult, a tensor or 'random', got {type(directions).__name__}")
+        raise TypeError(
+            f"directions must be an EigenResult, a tensor or 'random', got {type(directions).__name__}"
+        )
     if d.shape[-1] != n:
         raise ValueError(
             f"the directions have length {d.shape[-1]}, the selected parameters {n}: pass the "
@@ -219,7 +315,11 @@ def loss_landscape(
 
     alphas = torch.linspace(-float(span), float(span), steps, dtype=torch.float64)
     betas = alphas.clone() if dims == 2 else None
-    points = [(a,) for a in alphas.tolist()] if betas is None else [(a, b) for a in alphas.tolist() for b in betas.tolist()]
+    points = (
+        [(a,) for a in alphas.tolist()]
+        if betas is None
+        else [(a, b) for a in alphas.tolist() for b in betas.tolist()]
+    )
     theta = [p.detach() for p in params]
     sizes = [p.numel() for p in params]
     shapes = [p.shape for p in params]
@@ -245,7 +345,9 @@ def loss_landscape(
                 with private_buffers(model, modules):
                     loss = call_with_values(call, values, (batch,))
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError("loss_fn must return a scalar tensor (the mean loss of the batch)")
+                    raise ValueError(
+                        "loss_fn must return a scalar tensor (the mean loss of the batch)"
+                    )
                 value = float(loss.detach()) * size
                 if i == 0:
                     center_sum += value
@@ -264,4 +366,5 @@ def loss_landscape(
         center_loss=center_sum / total,
         names=names,
         kind=kind,
+        eigenvalues=eigenvalues,
     )

@@ -7,6 +7,7 @@ import copy
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -53,7 +54,9 @@ def test_line_and_grid_equal_direct_evaluation() -> None:
     line = loss_landscape(model, data, LOSS, dims=1, span=0.5, steps=5, seed=3)
     assert line.losses.shape == (5,) and line.betas is None
     for a, value in zip(line.alphas.tolist(), line.losses.tolist(), strict=True):
-        assert value == pytest.approx(_direct(model, data, theta + a * line.directions[0]), rel=1e-12)
+        assert value == pytest.approx(
+            _direct(model, data, theta + a * line.directions[0]), rel=1e-12
+        )
     assert line.center_loss == pytest.approx(_direct(model, data, theta), rel=1e-12)
     assert float(line.losses[2]) == pytest.approx(line.center_loss, rel=1e-12)  # alpha = 0
 
@@ -116,9 +119,13 @@ def test_one_shot_iterable_and_param_filter() -> None:
     model, data = _model(), _data()
     full = loss_landscape(model, data, LOSS, span=0.4, steps=3, param_filter="3.*", seed=0)
     assert full.names == ["3.weight", "3.bias"]
-    once = loss_landscape(model, (b for b in data), LOSS, span=0.4, steps=3, param_filter="3.*", seed=0)
+    once = loss_landscape(
+        model, (b for b in data), LOSS, span=0.4, steps=3, param_filter="3.*", seed=0
+    )
     torch.testing.assert_close(once.losses, full.losses, rtol=0, atol=0)
-    two = loss_landscape(model, data, LOSS, span=0.4, steps=3, num_batches=2, param_filter="3.*", seed=0)
+    two = loss_landscape(
+        model, data, LOSS, span=0.4, steps=3, num_batches=2, param_filter="3.*", seed=0
+    )
     assert not torch.equal(two.losses, full.losses)
 
 
@@ -152,3 +159,60 @@ def test_plots(tmp_path: Path) -> None:
         ax = res.plot()
         ax.figure.savefig(tmp_path / f"l{dims}.png")
         assert (tmp_path / f"l{dims}.png").stat().st_size > 1000
+
+
+def test_plot_marks_the_parameters_and_overlays_the_quadratic_model() -> None:
+    """An eigenvector slice: the style of spectrum.png (grid), a marker at the trained point,
+    the second-order model L(θ) + λα²/2 over the measured curve, equal axes on a grid, and a
+    title that names the eigenvalues (the same on the command line)."""
+    import matplotlib.pyplot as plt
+
+    model, data = _model(), _data()
+    eig = he.lanczos(he.HessianOperator(model, data, LOSS), k=2, which="SA", seed=0)
+    line = loss_landscape(model, data, LOSS, directions=eig, dims=1, span=0.5, steps=5)
+    assert line.eigenvalues is not None
+    torch.testing.assert_close(line.eigenvalues, eig.eigenvalues[:1])
+    ax = line.plot()
+    try:
+        lam = float(eig.eigenvalues[0])
+        assert ax.get_title() == f"loss along the eigenvector of λ = {lam:.3g}"
+        assert any(g.get_visible() for g in ax.get_xgridlines())
+        (center,) = [
+            ln
+            for ln in ax.get_lines()
+            if ln.get_marker() not in ("None", "", None) and len(ln.get_xdata()) == 1
+        ]
+        assert float(center.get_xdata()[0]) == 0.0 and float(
+            center.get_ydata()[0]
+        ) == pytest.approx(line.center_loss)
+        (model2,) = [ln for ln in ax.get_lines() if "λα²/2" in str(ln.get_label())]
+        a = np.asarray(model2.get_xdata(), dtype=float)
+        np.testing.assert_allclose(
+            model2.get_ydata(), line.center_loss + 0.5 * lam * a**2, rtol=1e-12
+        )
+        assert a.min() == pytest.approx(-0.5) and a.max() == pytest.approx(0.5)
+    finally:
+        plt.close(ax.figure)
+
+    grid = loss_landscape(model, data, LOSS, directions=eig, dims=2, span=0.5, steps=3)
+    ax = grid.plot()
+    try:
+        values = ", ".join(f"{float(v):.3g}" for v in eig.eigenvalues)
+        assert ax.get_title() == f"loss along the eigenvectors of λ = {values}"
+        assert ax.get_aspect() == 1.0
+        (center,) = [ln for ln in ax.get_lines() if ln.get_marker() not in ("None", "", None)]
+        assert (float(center.get_xdata()[0]), float(center.get_ydata()[0])) == (0.0, 0.0)
+        # filled contours of the measured grid, drawn on a finer, smoothly interpolated grid
+        filled = [c for c in ax.collections if getattr(c, "filled", False)]
+        assert filled
+        assert any("λ₁α²/2" in str(h.get_label()) for h in ax.get_legend().legend_handles)
+    finally:
+        plt.close(ax.figure)
+
+    rnd = loss_landscape(model, data, LOSS, dims=2, span=0.5, steps=3)
+    ax = rnd.plot()
+    try:
+        assert rnd.eigenvalues is None
+        assert ax.get_title() == "loss along 2 random (filter-normalised) directions"
+    finally:
+        plt.close(ax.figure)
