@@ -275,24 +275,101 @@ class CurvatureTracker:
             for rec in self.history:
                 f.write(json.dumps(asdict(rec)) + "\n")
 
-    def plot(self, path: str | os.PathLike[str], lr: float | None = None) -> None:
-        """Sharpness (top eigenvalue) against step, with the ``2 / lr`` line of gradient descent
-        when ``lr`` is given; written to ``path`` (matplotlib, Agg backend)."""
+    def plot(self, path: str | os.PathLike[str], lr: float | None = None) -> Any:
+        """The tracked eigenvalues against step (and the trace, in a second panel, when tracked),
+        written to ``path`` (matplotlib, Agg backend); returns the figure.
+
+        The y axis fits the eigenvalues. With ``lr``, gradient descent's stability edge ``2 / lr``
+        is drawn when it lies within twice the largest tracked eigenvalue, and otherwise only
+        written in the corner with how far off the scale it is: drawn at ``2 / lr = 20000`` over
+        eigenvalues near 10, it would press the curve flat onto the floor.
+        """
         # no pyplot: a figure on its own Agg canvas changes no global matplotlib state
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(5, 3.2))
+        from hessian_eigenthings import _plot_style as style
+
+        if lr is not None and not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        if not self.history:
+            raise ValueError("nothing tracked yet: call step() (or compute()) first")
+        traced = [r for r in self.history if r.trace is not None]
+        fig = Figure(figsize=(10 if traced else 5.5, 3.8))
         FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
+        axes = fig.subplots(1, 2 if traced else 1, squeeze=False)[0]
+        ax = axes[0]
         steps = [r.step for r in self.history]
-        ax.plot(steps, [r.eigenvalues[0] for r in self.history], marker="o", label="top eigenvalue")
+        k = max(len(r.eigenvalues) for r in self.history)
+        for i in range(k):
+            values = [
+                r.eigenvalues[i] if i < len(r.eigenvalues) else math.nan for r in self.history
+            ]
+            label = f"λ{_subscript(i + 1)}" + (
+                " (sharpness)" if i == 0 and self.which == "LA" else ""
+            )
+            ax.plot(
+                steps,
+                values,
+                marker="o",
+                ms=3,
+                lw=1.5 if i == 0 else 1.0,
+                label=label,
+                color=style.EIGEN if i == 0 else None,
+                alpha=1.0 if i == 0 else 0.8,
+            )
+        values = [v for r in self.history for v in r.eigenvalues if math.isfinite(v)]
+        lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
         if lr is not None:
-            if not (lr > 0 and math.isfinite(lr)):
-                raise ValueError(f"lr must be a positive number, got {lr!r}")
-            ax.axhline(2.0 / lr, color="k", linestyle="--", label=f"2/lr = {2.0 / lr:g}")
+            edge = 2.0 / lr
+            if lo <= edge <= 2.0 * max(hi, 0.0):
+                ax.axhline(edge, color=style.REFERENCE, ls="--", lw=1.0, label=f"2/lr = {edge:.4g}")
+                hi = max(hi, edge)
+            else:
+                ax.text(
+                    0.99,
+                    0.02,
+                    f"2/lr = {edge:g}: {edge / hi:.3g}× the top eigenvalue, off the scale"
+                    if hi > 0
+                    else f"2/lr = {edge:g}, off the scale",
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="bottom",
+                    fontsize=style.LEGEND_FONTSIZE,
+                )
+        pad = 0.08 * (hi - lo) if hi > lo else 0.1 * max(abs(hi), 1e-12)
+        ax.set_ylim(lo - pad, hi + pad)
         ax.set_xlabel("step")
-        ax.set_ylabel("sharpness")
-        ax.legend()
+        ax.set_ylabel("eigenvalue")
+        ax.set_title(
+            f"top {k} eigenvalue{'s' if k > 1 else ''}"
+            if self.which == "LA"
+            else f"{k} largest |λ|"
+        )
+        style.finish(ax)
+        if traced:
+            ax = axes[1]
+            t = [r.step for r in traced]
+            est = [float(r.trace) for r in traced]  # type: ignore[arg-type]
+            ax.plot(t, est, marker="o", ms=3, color=style.MEASURED, label="Hutch++ estimate")
+            err = [r.trace_stderr or 0.0 for r in traced]
+            ax.fill_between(
+                t,
+                [e - s for e, s in zip(est, err, strict=True)],
+                [e + s for e, s in zip(est, err, strict=True)],
+                color=style.MEASURED,
+                alpha=0.2,
+                label="± stderr",
+            )
+            ax.set_xlabel("step")
+            ax.set_ylabel("trace")
+            ax.set_title(f"trace ({self.trace_matvecs} products)")
+            style.finish(ax)
+        fig.suptitle(f"Hessian curvature along training (every {self.every} steps)", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path)
+        fig.savefig(path, dpi=120)
+        return fig
+
+
+def _subscript(i: int) -> str:
+    return str(i).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))

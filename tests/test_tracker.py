@@ -265,3 +265,32 @@ def test_kept_state_is_not_carried_between_calls() -> None:
     tr.step()  # same parameters: a kept state would have answered without a forward
     assert op.num_forwards == after_first + 1
     assert op.held_bytes == 0
+
+
+def test_plot_shows_every_eigenvalue_the_trace_and_a_readable_range(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = make_model(running_stats=False)
+    tr = CurvatureTracker(model, loss_fn, batch=PROBE, every=5, k=3, trace=True, trace_matvecs=9)
+    train(model, tr, lr=1e-2, momentum=0.0, steps=11)
+    assert len(tr.history) == 3
+    fig = tr.plot(tmp_path / "far.png", lr=1e-4)  # 2/lr = 20000: far above the sharpness
+    assert (tmp_path / "far.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    eig_ax, trace_ax = fig.axes
+    assert fig._suptitle is not None and "Hessian" in fig._suptitle.get_text()
+    lines = [ln for ln in eig_ax.get_lines() if str(ln.get_label()).startswith("λ")]
+    assert len(lines) == 3
+    for i, ln in enumerate(lines):
+        np.testing.assert_allclose(ln.get_ydata(), [r.eigenvalues[i] for r in tr.history])
+    top = max(max(r.eigenvalues) for r in tr.history)
+    assert eig_ax.get_ylim()[1] < 2 * top  # the curve fills the axes, not the floor
+    assert not any("2/lr" in str(ln.get_label()) for ln in eig_ax.get_lines())
+    assert any("2/lr = 20000" in t.get_text() for t in eig_ax.texts)  # said, off the scale
+    np.testing.assert_allclose(trace_ax.get_lines()[0].get_ydata(), [r.trace for r in tr.history])
+
+    near = tr.plot(tmp_path / "near.png", lr=2.0 / (1.2 * top))  # 2/lr just above the sharpness
+    (edge,) = [ln for ln in near.axes[0].get_lines() if "2/lr" in str(ln.get_label())]
+    assert float(edge.get_ydata()[0]) == pytest.approx(1.2 * top)
+    assert near.axes[0].get_ylim()[1] > 1.2 * top
+
+    no_trace = CurvatureTracker(make_model(running_stats=False), loss_fn, batch=PROBE, k=1)
+    no_trace.compute(0)
+    assert len(no_trace.plot(tmp_path / "one.png").axes) == 1
