@@ -187,8 +187,11 @@ def lanczos(
             residuals at the end cost ``k`` more. A ``max_iter`` you pass
             bounds every product (``result.iterations <= max_iter``, as in the
             1.0 alpha): see NOTE [explicit lanczos budget].
-        tol: a pair is converged when ``||A v - θ v|| <= tol · |θ|`` (or the
-            residual is at rounding level, see ``_common.rounding_level``).
+        tol: a pair is converged when ``||A v - θ v|| <= max(tol · |θ|, floor)``, the
+            floor being the residual rounding alone makes: ``rounding_level`` of the
+            dtypes (float32 about 1.2e-5, float64 2.2e-14) times the largest ``|θ|``
+            seen. The result carries both (``result.tol``, ``result.residual_floor``);
+            see NOTE [convergence rule] in ``result``.
         reorthogonalize: ``None``/``True``: full reorthogonalization (classical
             Gram-Schmidt twice). ``False``: only against the previous block
             (and the kept vectors after a restart): less arithmetic, but
@@ -540,6 +543,8 @@ def lanczos(
         residuals=res,
         iterations=products,
         converged=converged,
+        tol=float(tol),
+        residual_floor=noise * anorm,  # See NOTE [convergence rule] in result
     )
 
 

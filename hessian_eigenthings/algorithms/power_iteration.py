@@ -8,8 +8,8 @@ can stall it, so the default is 0. Deflation finds the next pair on
 ``P A P`` with ``P = I − Σ uᵢuᵢᵀ`` over the pairs found (projection
 deflation: products with the original operator between two projections).
 
-Stopping rule: the true residual ``||A v − (vᵀAv) v|| <= tol · |vᵀAv|`` of
-the current iterate, available from the product just computed (one host
+Stopping rule: the true residual ``||A v − (vᵀAv) v|| <= max(tol · |vᵀAv|, floor)`` of
+the current iterate (the floor: NOTE [convergence rule] in ``result``), available from the product just computed (one host
 sync per step reads the Rayleigh quotient and the residual).
 
 Cost: one product per step; ``deflated_power_iteration`` spends at most
@@ -51,12 +51,37 @@ from hessian_eigenthings.operators.base import CurvatureOperator
 __all__ = ["PowerIterationResult", "deflated_power_iteration", "power_iteration_one"]
 
 
-class PowerIterationResult(NamedTuple):
+class _PowerIterationFields(NamedTuple):
     eigenvalue: float
     eigenvector: torch.Tensor  # (n,) unit norm, in the operator's dtype
     residual: float  # ||A v - λ v||
     iterations: int  # products spent
     converged: bool
+
+
+class PowerIterationResult(_PowerIterationFields):
+    """``(eigenvalue, eigenvector, residual, iterations, converged)``: it unpacks into those
+    five, as DESIGN promises. ``converged`` is exactly ``residual <= max(tol · |eigenvalue|,
+    residual_floor)`` (NOTE [convergence rule] in ``result``); ``tol`` and ``residual_floor``
+    are attributes besides the five fields."""
+
+    tol: float | None
+    residual_floor: float
+
+    def __new__(
+        cls,
+        eigenvalue: float,
+        eigenvector: torch.Tensor,
+        residual: float,
+        iterations: int,
+        converged: bool,
+        tol: float | None = None,
+        residual_floor: float = 0.0,
+    ) -> PowerIterationResult:
+        self = super().__new__(cls, eigenvalue, eigenvector, residual, iterations, converged)
+        self.tol = tol
+        self.residual_floor = residual_floor
+        return self
 
 
 def _check_common(max_iter: int, tol: float, momentum: float) -> None:
@@ -78,7 +103,7 @@ def _power(
     backend: LinAlgBackend,
     noise: float,
     bar: object | None,
-) -> tuple[float, torch.Tensor, float, int, bool]:
+) -> tuple[float, torch.Tensor, float, int, bool, float]:
     """The iteration on a unit row ``x (1, n)``; ``apply`` maps rows to rows."""
     prev = torch.zeros_like(x)
     lam = 0.0
@@ -110,7 +135,7 @@ def _power(
             break
         prev = x / ynorm
         x = y / ynorm
-    return lam, x, res, it, converged
+    return lam, x, res, it, converged, noise * anorm
 
 
 def _power_host(
@@ -122,7 +147,7 @@ def _power_host(
     momentum: float,
     noise: float,
     bar: object | None,
-) -> tuple[float, np.ndarray[Any, Any], float, int, bool]:
+) -> tuple[float, np.ndarray[Any, Any], float, int, bool, float]:
     """``_power`` on a unit host vector ``x (n,)`` in numpy (``apply`` maps vectors to
     vectors): the same iteration and tests. See NOTE [small operators on the host]."""
     prev = np.zeros_like(x)
@@ -154,7 +179,7 @@ def _power_host(
         if momentum:
             prev = x / ynorm
         x = y / ynorm
-    return lam, x, res, it, converged
+    return lam, x, res, it, converged, noise * anorm
 
 
 def power_iteration_one(
@@ -188,7 +213,7 @@ def power_iteration_one(
     noise = rounding_level(wd, op.dtype)
     with progress_bar(max_iter, "power iteration", progress) as bar:
         if host_arithmetic(x, backend):  # See NOTE [small operators on the host]
-            lam, vh, res, it, conv = _power_host(
+            lam, vh, res, it, conv, floor = _power_host(
                 lambda z: host_matvec(op, z),
                 x[0].numpy(),
                 max_iter=max_iter,
@@ -199,7 +224,7 @@ def power_iteration_one(
             )
             v = torch.from_numpy(vh).unsqueeze(0)
         else:
-            lam, v, res, it, conv = _power(
+            lam, v, res, it, conv, floor = _power(
                 lambda z: apply_rows(op, z),
                 x,
                 max_iter=max_iter,
@@ -209,7 +234,7 @@ def power_iteration_one(
                 noise=noise,
                 bar=bar,
             )
-    return PowerIterationResult(lam, v[0].to(op.dtype), res, it, conv)
+    return PowerIterationResult(lam, v[0].to(op.dtype), res, it, conv, float(tol), floor)
 
 
 def _start(
@@ -275,7 +300,7 @@ def _deflated_host_run(
     if found.shape[0]:
         x = x - (found @ x) @ found
     x = x / math.sqrt(float(x @ x))
-    lam, v, _res, it, _conv = _power_host(
+    lam, v, _res, it, _conv, _floor = _power_host(
         apply, x, max_iter=max_iter, tol=tol, momentum=momentum, noise=noise, bar=bar
     )
     return lam, v, it
@@ -352,7 +377,7 @@ def deflated_power_iteration(
             if i:
                 x = x - backend.inner_rows(x, found) @ found
             x = x / row_dots(backend, x, x).sqrt().unsqueeze(1)
-            lam, v, _res, it, _conv = _power(
+            lam, v, _res, it, _conv, _floor = _power(
                 apply,
                 x,
                 max_iter=max_iter,
@@ -395,4 +420,6 @@ def deflated_power_iteration(
         residuals=res[order],
         iterations=products,
         converged=converged[order],
+        tol=float(tol),
+        residual_floor=noise * anorm,  # See NOTE [convergence rule] in result
     )

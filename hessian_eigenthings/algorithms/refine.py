@@ -62,7 +62,8 @@ def refine_eigenpairs(
     max_basis: int | None = None,
     backend: LinAlgBackend | None = None,
 ) -> EigenResult:
-    """Eigenpairs of ``op`` refined from approximate ones, to ``||A y - θ y|| <= tol·|θ|``.
+    """Eigenpairs of ``op`` refined from approximate ones, to ``||A y - θ y|| <= tol·|θ|``
+    (or the rounding floor: NOTE [convergence rule] in ``result``).
 
     Args:
         start: an ``EigenResult`` (its eigenvectors) or rows ``(k, n)`` spanning the
@@ -144,6 +145,8 @@ def refine_eigenpairs(
         residuals=res,
         iterations=products,
         converged=converged,
+        tol=float(tol),
+        residual_floor=noise * anorm,  # See NOTE [convergence rule] in result
     )
 
 
@@ -209,15 +212,26 @@ def lanczos_tf32_refine(
     # the first phase may stop short of tf32_tol: the second phase is what is reported
     with _precision(op, "tf32"), quiet_convergence_warnings():
         rough = lanczos(
-            op, k=k, which=which, tol=tf32_tol, max_iter=max_iter, seed=seed,
-            backend=backend, residuals="estimate", **lanczos_options,
+            op,
+            k=k,
+            which=which,
+            tol=tf32_tol,
+            max_iter=max_iter,
+            seed=seed,
+            backend=backend,
+            residuals="estimate",
+            **lanczos_options,
         )
     with _precision(op, "fp32"):
-        fine = refine_eigenpairs(op, rough, which=which, tol=tol, max_iter=refine_max_iter, backend=backend)
+        fine = refine_eigenpairs(
+            op, rough, which=which, tol=tol, max_iter=refine_max_iter, backend=backend
+        )
     return EigenResult(
         eigenvalues=fine.eigenvalues,
         eigenvectors=fine.eigenvectors,
         residuals=fine.residuals,
         iterations=rough.iterations + fine.iterations,
         converged=fine.converged,
+        tol=fine.tol,
+        residual_floor=fine.residual_floor,
     )
