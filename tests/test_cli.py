@@ -44,7 +44,18 @@ USER_MODULE = textwrap.dedent(
     """
 )
 
-SMALL = ["-k", "3", "--trace-matvecs", "9", "--slq-runs", "2", "--slq-steps", "12", "--grid-points", "300"]
+SMALL = [
+    "-k",
+    "3",
+    "--trace-matvecs",
+    "9",
+    "--slq-runs",
+    "2",
+    "--slq-steps",
+    "12",
+    "--grid-points",
+    "300",
+]
 
 
 @pytest.fixture
@@ -58,7 +69,11 @@ def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
         [sys.executable, "-m", "hessian_eigenthings", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -71,7 +86,17 @@ def _load(path: Path):  # the user's make() loaded the way the test compares aga
 def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> None:
     out = tmp_path / "out"
     proc = _run_cli(
-        ["--model", f"{user_module}:make", "--dtype", "float64", "--seed", "7", "-o", str(out), *SMALL],
+        [
+            "--model",
+            f"{user_module}:make",
+            "--dtype",
+            "float64",
+            "--seed",
+            "7",
+            "-o",
+            str(out),
+            *SMALL,
+        ],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
@@ -87,10 +112,25 @@ def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> N
     tr = he.trace(op, num_matvecs=9, seed=7)
     sd = he.spectral_density(op, num_runs=2, lanczos_steps=12, num_grid_points=300, seed=7)
 
-    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), eig.eigenvalues, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64),
+        eig.eigenvalues,
+        rtol=1e-9,
+        atol=1e-12,
+    )
     assert res["trace"]["estimate"] == pytest.approx(tr.estimate, rel=1e-9)
-    torch.testing.assert_close(torch.tensor(res["spectral_density"]["nodes"], dtype=torch.float64), sd.quadrature()[0], rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(torch.tensor(res["spectral_density"]["density"], dtype=torch.float64), sd.density, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(
+        torch.tensor(res["spectral_density"]["nodes"], dtype=torch.float64),
+        sd.quadrature()[0],
+        rtol=1e-9,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        torch.tensor(res["spectral_density"]["density"], dtype=torch.float64),
+        sd.density,
+        rtol=1e-7,
+        atol=1e-9,
+    )
     assert res["model"]["num_parameters"] == op.size == 6 * 8 + 8 + 8 * 3 + 3
     assert res["memory_estimate"]["parameter_bytes"] == op.size * 8
 
@@ -101,17 +141,32 @@ def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> N
 
 def test_builtin_default_small(tmp_path: Path) -> None:
     """The built-in problem (synthetic data here, for speed) with every stage on."""
-    proc = _run_cli(["--synthetic", "--train-steps", "5", "--seed", "1", "--no-progress", *SMALL], cwd=tmp_path)
+    proc = _run_cli(
+        ["--synthetic", "--train-steps", "5", "--seed", "1", "--no-progress", *SMALL], cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "he_out"  # the default output folder, relative to the working directory
     res = json.loads((out / "results.json").read_text())
-    assert set(res) >= {"config", "model", "eigenvalues", "trace", "spectral_density", "memory_estimate", "timings_s"}
+    assert set(res) >= {
+        "config",
+        "model",
+        "eigenvalues",
+        "trace",
+        "spectral_density",
+        "memory_estimate",
+        "timings_s",
+    }
     assert "synthetic" in res["model"]["description"]
 
     problem = cli.builtin_problem(seed=1, train_steps=5, synthetic=True)
     op = cli.build_operator(problem, "hessian")
     eig = he.lanczos(op, k=3, which="LA", tol=1e-4, seed=1)
-    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), eig.eigenvalues, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64),
+        eig.eigenvalues,
+        rtol=1e-4,
+        atol=1e-6,
+    )
     assert (out / "spectrum.png").stat().st_size > 20_000
 
 
@@ -130,7 +185,18 @@ def test_module_function_form_and_ggn(tmp_path: Path, user_module: Path) -> None
 
 def test_fisher_and_finite_difference_in_process(tmp_path: Path, user_module: Path) -> None:
     for extra in (["--operator", "fisher"], ["--method", "finite_difference"]):
-        code = cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(tmp_path / extra[1]), *SMALL, *extra])
+        code = cli.main(
+            [
+                "--model",
+                f"{user_module}:make",
+                "-q",
+                "--no-plot",
+                "-o",
+                str(tmp_path / extra[1]),
+                *SMALL,
+                *extra,
+            ]
+        )
         assert code == 0
         res = json.loads((tmp_path / extra[1] / "results.json").read_text())
         assert len(res["eigenvalues"]["values"]) == 3
@@ -141,7 +207,10 @@ def test_fisher_and_finite_difference_in_process(tmp_path: Path, user_module: Pa
     [
         (["-k", "0"], "expected a positive integer"),
         (["--operator", "laplacian"], "invalid choice"),
-        (["--operator", "ggn", "--method", "finite_difference"], "applies to --operator hessian only"),
+        (
+            ["--operator", "ggn", "--method", "finite_difference"],
+            "applies to --operator hessian only",
+        ),
         (["--trace-matvecs", "2"], "must be 0 (skip) or >= 3"),
         (["--dtype", "float8"], "invalid choice"),
         (["--model", "x:y", "--synthetic"], "cannot be combined"),
@@ -182,10 +251,28 @@ def test_bad_device(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 
 def test_without_matplotlib_still_writes_json(
-    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    user_module: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
-    code = cli.main(["--model", f"{user_module}:make", "-o", str(tmp_path), "-k", "2", "--trace-matvecs", "0", "--slq-runs", "0"])
+    monkeypatch.setitem(
+        sys.modules, "matplotlib", None
+    )  # makes `import matplotlib` raise ImportError
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "-o",
+            str(tmp_path),
+            "-k",
+            "2",
+            "--trace-matvecs",
+            "0",
+            "--slq-runs",
+            "0",
+        ]
+    )
     assert code == 0
     assert (tmp_path / "results.json").is_file()
     assert not (tmp_path / "spectrum.png").exists()
@@ -208,10 +295,22 @@ def test_builtin_problem_is_deterministic() -> None:
     assert isinstance(a.model, nn.Module) and len(list(a.dataloader)) == 1
 
 
-def test_k_larger_than_operator_is_rejected(user_module: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_k_larger_than_operator_is_rejected(
+    user_module: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # the library rejects k > n; the CLI used to lower k to n silently and run a huge budget
     n = 6 * 8 + 8 + 8 * 3 + 3
-    code = cli.main(["--model", f"{user_module}:make", "-o", str(tmp_path / "out"), *SMALL[2:], "-k", str(n + 1)])
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "-o",
+            str(tmp_path / "out"),
+            *SMALL[2:],
+            "-k",
+            str(n + 1),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
@@ -280,8 +379,21 @@ def test_run_sh_resolves_paths_where_the_user_stands(tmp_path: Path, user_module
     (proj / "cnn_problem.py").write_text(user_module.read_text())
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        ["bash", str(repo / "scripts" / "run.sh"), "--model", "cnn_problem.py:make", "--no-plot", "-o", "out", *SMALL],
-        cwd=proj, env=env, capture_output=True, text=True, timeout=300,
+        [
+            "bash",
+            str(repo / "scripts" / "run.sh"),
+            "--model",
+            "cnn_problem.py:make",
+            "--no-plot",
+            "-o",
+            "out",
+            *SMALL,
+        ],
+        cwd=proj,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert (proj / "out" / "results.json").is_file()
@@ -312,8 +424,12 @@ def test_setup_sh_reports_progress_and_no_pip_error(tmp_path: Path) -> None:
     )
     fake.chmod(0o755)
     first = subprocess.run(
-        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
-        capture_output=True, text=True, timeout=60,
+        ["bash", "scripts/setup.sh"],
+        cwd=repo,
+        env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert first.returncode == 0, first.stderr
     assert "ERROR" not in first.stdout + first.stderr
@@ -322,28 +438,68 @@ def test_setup_sh_reports_progress_and_no_pip_error(tmp_path: Path) -> None:
     assert installs and all("--no-warn-conflicts" in line for line in installs)
     assert any("--no-deps curvlinops-for-pytorch" in line for line in installs)
     second = subprocess.run(
-        ["bash", "scripts/setup.sh"], cwd=repo, env={**os.environ, "PYTHON": str(fake)},
-        capture_output=True, text=True, timeout=60,
+        ["bash", "scripts/setup.sh"],
+        cwd=repo,
+        env={**os.environ, "PYTHON": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert second.returncode == 0 and second.stderr == ""  # stamp present: nothing to do, silent
 
 
-def test_quiet_num_batches_and_memory_line(tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quiet_num_batches_and_memory_line(
+    tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "q"
-    assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), *SMALL]) == 0
+    assert (
+        cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), *SMALL]) == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"wrote {out / 'results.json'}")  # -q keeps the paths
+    assert len(lines) == 1 and lines[0].startswith(
+        f"wrote {out / 'results.json'}"
+    )  # -q keeps the paths
 
     # the user's data: batches of 16, 16 and 8 samples; --num-batches 2 reads 32 of them
-    assert cli.main(["--model", f"{user_module}:make", "--operator", "ggn", "--num-batches", "2", "--no-plot",
-                     "--no-progress", "-o", str(out), *SMALL]) == 0
+    assert (
+        cli.main(
+            [
+                "--model",
+                f"{user_module}:make",
+                "--operator",
+                "ggn",
+                "--num-batches",
+                "2",
+                "--no-plot",
+                "--no-progress",
+                "-o",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "data per product: 32 samples in 2 batches (--num-batches 2)" in text
     assert json.loads((out / "results.json").read_text())["data"] == {"samples": 32, "batches": 2}
     memory_line = next(line for line in text.splitlines() if line.startswith("memory estimate"))
     assert "(ggn, Jacobian products," in memory_line and "autograd" not in memory_line
-    assert cli.main(["--model", f"{user_module}:make", "--operator", "fisher", "--no-plot", "--no-progress",
-                     "-o", str(out), *SMALL]) == 0
+    assert (
+        cli.main(
+            [
+                "--model",
+                f"{user_module}:make",
+                "--operator",
+                "fisher",
+                "--no-plot",
+                "--no-progress",
+                "-o",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "data per product: 40 samples in 3 batches\n" in text
     assert "memory estimate (fisher, per-sample gradients," in text
@@ -360,8 +516,13 @@ def test_figure_says_what_it_shows(which: str) -> None:
     eig = he.lanczos(op, k=3, which=which, seed=0)
     density = he.spectral_density(op, num_runs=2, lanczos_steps=20, num_grid_points=200, seed=0)
     tr = he.trace(op, num_matvecs=9, seed=0)
-    title = "empirical Fisher of " + "a/very/long/path/to/some_users_experiment_module.py:make_problem " * 3
-    fig = cli._figure(eig, density, tr, which, title, "data: 32 samples in 2 batches, float64 on cpu")
+    title = (
+        "empirical Fisher of "
+        + "a/very/long/path/to/some_users_experiment_module.py:make_problem " * 3
+    )
+    fig = cli._figure(
+        eig, density, tr, which, title, "data: 32 samples in 2 batches, float64 on cpu"
+    )
     try:
         fig.canvas.draw()
         texts = [t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
@@ -378,23 +539,45 @@ def test_figure_says_what_it_shows(which: str) -> None:
         width, height = fig.canvas.get_width_height()
         for t in [*fig.texts, *(ax.title for ax in fig.axes)]:
             box = t.get_window_extent(renderer)
-            assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, t.get_text()
+            assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, (
+                t.get_text()
+            )
     finally:
         plt.close(fig)
 
 
 def test_progress_lines_off_a_terminal(
-    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    user_module: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hessian_eigenthings.algorithms import _common
 
-    monkeypatch.setattr(_common, "LOG_INTERVAL_S", 0.0)  # a long run, compressed: every update is due
-    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "-o", str(tmp_path), *SMALL]) == 0
+    monkeypatch.setattr(
+        _common, "LOG_INTERVAL_S", 0.0
+    )  # a long run, compressed: every update is due
+    assert (
+        cli.main(["--model", f"{user_module}:make", "--no-plot", "-o", str(tmp_path), *SMALL]) == 0
+    )
     err = capsys.readouterr().err
     for stage in ("lanczos (k=3): ", "hutch++: ", "spectral density: "):
         assert stage in err, err
     assert "\r" not in err
-    assert cli.main(["--model", f"{user_module}:make", "--no-plot", "--no-progress", "-o", str(tmp_path), *SMALL]) == 0
+    assert (
+        cli.main(
+            [
+                "--model",
+                f"{user_module}:make",
+                "--no-plot",
+                "--no-progress",
+                "-o",
+                str(tmp_path),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().err == ""
 
 
@@ -402,27 +585,82 @@ def test_landscape_along_the_top_eigenvectors(tmp_path: Path, user_module: Path)
     """--landscape 2d: the grid of losses in results.json equals the library's loss_landscape
     along the eigenvectors of the library's own Lanczos run, and landscape.png is written."""
     out = tmp_path / "out"
-    code = cli.main(["--model", f"{user_module}:make", "-q", "-o", str(out), "-k", "2", "--trace-matvecs", "0",
-                     "--slq-runs", "0", "--landscape", "2d", "--landscape-steps", "3", "--landscape-span", "0.5"])
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "-q",
+            "-o",
+            str(out),
+            "-k",
+            "2",
+            "--trace-matvecs",
+            "0",
+            "--slq-runs",
+            "0",
+            "--landscape",
+            "2d",
+            "--landscape-steps",
+            "3",
+            "--landscape-span",
+            "0.5",
+        ]
+    )
     assert code == 0
     saved = json.loads((out / "results.json").read_text())["landscape"]
     assert (out / "landscape.png").stat().st_size > 1000
     model, data, criterion = _load(user_module)
     op = he.HessianOperator(model, data, he.supervised_loss(criterion))
     eig = he.algorithms.lanczos(op, k=2, which="LA", tol=1e-4, seed=0)
-    ref = he.loss_landscape(model, data, he.supervised_loss(criterion), directions=eig, dims=2, span=0.5, steps=3)
+    ref = he.loss_landscape(
+        model, data, he.supervised_loss(criterion), directions=eig, dims=2, span=0.5, steps=3
+    )
     np.testing.assert_allclose(np.array(saved["losses"]), ref.losses.numpy(), rtol=1e-5)
     assert saved["center_loss"] == pytest.approx(ref.center_loss, rel=1e-6)
-    assert cli.main(["--model", f"{user_module}:make", "-q", "--no-plot", "-o", str(out), "-k", "1",
-                     "--trace-matvecs", "0", "--slq-runs", "0", "--landscape", "2d"]) == 2
+    assert (
+        cli.main(
+            [
+                "--model",
+                f"{user_module}:make",
+                "-q",
+                "--no-plot",
+                "-o",
+                str(out),
+                "-k",
+                "1",
+                "--trace-matvecs",
+                "0",
+                "--slq-runs",
+                "0",
+                "--landscape",
+                "2d",
+            ]
+        )
+        == 2
+    )
 
 
 @pytest.mark.parametrize("operator", ["kfac", "ekfac", "kfoc"])
-def test_kronecker_factored_operators_from_the_command_line(tmp_path: Path, user_module: Path, operator: str) -> None:
+def test_kronecker_factored_operators_from_the_command_line(
+    tmp_path: Path, user_module: Path, operator: str
+) -> None:
     # factored registry rows: the CLI builds them (type-2) and runs the algorithms on them
     out = tmp_path / operator
-    code = cli.main(["--model", f"{user_module}:make", "--dtype", "float64", "--operator", operator,
-                     "-q", "--no-plot", "-o", str(out), *SMALL])
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "--dtype",
+            "float64",
+            "--operator",
+            operator,
+            "-q",
+            "--no-plot",
+            "-o",
+            str(out),
+            *SMALL,
+        ]
+    )
     assert code == 0
     res = json.loads((out / "results.json").read_text())
     model, data, criterion = _load(user_module)
@@ -431,5 +669,191 @@ def test_kronecker_factored_operators_from_the_command_line(tmp_path: Path, user
     cls = {"kfac": he.KFACOperator, "ekfac": he.EKFACOperator, "kfoc": he.KFOCOperator}[operator]
     op = cls(model, data, he.supervised_forward, he.supervised_loss_of_output(criterion))
     top = torch.linalg.eigvalsh(op.to_dense()).flip(0)[:3]
-    torch.testing.assert_close(torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), top, rtol=1e-6, atol=1e-10)
-    assert res["memory_estimate"]["method"] == he.operators.registry.curvature(operator).memory[0].label
+    torch.testing.assert_close(
+        torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), top, rtol=1e-6, atol=1e-10
+    )
+    assert (
+        res["memory_estimate"]["method"]
+        == he.operators.registry.curvature(operator).memory[0].label
+    )
+
+
+def test_figure_with_many_eigenvalues_stays_readable() -> None:
+    """-k 50: the index axis keeps a readable number of ticks, and the density panel marks
+    only a few eigenvalues, in a light colour, so that the density stays visible."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    A = torch.diag(torch.linspace(-1.0, 2.0, 120, dtype=torch.float64))
+    op = he.LambdaOperator(lambda v: A @ v, 120, dtype=torch.float64)
+    eig = he.lanczos(op, k=50, which="SA", seed=0)
+    density = he.spectral_density(op, num_runs=2, lanczos_steps=20, num_grid_points=200, seed=0)
+    fig = cli._figure(eig, density, None, "SA", "Hessian of a diagonal", "data: none")
+    try:
+        fig.canvas.draw()
+        left, right = fig.axes[0], fig.axes[-1]
+        labels = [t.get_text() for t in right.get_xticklabels() if t.get_text()]
+        assert 2 <= len(labels) <= 12, labels
+        marks = [
+            line
+            for line in left.get_lines()
+            if len(set(np.asarray(line.get_xdata(), dtype=float))) == 1
+        ]
+        assert 1 <= len(marks) <= 10
+        assert all((line.get_alpha() or 1.0) <= 0.5 for line in marks)
+        assert "10 of 50" in " ".join(t.get_text() for t in left.get_legend().get_texts())
+    finally:
+        plt.close(fig)
+
+
+def test_method_help_says_each_method_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--operator hessian: autograd (default) or finite_difference" in text
+    assert text.count("finite_difference") == 3  # usage, the option's choices and its help, once
+
+
+def test_output_json_file_and_stdout(
+    tmp_path: Path,
+    user_module: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    quick = [
+        "--model",
+        f"{user_module}:make",
+        "-k",
+        "2",
+        "--trace-matvecs",
+        "0",
+        "--slq-runs",
+        "0",
+        "--no-progress",
+    ]
+    path = tmp_path / "runs" / "run1.json"
+    assert cli.main([*quick, "-o", str(path)]) == 0
+    assert path.is_file() and not (path / "results.json").exists()
+    saved = json.loads(path.read_text())
+    assert len(saved["eigenvalues"]["values"]) == 2
+    assert (tmp_path / "runs" / "run1.spectrum.png").is_file()  # the plot beside it, named after it
+    capsys.readouterr()
+    assert cli.main([*quick, "-o", "-"]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out)  # stdout holds the JSON document and nothing else
+    np.testing.assert_allclose(
+        printed["eigenvalues"]["values"], saved["eigenvalues"]["values"], rtol=1e-5
+    )
+    assert "top 2 eigenvalues" in err
+    assert not (tmp_path / "he_out").exists()  # nothing written to the default folder
+
+
+def test_bottom_eigenvectors_are_called_bottom(
+    tmp_path: Path,
+    user_module: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    figures: list = []
+    monkeypatch.setattr(cli, "_plot", lambda path, fig: figures.append((path.name, fig)))
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "-o",
+            str(tmp_path),
+            "-k",
+            "2",
+            "--which",
+            "SA",
+            "--trace-matvecs",
+            "0",
+            "--slq-runs",
+            "0",
+            "--no-progress",
+            "--landscape",
+            "2d",
+        ]
+    )
+    assert code == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("loss landscape"))
+    assert "bottom eigenvectors" in line and "top" not in line
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["landscape"]["alphas"]) == 21  # the 2-D default grid: 21 x 21 points
+    fig = dict(figures)["landscape.png"]
+    title = fig.axes[0].get_title()
+    values = saved["eigenvalues"]["values"]
+    assert "top" not in title and f"{values[0]:.3g}" in title and f"{values[1]:.3g}" in title
+
+
+def test_threads_option(
+    tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = torch.get_num_threads()
+    quick = [
+        "--model",
+        f"{user_module}:make",
+        "-k",
+        "2",
+        "--trace-matvecs",
+        "0",
+        "--slq-runs",
+        "0",
+        "--no-plot",
+    ]
+    assert cli.main([*quick, "-q", "-o", str(tmp_path), "--threads", "1"]) == 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["torch_threads"] == 1
+    assert torch.get_num_threads() == before  # an in-process run gives the setting back
+    assert cli.main([*quick, "-q", "-o", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["torch_threads"] == before
+    with pytest.raises(SystemExit):
+        cli.main([*quick, "--threads", "0"])
+    assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("operator", ["kfac", "ekfac", "kfoc"])
+def test_kronecker_factored_operators_use_their_exact_eigh_and_trace(
+    tmp_path: Path, user_module: Path, operator: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        [
+            "--model",
+            f"{user_module}:make",
+            "--dtype",
+            "float64",
+            "--operator",
+            operator,
+            "--no-plot",
+            "--no-progress",
+            "-o",
+            str(tmp_path),
+            "-k",
+            "3",
+            "--trace-matvecs",
+            "9",
+            "--slq-runs",
+            "0",
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "results.json").read_text())
+    model, data, criterion = _load(user_module)
+    model = model.double()
+    data = [(x.double(), y) for x, y in data]
+    cls = {"kfac": he.KFACOperator, "ekfac": he.EKFACOperator, "kfoc": he.KFOCOperator}[operator]
+    op = cls(model, data, he.supervised_forward, he.supervised_loss_of_output(criterion))
+    dense = op.to_dense()
+    top = torch.linalg.eigvalsh(dense).flip(0)[:3]
+    torch.testing.assert_close(
+        torch.tensor(res["eigenvalues"]["values"], dtype=torch.float64), top, rtol=1e-10, atol=1e-13
+    )
+    assert res["eigenvalues"]["method"] == "eigh" and res["eigenvalues"]["matvecs"] == 0
+    assert res["trace"]["method"] == "exact" and res["trace"]["matvecs"] == 0
+    assert res["trace"]["estimate"] == pytest.approx(float(dense.trace()), rel=1e-10)
+    assert res["total_matvecs"] == 0
+    assert "exact eigendecomposition" in text and "trace (exact" in text
