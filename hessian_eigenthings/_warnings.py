@@ -19,3 +19,7 @@ def user_stacklevel() -> int:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
+
+
+class EmptyBatchWarning(UserWarning):
+    """Batches of zero samples were skipped: they carry no weight in an average over samples."""

@@ -270,10 +270,10 @@ class DataParallelMixin(DataCurvatureOperator):
         # a rank that failed still joins, so that the others raise instead of waiting
         ranks.check_layout(failure, signature, f"construction of {type(self).__name__}")
 
-    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+    def _products(self, V: torch.Tensor) -> torch.Tensor:
         k = V.shape[0]
         if self._block_limit(k) < k:
-            return super()._matmat_rows(V)  # several passes: each reduces through a packed copy
+            return super()._products(V)  # several passes: each reduces through a packed copy
         # One pass: allocate the output with room for the count and the flags
         # behind it, so that the all-reduce runs in place on the output buffer.
         n = self.size

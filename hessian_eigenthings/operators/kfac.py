@@ -86,6 +86,7 @@ from hessian_eigenthings.loss_fns.standard import (
 )
 from hessian_eigenthings.operators.conv_factors import conv_input_moment
 from hessian_eigenthings.operators.model_guard import ModelGuard
+from hessian_eigenthings.operators.parameter_binding import refuse_in_place_forward
 from hessian_eigenthings.operators.precision import Precision, check_precision
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
@@ -324,6 +325,7 @@ class _KroneckerFactored(CurvatureOperator):
         self.column_chunk: int = check_count("column_chunk", column_chunk)  # type: ignore[assignment]
         if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
             raise TypeError("separate_bias and exclude_unsupported must be True or False")
+        refuse_in_place_forward(model, type(self).__name__)
         self.model = model
         self.forward_fn = forward_fn
         self.loss_of_output_fn = loss_of_output_fn

@@ -1,0 +1,152 @@
+"""What an operator's parameter directions are bound to, and which of them are constants.
+
+:class:`ParameterBinding` ties an operator to the model and its selected parameters *by name*:
+``model.load_state_dict(sd, assign=True)`` or ``module.weight = nn.Parameter(...)`` puts new
+tensor objects in the model's slots, and an operator holding the old objects would
+differentiate with respect to tensors the forward no longer reads (exact zeros, NOTE [replaced
+parameters]). :func:`constant_rows` finds the rows of the selection that training treats as
+constants (``nn.Embedding(padding_idx=...)``, NOTE [padding rows]); :func:`refuse_in_place_forward`
+refuses modules whose forward rewrites their own weight.
+
+Cost: one identity comparison per slot on the path to each selected parameter, per product
+(host work only: no tensor read, no device sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+# NOTE [replaced parameters]
+# An operator lists its selected parameters once, at construction. Loading a
+# state dict with `assign=True` (and `module.weight = nn.Parameter(...)`, or
+# replacing a whole submodule) puts new tensor objects in the model: a product
+# that differentiates with respect to the old ones gets `None` from
+# `allow_unused=True`, a zero block, and eigenvalues of zero, without a word.
+# The operator is bound to the model and the selection by name instead: every
+# product first checks, for each selected name, that the attribute slots on its
+# path (`model._modules["a"]`, ..., `module._parameters["weight"]`) still hold
+# the objects seen last (one dictionary lookup and one `is` per slot, host work
+# only). When one does not, the names are resolved again; a replacement of the
+# same shape, dtype and device is followed (kept states, recordings and engine
+# states keyed on the old objects are dropped by the operator), any other
+# raises and names the parameter.
+
+
+def _slots(model: nn.Module, name: str) -> list[tuple[dict[str, object], str, object]]:
+    """The ``(dict, key, value)`` attribute slots from ``model`` to the parameter ``name``."""
+    *path, leaf = name.split(".")
+    out: list[tuple[dict[str, object], str, object]] = []
+    module = model
+    for part in path:
+        child = module._modules[part]
+        out.append((module._modules, part, child))  # type: ignore[arg-type]
+        assert child is not None
+        module = child
+    out.append((module._parameters, leaf, module._parameters[leaf]))  # type: ignore[arg-type]
+    return out
+
+
+class ParameterBinding:
+    """The selected parameters of ``model`` by name, and a cheap check that they are still there."""
+
+    def __init__(self, model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.model = model
+        self.names = [n for n, _ in named_params]
+        self._bind(named_params)
+
+    def _bind(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = [p for _, p in named_params]
+        seen: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
+        for name, _ in named_params:
+            for slot in _slots(self.model, name):
+                seen.setdefault((id(slot[0]), slot[1]), slot)
+        self._checks = list(seen.values())
+
+    def current(self) -> bool:
+        """Whether every slot still holds the object it held when last bound (NOTE [replaced parameters])."""
+        return all(d.get(key) is value for d, key, value in self._checks)
+
+    def rebind(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the model holds now under the bound names; raises ``ValueError`` naming
+        a parameter that is gone or changed shape, dtype or device."""
+        now: list[tuple[str, nn.Parameter]] = []
+        for name, old in zip(self.names, self.tensors, strict=True):
+            try:
+                p = self.model.get_parameter(name)
+            except AttributeError:
+                raise ValueError(
+                    f"the selected parameter {name!r} is no longer a parameter of the model (replaced or "
+                    "removed after the operator was built); build a new operator for the new model"
+                ) from None
+            if p.shape != old.shape or p.dtype != old.dtype or p.device != old.device:
+                raise ValueError(
+                    f"the selected parameter {name!r} was replaced by a tensor of another shape, dtype or "
+                    f"device ({tuple(old.shape)} {old.dtype} {old.device} -> {tuple(p.shape)} {p.dtype} "
+                    f"{p.device}) after the operator was built; build a new operator for the new parameters"
+                )
+            now.append((name, p))
+        self._bind(now)
+        return now
+
+
+# NOTE [padding rows]
+# `nn.Embedding(padding_idx=i)` reads row `i` in its forward, but its backward
+# gives that row no gradient: training never moves it, it is a constant. The
+# reverse-mode products (gradients, `Jᵀu`, double backward) agree with that;
+# forward mode (`jvp`, `J v`) does not, as it propagates the row's tangent.
+# An engine that mixes the two (forward-over-reverse Hessian, `Jᵀ H J v`) then
+# computes a matrix that is neither symmetric nor the one training sees. Every
+# data operator therefore projects with `P` (the identity with the padding
+# rows' coordinates zeroed): the product is `P·A·P`, the input's padding
+# coordinates zeroed before the engine sees it and the output's after, on every
+# engine alike. Found once at construction; an operator without such rows
+# pays nothing. `EmbeddingBag(padding_idx=...)` leaves the padding row out of
+# its forward too (no tangent reaches it), so it needs no projection; it is
+# projected all the same, which costs nothing and keeps one rule.
+
+
+def constant_rows(
+    model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], offsets: Sequence[int]
+) -> list[tuple[int, int]]:
+    """``(start, stop)`` column ranges of the flat layout that training keeps constant: the
+    padding rows of selected embedding weights (NOTE [padding rows]). ``offsets[i]`` is where
+    parameter ``i`` starts in the flat vector."""
+    owners: dict[int, nn.Module] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
+            owners[id(m.weight)] = m
+    ranges: list[tuple[int, int]] = []
+    if not owners:
+        return ranges
+    for (_, p), start in zip(named_params, offsets, strict=False):
+        owner = owners.get(id(p))
+        if owner is not None:
+            pad = int(owner.padding_idx) % p.shape[0]  # type: ignore[arg-type]
+            width = p.shape[1]
+            ranges.append((start + pad * width, start + (pad + 1) * width))
+    return ranges
+
+
+def project_rows_(block: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Zero the columns ``ranges`` of a row block ``(k, n)`` in place (NOTE [padding rows])."""
+    for start, stop in ranges:
+        block[:, start:stop] = 0
+    return block
+
+
+def refuse_in_place_forward(model: nn.Module, owner: str) -> None:
+    """Raise for modules whose forward rewrites their own parameters: ``nn.Embedding(max_norm=...)``
+    renormalizes the rows it reads in place, so a product would change the user's model (and the
+    curvature would be of weights the forward itself rewrites)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ValueError(
+                f"{owner}: the embedding {name or type(m).__name__!r} has max_norm={m.max_norm}: its forward "
+                "renormalizes the weight in place, so every product would change your model's parameters. "
+                "Renormalize once and switch it off for the analysis: `with torch.no_grad(): "
+                "torch.embedding_renorm_(emb.weight, torch.arange(emb.num_embeddings), emb.max_norm, "
+                "emb.norm_type)`, then `emb.max_norm = None` (the same forward from then on)"
+            )
