@@ -10,10 +10,13 @@ instead of slicing offsets itself, so no product ever copies through
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import math
 import re
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -21,8 +24,29 @@ from typing import Any, overload
 import torch
 from torch import nn
 
+from hessian_eigenthings._warnings import user_stacklevel
+
 #: Decides whether a named parameter is selected.
 ParamFilter = Callable[[str, nn.Parameter], bool]
+
+
+class ParamFilterWarning(UserWarning):
+    """A pattern of a ``param_filter`` matches no parameter while the others select some
+    (``["2.weight", "2.bais"]``): most likely a typo."""
+
+
+#: the patterns of the filters made by match_names / match_regex, and how one is matched
+_PATTERNS: weakref.WeakKeyDictionary[
+    Callable[..., bool], tuple[tuple[str, ...], Callable[[str, str], bool]]
+] = weakref.WeakKeyDictionary()
+
+
+def _glob_matches(pattern: str, name: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _regex_matches(pattern: str, name: str) -> bool:
+    return re.search(pattern, name) is not None
 
 
 def match_names(*globs: str) -> ParamFilter:
@@ -41,6 +65,7 @@ def match_names(*globs: str) -> ParamFilter:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
     _filter.__qualname__ = f"match_names{globs!r}"
+    _PATTERNS[_filter] = (globs, _glob_matches)
     return _filter
 
 
@@ -54,6 +79,7 @@ def match_regex(*patterns: str) -> ParamFilter:
         return any(c.search(name) is not None for c in compiled)
 
     _filter.__qualname__ = f"match_regex{patterns!r}"
+    _PATTERNS[_filter] = (patterns, _regex_matches)
     return _filter
 
 
@@ -112,11 +138,41 @@ def select_parameters(
             )
         names = [n for n, _ in model.named_parameters()]
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        typos = "".join(f"; {m}" for m in _unmatched_patterns(flt, aliases))
         raise ValueError(
-            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected zero parameters; "
+            f"param_filter {getattr(flt, '__qualname__', flt)!r} selected zero parameters{typos}; "
             f"the model's parameters are: {shown}"
         )
+    for message in _unmatched_patterns(flt, aliases):
+        warnings.warn(
+            f"param_filter: {message} (the other patterns select {len(selected)} parameters; "
+            "a pattern that is meant to match nothing can be dropped)",
+            ParamFilterWarning,
+            stacklevel=user_stacklevel(),
+        )
     return selected
+
+
+def _unmatched_patterns(flt: ParamFilter | None, aliases: Mapping[int, list[str]]) -> list[str]:
+    """One line per pattern of a match_names / match_regex filter that matches no parameter name,
+    with the names closest to it (a typo's likely fix)."""
+    try:
+        known = _PATTERNS.get(flt) if flt is not None else None
+    except TypeError:  # an unhashable or not weak-referenceable callable: not one of ours
+        return []
+    if known is None:
+        return []
+    patterns, matches = known
+    names = [n for group in aliases.values() for n in group]
+    out = []
+    for pattern in patterns:
+        if not any(matches(pattern, n) for n in names):
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
+            hint = (
+                f"close names: {', '.join(close)}" if close else "no parameter name is close to it"
+            )
+            out.append(f"'{pattern}' matches no parameter; {hint}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -324,7 +380,9 @@ def slot_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> dict[s
     return out
 
 
-def call_with_values(module: nn.Module, values: Mapping[str, torch.Tensor], args: tuple[Any, ...]) -> Any:
+def call_with_values(
+    module: nn.Module, values: Mapping[str, torch.Tensor], args: tuple[Any, ...]
+) -> Any:
     """``module(*args)`` with the named parameters and buffers replaced by ``values`` (any of a
     tensor's names will do) for the call only; the module is left as it was."""
     return torch.func.functional_call(module, slot_values(module, values), args, tie_weights=False)
