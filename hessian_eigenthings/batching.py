@@ -8,7 +8,10 @@ and ``__getitem__``). Its size is the leading dimension of its first tensor
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import random
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -47,6 +50,18 @@ def _first_tensor(batch: Batch) -> torch.Tensor | None:
             if t is not None:
                 return t
     return None
+
+
+def iter_tensors(batch: Batch) -> Iterator[torch.Tensor]:
+    """Every tensor of a batch, depth first (mappings in key order)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif _is_mapping(batch):
+        for key in batch.keys():
+            yield from iter_tensors(batch[key])
+    elif isinstance(batch, (tuple, list)):
+        for item in batch:
+            yield from iter_tensors(item)
 
 
 def batch_size(batch: Batch) -> int:
@@ -139,6 +154,77 @@ def check_microbatching(model: nn.Module, microbatch_size: int | None, unsafe: b
         )
 
 
+# NOTE [one batch passed as the data]
+# HessianOperator(model, (x, y), loss) passes one batch where an iterable of batches belongs;
+# iterating it gives x, then y, and the loss sees a bare tensor as its batch. A list or tuple of
+# bare-tensor batches is legitimate data though (losses that take tensors), so the rule looks at
+# the structure and flags only what the batches of one dataset cannot be: a tuple or list of 2 to
+# 8 items, each with a tensor, the leading dimensions of whose first tensors are all equal (the
+# samples of one batch), while the items are of different kinds: a tensor beside a mapping or a
+# sequence, or tensors of different dtypes or ranks (float inputs (N, d) and int64 targets (N,)).
+# Batches of one dataset share kind, dtype and rank; a smaller last batch has another leading
+# size; token batches of different lengths share dtype and rank: none of them is flagged. Not
+# caught: (x, y) with x and y of one dtype and rank (regression, autoencoders), which two tensor
+# batches could be; a supervised helper then finds a tensor where it wants (inputs, targets), and
+# loss_fns.checks.check_first_batch asks the same question when the operator is built.
+# DataLoader's default collation makes a batch a list [x, y]: lists are looked at like tuples.
+
+
+def _kind(item: Batch) -> tuple[object, ...]:
+    if isinstance(item, torch.Tensor):
+        return ("tensor", item.dtype, item.dim())
+    if _is_mapping(item):
+        return ("mapping",)
+    if isinstance(item, (tuple, list)):
+        return ("sequence",)
+    return ("other", type(item))
+
+
+def looks_like_one_batch(data: object) -> bool:
+    """True when ``data`` is a single batch rather than an iterable of batches
+    (NOTE [one batch passed as the data]; no false positives on legitimate data)."""
+    if not isinstance(data, (tuple, list)) or not 2 <= len(data) <= 8:
+        return False
+    sizes = set()
+    for item in data:
+        t = _first_tensor(item)
+        if t is None or t.dim() == 0:
+            return False
+        sizes.add(t.shape[0])
+    return len(sizes) == 1 and len({_kind(item) for item in data}) > 1
+
+
+def _one_batch_message(data: tuple[Batch, ...] | list[Batch]) -> str:
+    names = ("x", "y", "w")[: len(data)] if len(data) <= 3 else ("x", "y", "...")
+    parts = []
+    for item in data:
+        if isinstance(item, torch.Tensor):
+            parts.append(f"{str(item.dtype).removeprefix('torch.')} {tuple(item.shape)}")
+        else:
+            parts.append(type(item).__name__)
+    return (
+        f"the data looks like one batch, not an iterable of batches: a {type(data).__name__} of "
+        f"{len(data)} items of one leading size ({', '.join(parts)}), which would be read as {len(data)} "
+        f"batches; did you mean [({', '.join(names)})]? (a list holding the one batch, or a DataLoader)"
+    )
+
+
+@contextlib.contextmanager
+def _rng_untouched() -> Iterator[None]:
+    """Put back torch's (CPU and initialised CUDA devices), Python's and NumPy's global RNG states."""
+    py_state = random.getstate()
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_state)
+
+
 # NOTE [one operator, one dataset]
 # `full_dataset=True` promises one fixed matrix: every product reads the same
 # batches (the first `num_batches` of them when set). That needs data that can
@@ -164,11 +250,19 @@ class BatchSource:
         num_batches: int | None = None,
         device: torch.device | None = None,
     ) -> None:
-        if isinstance(dataloader, torch.Tensor) or _is_mapping(dataloader):
+        if isinstance(dataloader, torch.Tensor):
             raise TypeError(
-                "dataloader must be an iterable of batches (a DataLoader or a list of batches); "
-                "wrap a single batch as [batch]"
+                f"the data is one tensor of shape {tuple(dataloader.shape)}, not an iterable of batches "
+                "(a DataLoader or a list of batches); did you mean [x]? (a list holding the one batch)"
             )
+        if _is_mapping(dataloader):
+            raise TypeError(
+                f"the data is one batch (a {type(dataloader).__name__} with keys {list(dataloader.keys())}), "  # type: ignore[attr-defined]
+                "not an iterable of batches (a DataLoader or a list of batches); did you mean [batch]? "
+                "(a list holding the one batch)"
+            )
+        if isinstance(dataloader, (tuple, list)) and looks_like_one_batch(dataloader):
+            raise TypeError(_one_batch_message(dataloader))
         if not isinstance(dataloader, Iterable):
             raise TypeError(f"dataloader must be iterable, got {type(dataloader).__name__}")
         if isinstance(dataloader, Iterator):
@@ -216,6 +310,22 @@ class BatchSource:
             yield batch if self.device is None else to_device(batch, self.device)
         if empty:
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+
+    def first_batch(self) -> Batch | None:
+        """The data's first batch as given (not moved to a device), None when there is none.
+
+        Read once when an operator is built, for its checks: from a fresh iterator (the cycle of
+        ``full_dataset=False`` does not move), with the global RNG states put back (a shuffled
+        DataLoader draws its order from torch's RNG; a dataset may use Python's or NumPy's).
+        """
+        with _rng_untouched():
+            it = iter(self.dataloader)
+            try:
+                return next(it, None)
+            finally:
+                close = getattr(it, "close", None)  # a generator's __iter__: run its cleanup now
+                if callable(close):
+                    close()
 
     def single_batch_hint(self) -> bool:
         """True when the data of one product is known up front to be a single batch."""

@@ -22,8 +22,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Literal
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +42,78 @@ from hessian_eigenthings.loss_fns.protocols import LossFn, LossOfOutputFn, PerSa
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Reduction = Literal["mean", "sum"]
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+#: the callables of this module that read batches ``(inputs, targets)``: a label for messages, and
+#: whether they call ``model(inputs)`` (the first-batch check of ``loss_fns.checks`` reads this)
+SUPERVISED_READERS: weakref.WeakKeyDictionary[Callable[..., object], tuple[str, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _reads_supervised(label: str, *, calls_model: bool) -> Callable[[_F], _F]:
+    def mark(fn: _F) -> _F:
+        SUPERVISED_READERS[fn] = (label, calls_model)
+        return fn
+
+    return mark
+
+
+def describe_batch(batch: object) -> str:
+    """A few words on what a batch is, for messages: ``a Tensor of shape (8, 5)``,
+    ``a dict with keys ['input_ids', 'labels']``, ``a list of length 1``."""
+    if isinstance(batch, torch.Tensor):
+        return f"a Tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, Mapping) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        return f"a {type(batch).__name__} with keys {list(batch.keys())}"
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} of length {len(batch)}"
+    return f"a {type(batch).__name__}"
+
+
+def unreadable_batch_hint(batch: object) -> str:
+    """What to do when a supervised helper meets a batch that is not ``(inputs, targets)``."""
+    if isinstance(batch, torch.Tensor):
+        return (
+            "If you passed one batch (x, y) as the data, put it in a list: did you mean [(x, y)]? "
+            "For batches without targets write your own loss_fn(model, batch)"
+        )
+    if isinstance(batch, Mapping) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        return (
+            "For HuggingFace batches use hf_lm_loss() (hf_lm_forward() and hf_lm_loss_of_output() for "
+            "the GGN); for other layouts write your own loss_fn(model, batch)"
+        )
+    return "Write your own loss_fn(model, batch) for other layouts"
 
 
 def _inputs_targets(batch: Batch) -> tuple[object, torch.Tensor]:
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         raise TypeError(
-            "supervised loss helpers expect batches (inputs, targets); got "
-            f"{type(batch).__name__}. Write your own loss_fn(model, batch) for other layouts"
+            f"supervised loss helpers expect batches (inputs, targets); got {describe_batch(batch)}. "
+            + unreadable_batch_hint(batch)
         )
     return batch[0], batch[1]
 
 
-def _check_criterion(criterion: object) -> None:
+def _class_call(cls: type) -> str:
+    """How the user would write an instance of ``cls``: ``nn.CrossEntropyLoss()``, ``MyLoss()``."""
+    if getattr(nn, cls.__name__, None) is cls:
+        return f"nn.{cls.__name__}()"
+    return f"{cls.__name__}()"
+
+
+def check_criterion(criterion: object, *, name: str = "criterion") -> None:
+    """Raise ``TypeError`` unless ``criterion`` can be called as ``criterion(output, target)``.
+
+    A class (``nn.CrossEntropyLoss`` for ``nn.CrossEntropyLoss()``) is callable too, but calling it
+    builds a module: without this check the mistake surfaces deep inside the first product.
+    """
+    if isinstance(criterion, type):
+        raise TypeError(
+            f"{name} got the class {_class_call(criterion)[:-2]}, not a criterion; "
+            f"pass an instance: {_class_call(criterion)}"
+        )
     if not callable(criterion):
         raise TypeError(
             f"criterion must be callable as criterion(output, target), got {type(criterion).__name__}"
@@ -66,6 +127,7 @@ def _check_reduction(reduction: str) -> None:
         )
 
 
+@_reads_supervised("supervised_forward", calls_model=True)
 def supervised_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     """``model(inputs)`` for a batch ``(inputs, targets)``."""
     x, _ = _inputs_targets(batch)
@@ -74,8 +136,9 @@ def supervised_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def supervised_loss(criterion: Criterion) -> LossFn:
     """``loss_fn(model, (x, y)) = criterion(model(x), y)``."""
-    _check_criterion(criterion)
+    check_criterion(criterion, name="supervised_loss")
 
+    @_reads_supervised("supervised_loss(...)", calls_model=True)
     def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = _inputs_targets(batch)
         return criterion(model(x), y)
@@ -85,7 +148,9 @@ def supervised_loss(criterion: Criterion) -> LossFn:
 
 def _key_from(generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """A counter key (0-d int64 on ``device``) drawn from ``generator``."""
-    key = torch.randint(0, 2**62, (), generator=generator, device=generator.device, dtype=torch.int64)
+    key = torch.randint(
+        0, 2**62, (), generator=generator, device=generator.device, dtype=torch.int64
+    )
     return key.to(device)
 
 
@@ -173,7 +238,9 @@ class CrossEntropyOutputLoss:
         return out.movedim(-1, 2) if moved else out
 
     # -- the Monte-Carlo Fisher (loss_fns.protocols.SampledFisherLoss) -----------------
-    def _rows(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor]:
+    def _rows(
+        self, output: torch.Tensor, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor]:
         """Logits with classes last, the rows that count (None: all) and the mean's denominator."""
         _, y = _inputs_targets(batch)
         logits = output.movedim(1, -1) if output.dim() > 2 else output
@@ -192,7 +259,9 @@ class CrossEntropyOutputLoss:
         """``softmax(f) - onehot(y_s)``, ``y_s ~ Categorical(softmax(f))``, zero on ignored rows."""
         return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
 
-    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+    def keyed_sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`sample_grads` with the draws a pure function of ``key`` (a 0-d int64 tensor):
         ``y_s`` by inverse CDF of counter-based uniforms (``loss_fns.counter_rng``), traceable."""
         logits, valid, _ = self._rows(output.detach(), batch)
@@ -230,7 +299,9 @@ class CrossEntropyOutputLoss:
         ``(diag p − p pᵀ)/n``), zero on ignored rows; layout ``(N, C·P, *output.shape[1:])``."""
         _per_sample_output(output)
         if output.dim() == 1:
-            raise ValueError("hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)")
+            raise ValueError(
+                "hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)"
+            )
         logits, valid, n = self._rows(output.detach(), batch)
         p = torch.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)
         p = self._row_layout(output, p.movedim(-1, 1) if output.dim() > 2 else p)  # (N, P, C)
@@ -243,15 +314,21 @@ class CrossEntropyOutputLoss:
         factor = factor / (n.to(factor.dtype).sqrt() if isinstance(n, torch.Tensor) else n**0.5)
         return _rowwise_sqrt(factor.to(output.dtype), output)
 
-    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+    def sampled_hessian_sqrt(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor
+    ) -> torch.Tensor:
         """The k sampled gradients of each row over ``√(k n)`` (what ``sampled_hvp`` applies is
         their mean outer product over n); layout ``(N, k·P, *output.shape[1:])``."""
         _per_sample_output(output)
         if output.dim() == 1:
-            raise ValueError("sampled_hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)")
+            raise ValueError(
+                "sampled_hessian_sqrt needs logits with a batch dimension (N, C, ...), got (C,)"
+            )
         _, _, n = self._rows(output, batch)
         k = grads.shape[0]
-        g = torch.stack([self._row_layout(output, grads[s]) for s in range(k)], dim=2)  # (N, P, k, C)
+        g = torch.stack(
+            [self._row_layout(output, grads[s]) for s in range(k)], dim=2
+        )  # (N, P, k, C)
         scale = (n.to(g.dtype) * k).sqrt() if isinstance(n, torch.Tensor) else (n * k) ** 0.5
         return _rowwise_sqrt(g / scale, output)
 
@@ -284,7 +361,9 @@ class MSEOutputLoss:
         """``2 (f - y_s)``, ``y_s ~ N(f, 1/2)``: ``√2 z``, ``z ~ N(0, 1)`` (sign irrelevant)."""
         return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
 
-    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+    def keyed_sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`sample_grads` with counter-based normals of ``key`` (traceable)."""
         return counter_normal(key, (k, *output.shape), dtype=output.dtype) * 2.0**0.5
 
@@ -300,7 +379,9 @@ class MSEOutputLoss:
         w = 2.0 / output.numel() if self.reduction == "mean" else 2.0
         return _elementwise_sqrt(torch.full_like(output.detach(), w))
 
-    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+    def sampled_hessian_sqrt(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor
+    ) -> torch.Tensor:
         """``√(w · mean_s g_s²)`` per element: the diagonal matrix ``sampled_hvp`` applies."""
         _per_sample_output(output)
         w = 1.0 / output.numel() if self.reduction == "mean" else 1.0
@@ -335,7 +416,9 @@ class BCEWithLogitsOutputLoss:
         """``σ(f) - y_s``, ``y_s ~ Bernoulli(σ(f))``."""
         return self.keyed_sample_grads(output, batch, k, _key_from(generator, output.device))
 
-    def keyed_sample_grads(self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor) -> torch.Tensor:
+    def keyed_sample_grads(
+        self, output: torch.Tensor, batch: Batch, k: int, key: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`sample_grads` with counter-based uniforms of ``key`` (traceable)."""
         s = torch.sigmoid(output.detach())
         draws = (counter_uniform(key, (k, *s.shape), dtype=s.dtype) < s).to(s.dtype)
@@ -352,7 +435,9 @@ class BCEWithLogitsOutputLoss:
         s = torch.sigmoid(output.detach())
         return _elementwise_sqrt(s * (1 - s) * self._weight(output))
 
-    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor:
+    def sampled_hessian_sqrt(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor
+    ) -> torch.Tensor:
         """``√(w · mean_s g_s²)`` per element: the diagonal matrix ``sampled_hvp`` applies."""
         _per_sample_output(output)
         return _elementwise_sqrt((grads * grads).mean(0) * self._weight(output))
@@ -404,7 +489,7 @@ def supervised_loss_of_output(
     default ``loss_hvp="analytical"``); anything else is a plain callable for
     ``loss_hvp="autograd"``.
     """
-    _check_criterion(criterion)
+    check_criterion(criterion, name="supervised_loss_of_output")
     reduction = getattr(criterion, "reduction", None)
     if (
         isinstance(criterion, nn.CrossEntropyLoss)
@@ -437,13 +522,14 @@ def supervised_per_sample_loss(criterion: Criterion) -> PerSampleLossFn:
     ``reduction`` attribute are mapped over samples with ``torch.func.vmap``.
     Samples whose every target is ``ignore_index`` get loss 0 (no gradient).
     """
-    _check_criterion(criterion)
+    check_criterion(criterion, name="supervised_per_sample_loss")
     reduction = getattr(criterion, "reduction", None)
     if isinstance(criterion, nn.Module) and reduction in ("mean", "sum", "none"):
         unreduced = copy.copy(criterion)
         setattr(unreduced, "reduction", "none")  # noqa: B010  (nn.Module types attributes as Tensor | Module)
         reduce_sum = reduction == "sum"
 
+        @_reads_supervised("supervised_per_sample_loss(...)", calls_model=True)
         def per_sample(model: nn.Module, batch: Batch) -> torch.Tensor:
             x, y = _inputs_targets(batch)
             losses = unreduced(model(x), y)
@@ -454,6 +540,7 @@ def supervised_per_sample_loss(criterion: Criterion) -> PerSampleLossFn:
 
         return per_sample
 
+    @_reads_supervised("supervised_per_sample_loss(...)", calls_model=True)
     def per_sample_mapped(model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = _inputs_targets(batch)
         out = model(x)
