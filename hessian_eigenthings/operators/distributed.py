@@ -486,6 +486,14 @@ class FSDPHessianOperator(HessianOperator):
             signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
             #: length of the whole (unsharded) vector; ``size`` is this rank's shard
             self.global_size = self.layout.size
+            if self._constant_rows:
+                # NOTE [padding rows]: the projection's columns are of the whole vector, and a
+                # shard holds some rows of the embedding only; not mapped to shards yet
+                raise ValueError(
+                    "FSDPHessianOperator: a selected nn.Embedding has padding_idx, whose row is a constant "
+                    "in training; sharded operators cannot project it out yet. Leave the embedding out "
+                    "with param_filter, or use DDPHessianOperator on a replicated model"
+                )
             self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
             self._size = self.layout.size
             self._device = self.layout.device

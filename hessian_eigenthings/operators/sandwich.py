@@ -29,6 +29,7 @@ from hessian_eigenthings.operators.autodiff import (
     selected_function,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.parameter_binding import project_rows_
 from hessian_eigenthings.param_utils import call_with_values
 
 JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
@@ -197,6 +198,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
                 "data only); compute it on one process, or use diagonal(op, method='xdiag')"
             )
+        self._follow_parameters()  # NOTE [replaced parameters]
         random = self.guard.random_cause()
         if random:
             raise ValueError(f"the exact diagonal needs a deterministic forward, but {random}")
@@ -240,7 +242,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 total += weight
         if total == 0:
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
-        return acc.div_(total)
+        # NOTE [padding rows]: the squared vector-Jacobian products are reverse mode (no
+        # gradient for a padding row), zeroed all the same so the diagonal is that of P·A·P
+        return project_rows_(acc.div_(total).unsqueeze(0), self._constant_rows)[0]
 
     def _add_squared_vjps(
         self,

@@ -170,3 +170,14 @@ def test_embedding_with_max_norm_is_refused() -> None:
     with pytest.raises(ValueError, match=r"emb.*max_norm"):
         JacobianOperator(model, DATA, supervised_forward)
     assert torch.equal(w, model.emb.weight)  # type: ignore[union-attr]
+
+
+def test_exact_diagonal_of_the_ggn_and_fisher_is_that_of_the_projection() -> None:
+    model = _model()
+    P = _projector(model)
+    for kind in ("ggn", "fisher"):
+        op = _op(kind, model, "autograd")
+        ref = torch.diagonal(P @ ORACLES[kind](model) @ P)
+        torch.testing.assert_close(
+            he.diagonal(op, method="exact").estimate, ref, rtol=1e-9, atol=1e-11
+        )  # type: ignore[attr-defined]

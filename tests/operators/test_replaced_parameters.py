@@ -158,3 +158,17 @@ def test_jacobian_follows_replaced_parameters() -> None:
     torch.testing.assert_close(
         J.T @ torch.eye(J.shape[0], dtype=torch.float64), ref.T, rtol=1e-10, atol=1e-12
     )
+
+
+def test_exact_diagonal_follows_replaced_parameters() -> None:
+    model, data = _model(0), _data()
+    op = GGNOperator(model, data, supervised_forward, supervised_loss_of_output(CE))
+    model.load_state_dict(_model(1).state_dict(), assign=True)
+    from hessian_eigenthings import diagonal
+
+    torch.testing.assert_close(
+        diagonal(op, method="exact").estimate,
+        torch.diagonal(_ggn(model, data)),
+        rtol=1e-9,
+        atol=1e-11,
+    )
