@@ -38,19 +38,61 @@ def _pages() -> list[Path]:
 
 # DESIGN.md section 2 (the 1.0 surface) and section 3 (the 0.x surface).
 PUBLIC_1_0 = [
-    "CurvatureOperator", "LambdaOperator", "HessianOperator", "GGNOperator", "EmpiricalFisherOperator",
-    "DDPHessianOperator", "lanczos", "lanczos_tridiagonal", "LanczosTridiag", "deflated_power_iteration",
-    "power_iteration_one", "trace", "hutchinson", "hutch_plus_plus", "TraceResult", "spectral_density",
-    "SpectralDensityResult", "EigenResult", "supervised_loss", "supervised_forward",
-    "supervised_loss_of_output", "supervised_per_sample_loss", "cross_entropy_loss_of_output",
-    "mse_loss_of_output", "hf_lm_loss", "hf_seq2seq_loss", "hf_lm_forward", "hf_lm_loss_of_output",
-    "tlens_loss", "tlens_forward", "tlens_loss_of_output", "ParamFilter", "match_names", "match_regex",
-    "select_parameters", "params_to_vector", "vector_to_params", "LinAlgBackend", "SingleDeviceBackend",
-    "JacobianOperator", "TransposedJacobianOperator", "OutputHessianSqrtLoss",
+    "CurvatureOperator",
+    "LambdaOperator",
+    "HessianOperator",
+    "GGNOperator",
+    "EmpiricalFisherOperator",
+    "DDPHessianOperator",
+    "lanczos",
+    "lanczos_tridiagonal",
+    "LanczosTridiag",
+    "deflated_power_iteration",
+    "power_iteration_one",
+    "trace",
+    "hutchinson",
+    "hutch_plus_plus",
+    "TraceResult",
+    "spectral_density",
+    "SpectralDensityResult",
+    "EigenResult",
+    "supervised_loss",
+    "supervised_forward",
+    "supervised_loss_of_output",
+    "supervised_per_sample_loss",
+    "cross_entropy_loss_of_output",
+    "mse_loss_of_output",
+    "hf_lm_loss",
+    "hf_seq2seq_loss",
+    "hf_lm_forward",
+    "hf_lm_loss_of_output",
+    "tlens_loss",
+    "tlens_forward",
+    "tlens_loss_of_output",
+    "ParamFilter",
+    "match_names",
+    "match_regex",
+    "select_parameters",
+    "params_to_vector",
+    "vector_to_params",
+    "LinAlgBackend",
+    "SingleDeviceBackend",
+    "JacobianOperator",
+    "TransposedJacobianOperator",
+    "OutputHessianSqrtLoss",
 ]
 PUBLIC_0_X = [
-    "compute_hessian_eigenthings", "HVPOperator", "power_iteration", "deflated_power_iteration", "lanczos",
-    "Operator", "LambdaOperator", "log", "maybe_fp16", "progress_bar", "format_time",
+    "compute_hessian_eigenthings",
+    "HVPOperator",
+    "power_iteration",
+    "deflated_power_iteration",
+    "lanczos",
+    "Operator",
+    "LambdaOperator",
+    "log",
+    "maybe_fp16",
+    "progress_bar",
+    "format_time",
 ]
 
 
@@ -61,8 +103,22 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
             pytest.skip(f"{module} is not installed (pip install -e '.[docs]')")
     out = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"), "-d", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(REPO / "mkdocs.yml"),
+            "-d",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING" not in proc.stderr, proc.stderr
@@ -73,7 +129,9 @@ def test_mkdocs_build_strict(site: Path) -> None:
     assert (site / "index.html").is_file()
     assert (site / "reference" / "operators" / "index.html").is_file()
     # the root migration guide is included verbatim
-    assert "Migrating from hessian-eigenthings 0.x" in (site / "migration" / "index.html").read_text()
+    assert (
+        "Migrating from hessian-eigenthings 0.x" in (site / "migration" / "index.html").read_text()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLIC_1_0)))
@@ -113,7 +171,9 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         with warnings.catch_warnings():
             # curvlinops imports linear_operator, whose import-time torch.jit.script warns on
             # torch >= 2.10: third-party noise, not something the docs could fix
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*torch.jit.script.*", category=DeprecationWarning
+            )
             exec(compiled, namespace)
 
 
@@ -157,15 +217,22 @@ def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> No
     # one rank of docs/distributed.md's launch script, with the variables torchrun would set
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     namespace: dict[str, object] = {"__name__": "__main__"}
     exec(compile(code, "docs/distributed.md block 1", "exec"), namespace)
     torch.save(namespace["result"].eigenvalues, f"{out}/rank{rank}.pt")  # type: ignore[attr-defined]
 
 
-def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_launch_block_runs_under_gloo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     import torch
@@ -185,7 +252,9 @@ def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: p
         port = s.getsockname()[1]
     mp.spawn(_ddp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
     values = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)  # every rank gets the same result
+    torch.testing.assert_close(
+        values[0], values[1], rtol=0, atol=0
+    )  # every rank gets the same result
 
     # the reference: the block's model and data in one process, dense Hessian of all 512 samples
     torch.manual_seed(0)
@@ -195,3 +264,38 @@ def test_distributed_launch_block_runs_under_gloo(tmp_path: Path, monkeypatch: p
     dense = op @ torch.eye(op.size, dtype=torch.float64)
     expected = torch.linalg.eigvalsh(0.5 * (dense + dense.T)).flip(0)[:5]
     torch.testing.assert_close(values[0], expected, rtol=1e-3, atol=1e-5)
+
+
+def test_readme_points_only_inside_the_repository() -> None:
+    text = README.read_text()
+    assert "../" not in text  # e.g. a design note of the workspace, not of the repository
+    for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path = (REPO / target).resolve()
+        assert path.is_relative_to(REPO) and path.exists(), target
+
+
+def test_laplace_posterior_samples_have_the_posterior_covariance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/howto/laplace.md draws samples θ* + P^{-1/2} z block by block: their covariance is P⁻¹."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "docs_laplace"}
+    for i, code in enumerate(_FENCE.findall((DOCS / "howto" / "laplace.md").read_text())):
+        exec(compile(code, f"laplace.md block {i + 1}", "exec"), namespace)
+    sample = namespace["posterior_sample"]
+    theta, P = namespace["theta"], namespace["P"]
+    torch.manual_seed(1)
+    draws = torch.stack([sample() for _ in range(4000)])  # type: ignore[operator]
+    assert draws.shape == (4000, theta.numel())  # type: ignore[attr-defined]
+    cov = torch.cov((draws - theta).T)  # type: ignore[operator]
+    expected = torch.linalg.inv(P)  # type: ignore[arg-type]
+    assert float(cov.trace()) == pytest.approx(float(expected.trace()), rel=0.05)
+    # whitened by the dense precision, a sample's squared norm is chi-squared with n degrees of
+    # freedom: mean n, here to about 0.2 % (a wrong scale or a wrong block would be far off)
+    centred = draws - theta  # type: ignore[operator]
+    quad = ((centred @ P) * centred).sum(1)  # type: ignore[operator]
+    assert float(quad.mean()) == pytest.approx(theta.numel(), rel=0.02)  # type: ignore[attr-defined]
