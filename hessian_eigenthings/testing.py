@@ -195,8 +195,10 @@ def check_operator(
             try:
                 with data_op._using_engine(name):  # type: ignore[arg-type]
                     products[name] = op @ U
-            except EngineUnsupportedError as exc:
-                skipped[name] = str(exc)
+            except (EngineUnsupportedError, NotImplementedError) as exc:
+                # an engine refusing the model, or torch lacking a rule it needs (e.g. no
+                # forward-mode derivative of embedding_bag): reported, not raised
+                skipped[name] = f"{type(exc).__name__}: {exc}"
         if not products:
             raise ValueError(f"none of the engines {engines} can run this operator: {skipped}")
         AU = next(iter(products.values()))

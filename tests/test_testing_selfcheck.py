@@ -90,3 +90,31 @@ def test_engines_that_disagree_fail() -> None:
 def test_float32_operator_passes_at_its_threshold() -> None:
     report = check_operator(_hessian(_Tokens()))
     assert report.tolerance == 1e-3 and report.passed, report
+
+
+def test_an_engine_torch_cannot_run_is_reported_as_skipped() -> None:
+    # EmbeddingBag has no forward-mode rule in torch: the functional engine cannot run it
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.EmbeddingBag(6, 3, padding_idx=0)
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.tanh(self.emb(x)))
+
+    from hessian_eigenthings import GGNOperator
+    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
+
+    x, y = torch.tensor([[0, 1, 2], [3, 0, 0]]), torch.tensor([0, 1])
+    op = GGNOperator(
+        Bag().double(),
+        [(x, y)],
+        supervised_forward,
+        supervised_loss_of_output(nn.CrossEntropyLoss()),
+        engine="autograd",
+    )
+    report = check_operator(op)
+    assert report.engines == ("autograd",) and "functional" in report.skipped_engines
+    assert report.passed, report

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings._checks import check_count
-from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings._warnings import EmptyBatchWarning, user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
     BatchSource,
@@ -409,6 +409,7 @@ class _KroneckerFactored(CurvatureOperator):
             )
         #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
         self._clone_outputs = False
+        self._empty_said = False
         self._eigen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._compute_factors()
         self._after_factors()
@@ -550,8 +551,13 @@ class _KroneckerFactored(CurvatureOperator):
         layer's raw input; without it, the inputs are kept as ``a``) and
         ``visit(layer, a_or_empty, g, weight)`` after the backward. Returns the total weight."""
         total = 0.0
+        seen = skipped = 0
         with self.guard.product(self.precision, double_backward=False):
             for position, raw in enumerate(self.source.batches()):
+                seen += 1
+                if batch_size(raw) == 0:  # NOTE [empty batches] (positions kept: MC draws unchanged)
+                    skipped += 1
+                    continue
                 batch = to_device(raw, self.device)
                 size = float(batch_size(batch))
                 inputs, outputs = self._forward(batch, on_input, size)
@@ -593,8 +599,19 @@ class _KroneckerFactored(CurvatureOperator):
                         )
                 total += size
                 del self._output
+        if skipped and skipped < seen and not self._empty_said:
+            self._empty_said = True
+            warnings.warn(
+                f"{type(self).__name__}: {skipped} of {seen} batches had zero samples and were skipped "
+                "(they carry no weight in the average over samples)",
+                EmptyBatchWarning,
+                stacklevel=user_stacklevel(),
+            )
         if total == 0:
-            raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+            raise ValueError(
+                f"every batch of the data has zero samples ({seen} batches read); an average over samples "
+                "needs at least one: check the dataset"
+            )
         return total
 
     def _forward(

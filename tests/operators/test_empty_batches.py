@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from hessian_eigenthings import EmpiricalFisherOperator, GGNOperator, HessianOperator
+from hessian_eigenthings import (
+    EKFACOperator,
+    EmpiricalFisherOperator,
+    GGNOperator,
+    HessianOperator,
+    KFACOperator,
+    KFOCOperator,
+)
 from hessian_eigenthings._warnings import EmptyBatchWarning
 from hessian_eigenthings.loss_fns import (
     supervised_forward,
@@ -108,3 +115,17 @@ def test_cycling_skips_to_the_next_nonempty_batch() -> None:
     with pytest.warns(EmptyBatchWarning):
         torch.testing.assert_close(op @ v, ref @ v, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(op @ v, ref @ v, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("cls", [KFACOperator, EKFACOperator, KFOCOperator])
+def test_kronecker_factors_skip_empty_batches(cls: type) -> None:
+    model = _model()
+    full = [_batch(3, 1), _batch(2, 2)]
+    lo = supervised_loss_of_output(CE)
+    ref = cls(model, full, supervised_forward, lo).to_dense()
+    with pytest.warns(EmptyBatchWarning, match="2 of 4 batches") as rec:
+        op = cls(model, [_batch(0), full[0], _batch(0), full[1]], supervised_forward, lo)
+    assert len(rec) == 1 and rec[0].filename == __file__
+    torch.testing.assert_close(op.to_dense(), ref, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="zero samples"):
+        cls(model, [_batch(0)] * 2, supervised_forward, lo)
