@@ -54,6 +54,7 @@ from hessian_eigenthings.loss_fns import (
     supervised_loss_of_output,
     supervised_per_sample_loss,
 )
+from hessian_eigenthings.loss_fns.standard import check_criterion
 from hessian_eigenthings.memory import MemoryEstimate, estimate_memory
 from hessian_eigenthings.operators import registry
 from hessian_eigenthings.operators.base import DataCurvatureOperator
@@ -494,6 +495,10 @@ def load_user_problem(spec: str) -> Problem:
             f"--model {spec}: the criterion must be callable as criterion(output, target), "
             f"got {type(criterion).__name__}"
         )
+    try:
+        check_criterion(criterion, name=f"--model {spec}: the criterion")
+    except TypeError as err:
+        raise CLIError(str(err)) from None
     if getattr(criterion, "reduction", "mean") not in ("mean", "sum", "batchmean"):
         raise CLIError(
             f"--model {spec}: the criterion must return a scalar loss, but it has "

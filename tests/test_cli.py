@@ -40,6 +40,10 @@ USER_MODULE = textwrap.dedent(
     def not_a_triple():
         return 1, 2
 
+    def criterion_class():
+        model, data, _ = make()
+        return model, data, nn.CrossEntropyLoss
+
     NOT_CALLABLE = 3
     """
 )
@@ -232,6 +236,7 @@ def test_bad_options(argv: list[str], message: str, capsys: pytest.CaptureFixtur
         ("{file}:NOT_CALLABLE", "is not callable"),
         ("{file}:not_a_triple", "must return (model, dataloader, criterion)"),
         ("surely_no_such_module_xyz:make", "no module named"),
+        ("{file}:criterion_class", "pass an instance: nn.CrossEntropyLoss()"),
     ],
 )
 def test_bad_user_model(
