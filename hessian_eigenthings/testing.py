@@ -10,7 +10,8 @@ gives the same products on every engine: a handful of products, for models of an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from hessian_eigenthings._torch_compat import math_sdpa
 from hessian_eigenthings.batching import Batch, batch_size, batchnorm_modules
+from hessian_eigenthings.operators.base import DataCurvatureOperator
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 
@@ -137,6 +139,25 @@ class OperatorCheck:
         )
 
 
+@contextlib.contextmanager
+def _using_engine(op: DataCurvatureOperator, engine: str) -> Iterator[None]:
+    """Products of ``op`` on ``engine`` for the duration, then its own engine again with its state.
+    Kept states belong to one engine: dropped on the way in and out."""
+    from hessian_eigenthings.operators.engines import EngineSelector
+
+    own = op.__dict__.get("_engine_selector")
+    op.clear_cache()
+    op.__dict__["_engine_selector"] = EngineSelector(op, engine)
+    try:
+        yield
+    finally:
+        op.clear_cache()
+        if own is None:
+            op.__dict__.pop("_engine_selector", None)
+        else:
+            op.__dict__["_engine_selector"] = own
+
+
 #: default threshold by dtype: rounding of a product, with room (a wrong product is off by O(1))
 _CHECK_TOL = {torch.float64: 1e-8, torch.float32: 1e-3}
 
@@ -160,7 +181,6 @@ def check_operator(
     1e-2 in half precision. Operators whose products change between calls (``full_dataset=False``,
     dropout in training mode) cannot pass; ``notes`` says so.
     """
-    from hessian_eigenthings.operators.base import DataCurvatureOperator
     from hessian_eigenthings.operators.engines import EngineUnsupportedError
 
     if not isinstance(op, CurvatureOperator):
@@ -193,7 +213,7 @@ def check_operator(
     else:
         for name in engines:
             try:
-                with data_op._using_engine(name):  # type: ignore[arg-type]
+                with _using_engine(data_op, name):
                     products[name] = op @ U
             except (EngineUnsupportedError, NotImplementedError) as exc:
                 # an engine refusing the model, or torch lacking a rule it needs (e.g. no

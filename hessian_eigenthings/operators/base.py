@@ -21,9 +21,7 @@ copy of the result into a flat buffer; no ``torch.cat``, no host sync.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -32,7 +30,6 @@ from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import check_count
-from hessian_eigenthings._warnings import EmptyBatchWarning, user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
     BatchSource,
@@ -43,6 +40,7 @@ from hessian_eigenthings.batching import (
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.operators.cuda_graphs import FlatProduct, GraphRecorder, Product
+from hessian_eigenthings.operators.empty_batches import EmptyBatches
 from hessian_eigenthings.operators.engines import ENGINES, EngineName, EngineSelector
 from hessian_eigenthings.operators.graph_reuse import StateCache
 from hessian_eigenthings.operators.model_guard import (
@@ -51,12 +49,7 @@ from hessian_eigenthings.operators.model_guard import (
     preserve_model,
     private_buffers,
 )
-from hessian_eigenthings.operators.parameter_binding import (
-    ParameterBinding,
-    constant_rows,
-    project_rows_,
-    refuse_in_place_forward,
-)
+from hessian_eigenthings.operators.parameter_binding import ParameterBinding, project_rows_
 from hessian_eigenthings.operators.precision import Precision, check_precision
 from hessian_eigenthings.operators.protocol import CurvatureOperator, LambdaOperator, same_device
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock, select_parameters
@@ -153,15 +146,12 @@ class DataCurvatureOperator(CurvatureOperator):
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         check_microbatching(model, microbatch_size, microbatch_unsafe)
-        refuse_in_place_forward(model, type(self).__name__)
         self.model = model
         self.named_params = list(select_parameters(model, param_filter).items())
         self.params = [p for _, p in self.named_params]
         self.layout = ParamLayout.from_named(self.named_params)
-        #: the selection by name (NOTE [replaced parameters]) and its constant rows (NOTE [padding rows])
-        self._binding = ParameterBinding(model, self.named_params)
-        self._constant_rows = constant_rows(model, self.named_params, self.layout.offsets)
-        self._empty_said = False
+        self._binding = ParameterBinding(model, self.named_params, self.layout.offsets, type(self).__name__)
+        self._empty = EmptyBatches(type(self).__name__)
         self._size = self.layout.size
         self._device = self.layout.device
         self._dtype = self.layout.dtype
@@ -226,22 +216,6 @@ class DataCurvatureOperator(CurvatureOperator):
     def _warn_random_forward(self) -> None:
         if not self._engines.traced:  # a traced engine refuses such a model with its own error
             self.guard.warn_random_forward(type(self).__name__)
-
-    @contextlib.contextmanager
-    def _using_engine(self, engine: EngineName) -> Iterator[None]:
-        """Products on ``engine`` for the duration (``testing.check_operator``), then the operator's
-        own engine again with its state. Kept states are per engine: dropped on the way in and out."""
-        own = self.__dict__.get("_engine_selector")
-        self.clear_cache()
-        self.__dict__["_engine_selector"] = EngineSelector(self, engine)
-        try:
-            yield
-        finally:
-            self.clear_cache()
-            if own is None:
-                self.__dict__.pop("_engine_selector", None)
-            else:
-                self.__dict__["_engine_selector"] = own
 
     @property
     def engine(self) -> str:
@@ -314,31 +288,20 @@ class DataCurvatureOperator(CurvatureOperator):
         return max(1, min(limit, k))
 
     def _follow_parameters(self) -> None:
-        """Follow parameters the model replaced since the last product (NOTE [replaced parameters])."""
-        if self._binding.current():
-            return
-        self._rebind(self._binding.rebind())
-
-    def _rebind(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        """Take ``named`` as the selected parameters; drop what was keyed on the old tensors."""
-        self.named_params = named
-        self.params = [p for _, p in named]
-        self.guard = ModelGuard(self.model, self.params)
-        self.clear_cache()
-        self.recorder = GraphRecorder(self)
-        self.__dict__.pop("_engine_selector", None)  # traced programs and their kept states
-        self._constant_rows = constant_rows(self.model, named, self.layout.offsets)
+        """NOTE [replaced parameters]: drop what was keyed on replaced tensors (states, recordings, programs)."""
+        if (named := self._binding.follow()) is not None:
+            self.named_params, self.params = named, [p for _, p in named]
+            self.guard, self.recorder = ModelGuard(self.model, self.params), GraphRecorder(self)
+            self.clear_cache()
+            self.__dict__.pop("_engine_selector", None)
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         self._follow_parameters()
-        if not self._constant_rows:
-            return self._products(V)
-        # NOTE [padding rows]: P·A·P (a copy: ``V`` may be the caller's vector)
-        out = self._products(project_rows_(V.clone(), self._constant_rows))
-        return project_rows_(out, self._constant_rows)
+        if rows := self._binding.constant_rows:  # NOTE [padding rows]: P·A·P, on a copy of the caller's V
+            return project_rows_(self._products(project_rows_(V.clone(), rows)), rows)
+        return self._products(V)
 
     def _products(self, V: torch.Tensor) -> torch.Tensor:
-        """``A V`` for a row block, by as many passes as the block limit needs."""
         self._warn_random_forward()
         k = V.shape[0]
         out = self.layout.empty(k)
@@ -413,10 +376,7 @@ class DataCurvatureOperator(CurvatureOperator):
                 count += 1
                 total += size
         if count == 0:
-            raise ValueError(
-                "the data has zero samples to average over (every batch is empty or carries no weight); "
-                "check the dataset and the loss's ignored targets"
-            )
+            raise ValueError("the data has zero samples to average over (every batch is empty or has no weight)")
         self._finish_pass(out, count, total)
 
     def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
@@ -426,57 +386,9 @@ class DataCurvatureOperator(CurvatureOperator):
         if count > 1:
             out.mul_(1.0 / total)
 
-    # NOTE [empty batches]
-    # A batch of zero samples has no weight in an average over samples, and its
-    # own mean loss is 0/0. It is skipped before any product (an all-zero or
-    # NaN product never enters the sum), and the operator says once that it
-    # skipped such batches. Data with zero samples in all is a ValueError (the
-    # weighted mean would divide by zero). With full_dataset=False the next
-    # non-empty batch of the cycle is taken (at most one cycle).
-    def _batches(self) -> Iterator[Batch]:
-        """The batches of one pass, without those of zero samples (NOTE [empty batches])."""
-        source = self.source
-        seen = skipped = 0
-        if source.full_dataset:
-            for raw in source.batches():
-                seen += 1
-                if batch_size(raw) == 0:
-                    skipped += 1
-                    continue
-                yield raw
-        else:
-            try:
-                cycle = len(source.dataloader)  # type: ignore[arg-type]
-            except TypeError:
-                cycle = 1024
-            for _ in range(max(1, cycle)):
-                raw = next(source.batches())
-                seen += 1
-                if batch_size(raw) != 0:
-                    self._say_empty(skipped, seen)
-                    yield raw
-                    return
-                skipped += 1
-        self._say_empty(skipped, seen)
-        if seen and skipped == seen:
-            raise ValueError(
-                f"every batch of the data has zero samples ({seen} batches read); an average over samples "
-                "needs at least one: check the dataset"
-            )
-
-    def _say_empty(self, skipped: int, seen: int) -> None:
-        if skipped and not self._empty_said and skipped < seen:
-            self._empty_said = True
-            warnings.warn(
-                f"{type(self).__name__}: {skipped} of {seen} batches had zero samples and were skipped "
-                "(they carry no weight in the average over samples)",
-                EmptyBatchWarning,
-                stacklevel=user_stacklevel(),
-            )
-
     def _fresh_chunks(self) -> Iterator[tuple[Batch, Batch]]:
         """``(batch, chunk)`` for every chunk of one pass (products without kept states)."""
-        for raw in self._batches():
+        for raw in self._empty.filter(self.source):  # NOTE [empty batches]
             for chunk in self._chunks(raw):
                 yield raw, chunk
 
@@ -493,7 +405,7 @@ class DataCurvatureOperator(CurvatureOperator):
                 self.chunk_position += 1
                 yield self._chunk_product(raw, chunk, rows)
             return
-        for position, raw in enumerate(self._batches()):
+        for position, raw in enumerate(self._empty.filter(self.source)):
             chunks: list[Batch] | None = None
             n_chunks = 1
             if self.microbatch_size is not None:

@@ -486,7 +486,7 @@ class FSDPHessianOperator(HessianOperator):
             signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
             #: length of the whole (unsharded) vector; ``size`` is this rank's shard
             self.global_size = self.layout.size
-            if self._constant_rows:
+            if self._binding.constant_rows:
                 # NOTE [padding rows]: the projection's columns are of the whole vector, and a
                 # shard holds some rows of the embedding only; not mapped to shards yet
                 raise ValueError(

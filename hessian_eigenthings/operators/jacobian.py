@@ -32,12 +32,7 @@ from hessian_eigenthings.batching import Batch, BatchSource, to_device
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import CallWithModel
 from hessian_eigenthings.operators.model_guard import preserve_model, private_buffers
-from hessian_eigenthings.operators.parameter_binding import (
-    ParameterBinding,
-    constant_rows,
-    project_rows_,
-    refuse_in_place_forward,
-)
+from hessian_eigenthings.operators.parameter_binding import ParameterBinding, project_rows_
 from hessian_eigenthings.param_utils import (
     ParamFilter,
     ParamLayout,
@@ -66,14 +61,12 @@ class _DataJacobian:
             raise TypeError(
                 "forward_fn must be callable as forward_fn(model, batch) -> output tensor"
             )
-        refuse_in_place_forward(model, "JacobianOperator")
         self.model = model
         self.forward_fn = forward_fn
         self.named_params = list(select_parameters(model, param_filter).items())
         self.layout = ParamLayout.from_named(self.named_params)
         # NOTE [replaced parameters], NOTE [padding rows]
-        self._binding = ParameterBinding(model, self.named_params)
-        self._constant_rows = constant_rows(model, self.named_params, self.layout.offsets)
+        self._binding = ParameterBinding(model, self.named_params, self.layout.offsets, "JacobianOperator")
         self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
         self._call = CallWithModel(model, forward_fn)
         self._sizes: list[int] | None = None
@@ -122,9 +115,9 @@ class _DataJacobian:
 
     def _follow_parameters(self) -> None:
         """Follow parameters the model replaced since the last product (NOTE [replaced parameters])."""
-        if not self._binding.current():
-            self.named_params = self._binding.rebind()
-            self._constant_rows = constant_rows(self.model, self.named_params, self.layout.offsets)
+        named = self._binding.follow()
+        if named is not None:
+            self.named_params = named
 
     def _functions(self) -> Iterator[tuple[Any, tuple[torch.Tensor, ...], int]]:
         """``(f, primal, b)`` per batch: ``f(*params)`` its output, checked against the first pass."""
@@ -171,8 +164,8 @@ class _DataJacobian:
         self._follow_parameters()
         k = V.shape[0]
         out = torch.empty(k, self.num_outputs, dtype=self.dtype, device=self.device)
-        if self._constant_rows:  # NOTE [padding rows]: forward mode would move the padding row
-            V = project_rows_(V.clone(), self._constant_rows)
+        if self._binding.constant_rows:  # NOTE [padding rows]: forward mode would move the padding row
+            V = project_rows_(V.clone(), self._binding.constant_rows)
         tangents = self.layout.split_rows(V)
         offsets = [0]
         for s in self.output_sizes:
@@ -209,7 +202,7 @@ class _DataJacobian:
                 for acc, g in zip(parts, grads, strict=True):
                     acc.add_(g)
                 start = stop
-        return project_rows_(out, self._constant_rows)
+        return project_rows_(out, self._binding.constant_rows)
 
 
 class _Rectangular:

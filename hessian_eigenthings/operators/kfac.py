@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings._checks import check_count
-from hessian_eigenthings._warnings import EmptyBatchWarning, user_stacklevel
+from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
     BatchSource,
@@ -85,6 +85,7 @@ from hessian_eigenthings.loss_fns.standard import (
     MSEOutputLoss,
 )
 from hessian_eigenthings.operators.conv_factors import conv_input_moment
+from hessian_eigenthings.operators.empty_batches import EmptyBatches
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.parameter_binding import refuse_in_place_forward
 from hessian_eigenthings.operators.precision import Precision, check_precision
@@ -409,7 +410,7 @@ class _KroneckerFactored(CurvatureOperator):
             )
         #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
         self._clone_outputs = False
-        self._empty_said = False
+        self._empty = EmptyBatches(type(self).__name__)
         self._eigen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._compute_factors()
         self._after_factors()
@@ -599,19 +600,9 @@ class _KroneckerFactored(CurvatureOperator):
                         )
                 total += size
                 del self._output
-        if skipped and skipped < seen and not self._empty_said:
-            self._empty_said = True
-            warnings.warn(
-                f"{type(self).__name__}: {skipped} of {seen} batches had zero samples and were skipped "
-                "(they carry no weight in the average over samples)",
-                EmptyBatchWarning,
-                stacklevel=user_stacklevel(),
-            )
+        self._empty.say(skipped, seen)
         if total == 0:
-            raise ValueError(
-                f"every batch of the data has zero samples ({seen} batches read); an average over samples "
-                "needs at least one: check the dataset"
-            )
+            raise EmptyBatches.none_error(seen)
         return total
 
     def _forward(

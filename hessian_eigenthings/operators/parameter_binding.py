@@ -50,15 +50,27 @@ def _slots(model: nn.Module, name: str) -> list[tuple[dict[str, object], str, ob
 
 
 class ParameterBinding:
-    """The selected parameters of ``model`` by name, and a cheap check that they are still there."""
+    """The selected parameters of ``model`` by name, a cheap check that they are still there, and
+    the flat columns training keeps constant (``constant_rows``, NOTE [padding rows]).
+    ``offsets[i]``: where parameter ``i`` starts in the flat vector. Refuses, for ``owner``, a model
+    whose forward rewrites its own parameters (:func:`refuse_in_place_forward`)."""
 
-    def __init__(self, model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        offsets: Sequence[int],
+        owner: str,
+    ) -> None:
+        refuse_in_place_forward(model, owner)
         self.model = model
         self.names = [n for n, _ in named_params]
+        self.offsets = offsets
         self._bind(named_params)
 
     def _bind(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.tensors = [p for _, p in named_params]
+        self.constant_rows = constant_rows(self.model, named_params, self.offsets)
         seen: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
         for name, _ in named_params:
             for slot in _slots(self.model, name):
@@ -69,9 +81,12 @@ class ParameterBinding:
         """Whether every slot still holds the object it held when last bound (NOTE [replaced parameters])."""
         return all(d.get(key) is value for d, key, value in self._checks)
 
-    def rebind(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters the model holds now under the bound names; raises ``ValueError`` naming
-        a parameter that is gone or changed shape, dtype or device."""
+    def follow(self) -> list[tuple[str, nn.Parameter]] | None:
+        """``None`` while the model holds the bound tensors; else the ones it holds now under the
+        bound names (then bound); raises ``ValueError`` naming a parameter that is gone or changed
+        shape, dtype or device."""
+        if self.current():
+            return None
         now: list[tuple[str, nn.Parameter]] = []
         for name, old in zip(self.names, self.tensors, strict=True):
             try:

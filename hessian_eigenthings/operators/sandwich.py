@@ -244,7 +244,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
         # NOTE [padding rows]: the squared vector-Jacobian products are reverse mode (no
         # gradient for a padding row), zeroed all the same so the diagonal is that of P·A·P
-        return project_rows_(acc.div_(total).unsqueeze(0), self._constant_rows)[0]
+        return project_rows_(acc.div_(total).unsqueeze(0), self._binding.constant_rows)[0]
 
     def _add_squared_vjps(
         self,
