@@ -34,7 +34,7 @@ from typing_extensions import Unpack
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.loss_fns.checks import check_loss_argument
+from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMBatchLoss
 from hessian_eigenthings.loss_fns.protocols import CountedPerSampleLoss, PerSampleLossFn
 from hessian_eigenthings.operators.base import DataOptions
@@ -120,6 +120,7 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             backend=backend,
             **options,
         )
+        check_first_batch(model, self.source.first_batch(), per_sample_loss_fn)
 
     # NOTE [un-batched per-sample functions]
     # The 1.0 alpha took per_sample_loss_fn(model, sample) for ONE un-batched sample and

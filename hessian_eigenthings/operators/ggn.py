@@ -43,7 +43,7 @@ from typing_extensions import Unpack
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.loss_fns.checks import check_loss_argument
+from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.protocols import (
     ForwardFn,
     HiddenStatesForward,
@@ -167,6 +167,7 @@ class GGNOperator(OutputSandwichOperator):
         )
         self.loss_of_output_fn = loss_of_output_fn
         self.loss_hvp = loss_hvp
+        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
         self.chunked_lm_head = chunked_lm_head
         self.lm_head_chunk_rows = lm_head_chunk_rows
         self._logits_fn = forward_fn

@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.loss_fns.checks import check_loss_argument
+from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
     central_points,
@@ -96,6 +96,7 @@ class HessianOperator(DataCurvatureOperator):
             backend=backend,
             **options,
         )
+        check_first_batch(model, self.source.first_batch(), loss_fn)
         self.loss_fn = loss_fn
         self.method = method
         if fd_eps is not None and not fd_eps > 0:

@@ -29,6 +29,7 @@ from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch, BatchSource, to_device
+from hessian_eigenthings.loss_fns.checks import check_first_batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import CallWithModel
 from hessian_eigenthings.operators.model_guard import preserve_model, private_buffers
@@ -68,6 +69,7 @@ class _DataJacobian:
         # NOTE [replaced parameters], NOTE [padding rows]
         self._binding = ParameterBinding(model, self.named_params, self.layout.offsets, "JacobianOperator")
         self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
+        check_first_batch(model, self.source.first_batch(), forward_fn)
         self._call = CallWithModel(model, forward_fn)
         self._sizes: list[int] | None = None
         self._shapes: list[torch.Size] | None = None

@@ -77,7 +77,7 @@ from hessian_eigenthings.batching import (
     batchnorm_modules,
     to_device,
 )
-from hessian_eigenthings.loss_fns.checks import check_loss_argument
+from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import (
     BCEWithLogitsOutputLoss,
@@ -335,6 +335,7 @@ class _KroneckerFactored(CurvatureOperator):
         self.separate_bias = separate_bias
         self.precision = check_precision(precision)
         self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
+        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
 
         selected = select_parameters(model, param_filter)
         owner: dict[int, tuple[str, nn.Module, str]] = {}
