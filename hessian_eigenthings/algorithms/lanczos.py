@@ -24,8 +24,9 @@ meet ``tol`` (NOTE [ritz check schedule]), so the solver stops at the step
 where they do instead of at the end of a restart cycle, without a Ritz
 eigensolve on every step.
 
-Cost: ``max_iter`` products at most, plus ``k`` for the true residuals at the
-end (``residuals="exact"``); ``O(ncv · n)`` flops per product for
+Cost: ``max_iter`` products at most; the residuals come from the products made
+(``residuals="recorded"``, NOTE [recorded residuals]), or cost ``k`` more products
+(``residuals="exact"``); ``O(ncv · n)`` flops per product for
 reorthogonalization; memory ``(ncv + b) · n`` working-dtype numbers plus a
 restart buffer of ``l · n``.
 """
@@ -172,7 +173,7 @@ def lanczos(
     block_size: int = 1,
     v0: torch.Tensor | EigenResult | None = None,
     precision: torch.dtype | None = None,
-    residuals: Literal["exact", "estimate"] = "exact",
+    residuals: Literal["recorded", "exact", "estimate"] = "recorded",
     check_symmetric: bool = False,
     progress: bool | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
@@ -183,8 +184,8 @@ def lanczos(
     Args:
         k: number of eigenpairs.
         max_iter: budget of operator products (a block of ``b`` counts
-            ``b``); default ``max(1000, 30 · ncv)``, and then the exact
-            residuals at the end cost ``k`` more. A ``max_iter`` you pass
+            ``b``); default ``max(1000, 30 · ncv)`` (``residuals="exact"``
+            costs ``k`` more at the end). A ``max_iter`` you pass
             bounds every product (``result.iterations <= max_iter``, as in the
             1.0 alpha): see NOTE [explicit lanczos budget].
         tol: a pair is converged when ``||A v - θ v|| <= max(tol · |θ|, floor)``, the
@@ -230,9 +231,16 @@ def lanczos(
             starts] in ``_common``.
         precision: working dtype of the basis and reductions, see NOTE
             [mixed precision] in ``_common``; products run in ``op.dtype``.
-        residuals: ``"exact"`` recomputes ``||A v - θ v||`` with one block
-            product of the ``k`` vectors; ``"estimate"`` reports the Lanczos
-            estimate ``||R s_last||`` (equal in exact arithmetic, no products).
+        residuals: ``"recorded"`` (default) gives ``||A v - θ v||`` from the products the
+            iteration made, at no product: each product's projections onto the whole basis
+            are kept (a small host matrix), so the residual includes whatever of the
+            products the symmetric projection ignores (asymmetry, inconsistent products);
+            it equals a recomputation up to rounding, and bounds it from above where thick
+            restarts dropped parts of products (NOTE [recorded residuals]). With
+            ``reorthogonalize=False`` the projections are partial and it means
+            ``"exact"``. ``"exact"`` recomputes ``||A v - θ v||`` with one block product of
+            the ``k`` vectors (``k`` products); ``"estimate"`` reports the Lanczos estimate
+            ``||R s_last||`` (equal in exact arithmetic for a consistent operator).
         check_symmetric: spend 2 products checking that ``op`` is symmetric.
         progress: ``True`` a tqdm bar, ``False`` nothing; ``None`` a bar on a terminal or in
             Jupyter, elsewhere a log line on stderr every 30 s of a long run.
@@ -261,8 +269,8 @@ def lanczos(
     check_k(k, n)
     if which not in ("LM", "LA", "SA"):
         raise ValueError(f"which must be 'LM', 'LA' or 'SA', got {which!r}")
-    if residuals not in ("exact", "estimate"):
-        raise ValueError(f"residuals must be 'exact' or 'estimate', got {residuals!r}")
+    if residuals not in ("recorded", "exact", "estimate"):
+        raise ValueError(f"residuals must be 'recorded', 'exact' or 'estimate', got {residuals!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not (tol >= 0):
@@ -278,7 +286,8 @@ def lanczos(
     # needs (k + b products, or the whole space when the budget covers it); then it gets all
     # of max_iter and the Lanczos residual estimates are reported (equal in exact
     # arithmetic; zero once the space is exhausted). The default budget (None) is for the
-    # iteration alone, and the residual check comes on top.
+    # iteration alone, and the residual check comes on top. The default residuals
+    # ("recorded", NOTE [recorded residuals]) cost no product: the whole budget is the iteration's.
     max_iter = check_count("max_iter", max_iter, allow_none=True)
     ncv = check_count("ncv", ncv, allow_none=True)
     explicit_budget = max_iter is not None
@@ -296,6 +305,9 @@ def lanczos(
         )
     if max_iter is None:
         max_iter = max(1000, 30 * ncv)
+    full = reorthogonalize is None or bool(reorthogonalize)
+    if residuals == "recorded" and not full:
+        residuals = "exact"  # partial projections record partial products
     iteration_budget = max_iter
     if explicit_budget and residuals == "exact":  # See NOTE [explicit lanczos budget]
         needs = n if max_iter >= n else min(n, k + b)
@@ -308,7 +320,6 @@ def lanczos(
             f"max_iter={max_iter} products cannot give k={k} eigenpairs; use at least {min(n, k + b)} "
             f"(max_iter counts operator products, not restarts)"
         )
-    full = reorthogonalize is None or bool(reorthogonalize)
     checkpoint_every = check_count("checkpoint_every", checkpoint_every, allow_none=True)
     path = checkpoint_path(checkpoint)
     if checkpoint_every is not None and path is None:
@@ -327,6 +338,10 @@ def lanczos(
     m = ncv
     V = torch.empty(m + b, n_local, dtype=wd, device=device)
     T = np.zeros((m + b, m + b))
+    # See NOTE [recorded residuals]: every product's projections (Hf) and a bound of the
+    # parts of products that restarts dropped (lost[0])
+    Hf = np.zeros((m + b, m + b))
+    lost = np.zeros(1)
 
     X0 = None
     if v0 is not None and _is_warm_basis(v0, n_local, b):
@@ -380,6 +395,8 @@ def lanczos(
         gen=gen,
         V=V,
         T=T,
+        Hf=Hf,
+        lost=lost,
         n=n,
         full=full,
         noise=rounding_level(wd, op.dtype),
@@ -412,7 +429,7 @@ def lanczos(
     }
     if resuming:
         assert path is not None
-        loop = _restore(load_checkpoint(path, "lanczos", config, gen), V, T, b, path)
+        loop = _restore(load_checkpoint(path, "lanczos", config, gen), V, T, Hf, lost, b, path)
         j, restart_l, it, anorm = loop["j"], loop["restart_l"], loop["it"], loop["anorm"]
         products = loop["products"]
         theta, S, est, order = loop["theta"], loop["S"], loop["est"], loop["order"]
@@ -480,6 +497,7 @@ def lanczos(
                     V[:n_keep] = Sk @ V[:top]
                     V[n_keep : n_keep + b] = V[top : top + b].clone()  # the ranges may overlap
                 coupling = Rh @ S[top - b : top, keep]
+                _restart_record(Hf, lost, S[:, keep], top, b, noise * anorm)
                 T[:] = 0.0
                 T[:n_keep, :n_keep] = np.diag(theta[keep])
                 T[n_keep : n_keep + b, :n_keep] = coupling
@@ -500,7 +518,7 @@ def lanczos(
                     "next_check": next_check,
                     "last_check": None if last_check is None else list(last_check),
                 }
-                _save(path, config, gen, V, T, j + b, loop, (theta, S, est, order))
+                _save(path, config, gen, V, T, Hf, lost, j + b, loop, (theta, S, est, order))
                 saved_at = products
 
     want = order[:k]
@@ -513,6 +531,12 @@ def lanczos(
         res = row_dots(backend, Rm, Rm).sqrt().to("cpu", torch.float64)
         if not bool(torch.isfinite(res).all()):
             raise non_finite_error("residual check", it)
+    elif residuals == "recorded":
+        res = torch.from_numpy(
+            _recorded_residuals(
+                Hf, T, lost, S[:, want], est[want], top, float(torch.finfo(op.dtype).eps) * anorm
+            )
+        )
     else:
         res = torch.from_numpy(est[want].copy())
     thresh_t = torch.clamp(tol * lam.abs(), min=noise * anorm)
@@ -521,11 +545,12 @@ def lanczos(
         remove_checkpoint(path)
     if not bool(converged.all()):
         hint = "raise max_iter or ncv, or loosen tol"
-        if residuals == "exact" and bool((torch.from_numpy(est[want].copy()) <= thresh_t).all()):
+        if residuals != "estimate" and bool((torch.from_numpy(est[want].copy()) <= thresh_t).all()):
             causes = op.inconsistency_causes()
             hint = (
-                "the Ritz estimates met tol but the recomputed residuals did not, so the products are "
-                "not consistent at that level"
+                "the Ritz estimates met tol but the recomputed residuals "
+                + ("(from the products made) " if residuals == "recorded" else "")
+                + "did not, so the products are not consistent at that level"
                 + (
                     f" ({'; '.join(causes)})"
                     if causes
@@ -585,6 +610,8 @@ def _save(
     gen: torch.Generator,
     V: torch.Tensor,
     T: np.ndarray[Any, Any],
+    Hf: np.ndarray[Any, Any],
+    lost: np.ndarray[Any, Any],
     rows: int,
     loop: dict[str, Any],
     ritz: tuple[np.ndarray[Any, Any], ...],
@@ -593,13 +620,21 @@ def _save(
     state = dict(loop)
     state["V"] = V[:rows].to("cpu", copy=True)  # a copy: a view would save the whole buffer
     state["T"] = torch.from_numpy(T[:rows, :rows].copy())
+    state["Hf"] = torch.from_numpy(Hf[:rows, :rows].copy())
+    state["lost"] = torch.from_numpy(lost.copy())
     for name, a in zip(("theta", "S", "est", "order"), ritz, strict=True):
         state[name] = torch.from_numpy(np.ascontiguousarray(a))
     save_checkpoint(path, "lanczos", config, state, gen)
 
 
 def _restore(
-    state: dict[str, Any], V: torch.Tensor, T: np.ndarray[Any, Any], b: int, path: Path
+    state: dict[str, Any],
+    V: torch.Tensor,
+    T: np.ndarray[Any, Any],
+    Hf: np.ndarray[Any, Any],
+    lost: np.ndarray[Any, Any],
+    b: int,
+    path: Path,
 ) -> dict[str, Any]:
     """Fill ``V`` and ``T`` from a checkpoint's state; the loop variables, as ``_save`` got them."""
     try:
@@ -619,6 +654,12 @@ def _restore(
             )
         if Ts.shape != (rows, rows) or Ts.dtype != torch.float64:
             raise ValueError(f"a projection of shape {tuple(Ts.shape)}, expected ({rows}, {rows})")
+        # a file of a version before NOTE [recorded residuals]: the symmetric part, nothing lost
+        Hs, Ls = state.get("Hf", Ts), state.get("lost", torch.zeros(1, dtype=torch.float64))
+        if Hs.shape != (rows, rows) or Ls.shape != (1,):
+            raise ValueError(
+                f"recorded products of shape {tuple(Hs.shape)}, expected ({rows}, {rows})"
+            )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise ValueError(
             f"checkpoint {str(path)!r} is not a complete lanczos state for this call ({exc}); "
@@ -626,6 +667,8 @@ def _restore(
         ) from exc
     V[:rows] = Vs.to(V.device)
     T[:rows, :rows] = Ts.numpy()
+    Hf[:rows, :rows] = Hs.numpy()
+    lost[:] = Ls.numpy()
     return loop
 
 
@@ -643,6 +686,8 @@ class _Krylov:
     V: torch.Tensor
     Vn: np.ndarray[Any, Any] | None
     T: np.ndarray[Any, Any]
+    Hf: np.ndarray[Any, Any]  # every product's projections: See NOTE [recorded residuals]
+    lost: np.ndarray[Any, Any]  # (1,) bound of the parts of products that restarts dropped
     n: int  # global length
     full: bool  # full reorthogonalization
     noise: float
@@ -668,12 +713,16 @@ def _device_step(
         W = W - H2.T @ B
         H = H + H2
     Q, R = _block_qr(W, backend)
-    # the one host sync of this step: diagonal block of H and the coupling R
-    host = torch.cat([H[-b:].reshape(-1), R.reshape(-1)]).to("cpu", torch.float64).numpy()
+    # the one host sync of this step: the projections H (NOTE [recorded residuals]; its last
+    # block is T's diagonal block) and the coupling R
+    rows = top - lo
+    host = torch.cat([H.reshape(-1), R.reshape(-1)]).to("cpu", torch.float64).numpy()
     if not np.isfinite(host).all():
         raise non_finite_error(f"after {products} products", products // b)
-    Hd = host[: b * b].reshape(b, b)
-    Rh = host[b * b :].reshape(b, b)
+    Hh = host[: rows * b].reshape(rows, b)
+    Hd = Hh[-b:]
+    Rh = host[rows * b :].reshape(b, b)
+    st.Hf[lo:top, j:top] = Hh
     T[j:top, j:top] = 0.5 * (Hd + Hd.T)
     anorm = max(anorm, float(np.abs(T[j:top, j:top]).max()), float(np.abs(Rh).max()))
     diag = np.abs(np.diag(Rh))
@@ -690,6 +739,7 @@ def _device_step(
         V[top : top + b] = Q
         T[top : top + b, j:top] = Rh
         T[j:top, top : top + b] = Rh.T
+        st.Hf[top : top + b, j:top] = Rh
     return Rh, anorm, exhausted
 
 
@@ -705,14 +755,15 @@ def _host_step(
     B = Vn[lo:top]
     h = B @ w
     w = w - h @ B  # a new array: the product's output may be the operator's own buffer
-    alpha = float(h[-1])
     if st.full:
-        h = B @ w
-        w -= h @ B
-        alpha += float(h[-1])
+        h2 = B @ w
+        w -= h2 @ B
+        h += h2
+    alpha = float(h[-1])
     beta = math.sqrt(float(w @ w))
     if not (math.isfinite(alpha) and math.isfinite(beta)):
         raise non_finite_error(f"after {products} products", products)
+    st.Hf[lo:top, j] = h  # See NOTE [recorded residuals]
     T[j, j] = alpha
     anorm = max(anorm, abs(alpha), beta)
     exhausted = False
@@ -731,7 +782,7 @@ def _host_step(
             # small residual: one more Gram-Schmidt pass keeps q orthogonal to the basis
             q -= (Vn[:top] @ q) @ Vn[:top]
             q /= math.sqrt(float(q @ q))
-    T[top, j] = T[j, top] = beta
+    T[top, j] = T[j, top] = st.Hf[top, j] = beta
     st.R1[0, 0] = beta
     return st.R1, anorm, False
 
@@ -761,6 +812,76 @@ def _host_step(
 # the 200 x 200 run pinned in tests/perf/test_counts.py, the prediction alone (session 7, on
 # every operator) stopped at 19 products instead of 14. Power iteration does not use the
 # schedule: its deflated runs stall and then drop.
+
+
+# NOTE [recorded residuals]
+# The residual of a Ritz pair without a product (issue 25: the k products of recomputing them
+# put the default above ARPACK's count). With full reorthogonalization each product is written
+# whole in the basis: A v_c = sum_i Hf[i, c] v_i (+ the residual block), where column c of Hf
+# holds the product's projections onto every basis vector (two Gram-Schmidt passes) and its
+# coupling to the next block; only rounding is left out. T, the symmetric matrix the Ritz pairs
+# come from, keeps only the symmetric tridiagonal part of that. So for y = V s,
+# A y - θ y = V (Hf - T) s + V_next (R s_last): its norm is sqrt(||(Hf - T) s||² + est²), est
+# the Lanczos estimate ||R s_last||, from (ncv + b)² numbers on the host. For products that are
+# one fixed symmetric matrix, Hf = T up to rounding and this is est; for products that are not
+# (random, asymmetric, low precision), Hf records what they did and the residual shows it, as a
+# recomputation would. A thick restart keeps y_i = V s_i: their products become P = Sₖᵀ Hf Sₖ
+# within the kept vectors, the coupling to the residual block, and a part D = (I - Sₖ Sₖᵀ) Hf Sₖ
+# outside the new basis, which is dropped. The dropped parts of all restarts form a matrix L
+# (n x kept rows) with L' = L Sₖ + D at each restart, so ||L||₂ <= sum of ||D||₂ (Sₖ has
+# orthonormal columns), and a residual adds that bound (`lost`), an upper bound.
+# Rounding: for a consistent operator each ||D||₂ is rounding-sized, but dozens of restarts add
+# up, and near the floor of the convergence rule (about 100 eps ||A||, NOTE [convergence rule])
+# that matters: a first version, bounding the dropped parts row by row with |Sₖ|ᵀ, grew
+# geometrically (1e-2 for true residuals of 1e-5 after 80 restarts) and left pairs at the floor
+# (zero eigenvalues) unconverged that a recomputation accepts. So each restart adds only the
+# part of ||D||₂ above the floor: dropped inconsistencies below it are rounding for this rule.
+# An invariant subspace's remainder (below the floor by its test) is dropped likewise. The
+# Lanczos estimate keeps falling below rounding (to 0 in float32 runs), where a recomputation
+# adds a product's own rounding: the residual includes eps(operator dtype) · ||A|| in
+# quadrature, so it never claims less than a product resolves (the CLI's float32 problem:
+# 1.3e-8 to 4e-8 recomputed, 1.9e-8 to 2.9e-8 recorded, 0 to 2e-8 without that term).
+# Cost: one (ncv + b)² float64 matrix on the host, the whole projection column in the step's
+# one host sync (top · b numbers instead of b²), a (top x top) product per restart: no
+# operator product, no extra sync. Measured on the test spectra in float64 (n = 300, k = 10,
+# five spectra, LM/LA/SA, b = 1 and 4, tol 1e-4 and 1e-6): within 0.23 · (recomputed residual
+# + floor) of a recomputation, the same flags, and exactly the products of
+# residuals="estimate", at most ARPACK's (tests/algorithms/test_products_vs_arpack.py).
+def _restart_record(
+    Hf: np.ndarray[Any, Any],
+    lost: np.ndarray[Any, Any],
+    Sk: np.ndarray[Any, Any],
+    top: int,
+    b: int,
+    floor: float,
+) -> None:
+    """``Hf`` and ``lost`` for the kept Ritz vectors ``V[:top] Sk`` and the residual block, in
+    place (the caller then moves the basis). See NOTE [recorded residuals]."""
+    n_keep = Sk.shape[1]
+    M = Hf[:top, :top] @ Sk  # products of the kept vectors within the old basis
+    P = Sk.T @ M
+    dropped = float(np.linalg.norm(M - Sk @ P))  # Frobenius: bounds the 2-norm, no SVD
+    coupling = Hf[top : top + b, :top] @ Sk
+    Hf[:] = 0.0
+    Hf[:n_keep, :n_keep] = P
+    Hf[n_keep : n_keep + b, :n_keep] = coupling
+    lost[0] += max(0.0, dropped - floor)
+
+
+def _recorded_residuals(
+    Hf: np.ndarray[Any, Any],
+    T: np.ndarray[Any, Any],
+    lost: np.ndarray[Any, Any],
+    Sw: np.ndarray[Any, Any],
+    est: np.ndarray[Any, Any],
+    top: int,
+    product_rounding: float,
+) -> np.ndarray[Any, Any]:
+    """``||A y - θ y||`` of the Ritz vectors ``V[:top] Sw`` from the recorded products (``est``:
+    their Lanczos estimates; ``product_rounding``: eps of the operator's dtype times ``||A||``).
+    See NOTE [recorded residuals]."""
+    inner = np.linalg.norm((Hf[:top, :top] - T[:top, :top]) @ Sw, axis=0)
+    return np.sqrt(est**2 + inner**2 + product_rounding**2) + lost[0]
 
 
 def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:

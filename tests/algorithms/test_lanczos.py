@@ -131,7 +131,7 @@ def test_no_more_products_than_eigsh(kind: str) -> None:
     )
     # exact residuals cost exactly one block of k on top, and agree with the estimates
     op2 = diag_op(d)
-    exact = lanczos(op2, k=10, tol=1e-6, ncv=21, seed=0)
+    exact = lanczos(op2, k=10, tol=1e-6, ncv=21, seed=0, residuals="exact")
     assert exact.iterations == est.iterations + 10 == op2.num_matvecs
     np.testing.assert_allclose(
         exact.residuals.numpy(), est.residuals.numpy(), rtol=1e-3, atol=1e-13
@@ -164,8 +164,9 @@ def test_block_lanczos(block_size: int) -> None:
     assert res.converged.all()
     true_res = _true_residuals(m, res.eigenvalues.numpy(), res.eigenvectors.numpy())
     assert (true_res <= 1e-9 * 10.0).all()
-    # one operator pass per step of b vectors (+ the residual block)
-    assert op.passes == (res.iterations - 5) // block_size + 1
+    # one operator pass per step of b vectors; the default residuals cost no pass (NOTE
+    # [recorded residuals]; before issue 25 one more pass recomputed them)
+    assert op.passes == res.iterations // block_size
 
 
 def test_block_lanczos_large_diagonal_against_eigsh() -> None:
