@@ -13,6 +13,7 @@ import hessian_eigenthings.operator as operator  # noqa: F401 -- 0.x attribute
 import hessian_eigenthings.power_iter as power_iter  # noqa: F401 -- 0.x attribute
 import hessian_eigenthings.utils as utils  # noqa: F401 -- 0.x attribute
 from hessian_eigenthings._version import __version__
+from hessian_eigenthings._warnings import EmptyBatchWarning
 from hessian_eigenthings.algorithms import (
     ConvergenceWarning,
     DiagonalResult,
@@ -80,6 +81,7 @@ from hessian_eigenthings.operators import (
 )
 from hessian_eigenthings.param_utils import (
     ParamFilter,
+    ParamFilterWarning,
     match_names,
     match_regex,
     params_to_vector,
@@ -105,6 +107,7 @@ __all__ = [
     "EKFACOperator",
     "EigenResult",
     "EmpiricalFisherOperator",
+    "EmptyBatchWarning",
     "EngineMismatchWarning",
     "EngineUnsupportedError",
     "FSDPHessianOperator",
@@ -121,6 +124,7 @@ __all__ = [
     "OutputHessianLoss",
     "OutputHessianSqrtLoss",
     "ParamFilter",
+    "ParamFilterWarning",
     "RandomForwardWarning",
     "SolveResult",
     "SpectralDensityResult",
@@ -170,3 +174,12 @@ __all__ = [
     "trace",
     "vector_to_params",
 ]
+
+
+def __getattr__(attr: str) -> object:
+    # `he.testing` (dense oracles, check_operator) without importing it with the package
+    if attr == "testing":
+        import importlib
+
+        return importlib.import_module("hessian_eigenthings.testing")
+    raise AttributeError(f"module 'hessian_eigenthings' has no attribute {attr!r}")

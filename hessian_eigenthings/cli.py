@@ -1033,6 +1033,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "values": _floats(eig.eigenvalues),
                 "residuals": _floats(eig.residuals),
                 "converged": [bool(c) for c in eig.converged.tolist()],
+                "tol": eig.tol,
+                "residual_floor": eig.residual_floor,
+                "converged_by_floor": [bool(c) for c in eig.floor_only().tolist()],
                 "matvecs": eig.iterations,
             }
             _log(

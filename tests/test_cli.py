@@ -107,6 +107,14 @@ def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> N
     assert "top 3 eigenvalues" in proc.stdout
     assert "memory estimate" in proc.stdout
     res = json.loads((out / "results.json").read_text())
+    eigen = res["eigenvalues"]
+    # the rule behind `converged`: residual <= max(tol·|λ|, residual_floor), the floor's pairs flagged
+    assert eigen["tol"] > 0 and eigen["residual_floor"] > 0
+    for r, v, c, by_floor in zip(
+        eigen["residuals"], eigen["values"], eigen["converged"], eigen["converged_by_floor"], strict=True
+    ):
+        assert c == (r <= max(eigen["tol"] * abs(v), eigen["residual_floor"]))
+        assert by_floor == (c and r > eigen["tol"] * abs(v))
 
     model, data, criterion = _load(user_module)
     model = model.double()
