@@ -242,3 +242,50 @@ def test_lanczos_checkpoint_refusals(tmp_path: Path) -> None:
         lanczos(Interrupting(m), k=2, checkpoint=path, checkpoint_every=0)
     with pytest.raises(TypeError, match="checkpoint must be a path"):
         lanczos(Interrupting(m), k=2, checkpoint=3)  # type: ignore[arg-type]
+
+
+def test_lanczos_checkpoint_format_is_stable(tmp_path: Path) -> None:
+    """The on-disk layout of a lanczos checkpoint (format 1): files written by earlier versions
+    keep loading, so the names, types and shapes below change only with a new format number."""
+    n, k, ncv, b = 60, 3, 12, 2
+    m = dense_matrix(spectrum("separated", n, seed=0), seed=1)
+    path = tmp_path / "lz.pt"
+    kw: dict[str, object] = dict(k=k, seed=2, tol=1e-10, ncv=ncv, block_size=b)
+    _interrupted(Interrupting(m, 2 * ncv), path, **kw)  # saved at the first thick restart
+    payload = torch.load(path, weights_only=True)
+    assert list(payload) == [
+        "format",
+        "algorithm",
+        "config",
+        "state",
+        "generator",
+        "generator_device",
+    ]
+    assert payload["format"] == 1 and payload["algorithm"] == "lanczos"
+    assert payload["generator_device"] == "cpu"
+    assert list(payload["config"]) == [
+        "n", "op_dtype", "work_dtype", "k", "which", "tol", "max_iter", "ncv", "block_size",
+        "reorthogonalize", "residuals", "seed", "v0",
+    ]  # fmt: skip
+    assert payload["config"]["n"] == n and payload["config"]["ncv"] == ncv
+    assert payload["config"]["op_dtype"] == "torch.float64" and payload["config"]["v0"] is None
+    state = payload["state"]
+    assert list(state) == [
+        "j", "restart_l", "products", "it", "anorm", "next_check", "last_check",
+        "V", "T", "Hf", "lost", "theta", "S", "est", "order",
+    ]  # fmt: skip
+    for key in ("j", "restart_l", "products", "it", "next_check"):
+        assert type(state[key]) is int, key
+    assert type(state["anorm"]) is float
+    assert isinstance(state["last_check"], list) and len(state["last_check"]) == 2
+    rows = state["j"] + b
+    assert state["restart_l"] == state["j"] and k <= state["j"] < ncv
+    assert state["V"].shape == (rows, n) and state["V"].dtype == torch.float64
+    assert state["V"].untyped_storage().nbytes() == rows * n * 8  # not a view of the buffer
+    for key in ("T", "Hf"):
+        assert state[key].shape == (rows, rows) and state[key].dtype == torch.float64, key
+    assert state["lost"].shape == (1,) and state["lost"].dtype == torch.float64
+    top = ncv  # the Ritz data of the restart's check: the whole basis
+    assert state["theta"].shape == (top,) and state["theta"].dtype == torch.float64
+    assert state["S"].shape == (top, top) and state["est"].shape == (top,)
+    assert state["order"].shape == (top,) and state["order"].dtype == torch.int64
