@@ -53,44 +53,40 @@ input factor is computed without unfolding where that is cheaper (see
 a 3×3 convolution on a large map; on a GPU only on maps above 32×32, where the multiply-adds saved
 outweigh the extra kernel launches).
 A product costs two small matrix products per block and never reads the data.
+
+Shape: the pass over the data is :mod:`~hessian_eigenthings.operators.factor_pass`; the
+block-diagonal algebra (products, ``eigh``, ``inverse``, ``logdet``, ``trace``) is
+:class:`~hessian_eigenthings.operators.kronecker.KroneckerOperator`, which these operators are:
+this module only turns the pass's inputs and output gradients into factors.
 """
 
 from __future__ import annotations
 
-import math
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hessian_eigenthings._checks import check_count
-from hessian_eigenthings._warnings import user_stacklevel
-from hessian_eigenthings.batching import (
-    Batch,
-    BatchSource,
-    batch_size,
-    batchnorm_modules,
-    to_device,
-)
-from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
+from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
-from hessian_eigenthings.loss_fns.standard import (
-    BCEWithLogitsOutputLoss,
-    CrossEntropyOutputLoss,
-    MSEOutputLoss,
+from hessian_eigenthings.operators.factor_pass import (
+    FactorPass,
+    FisherType,
+    Layer,
+    Retry,
+    WeightedSum,
+    input_moment,
 )
-from hessian_eigenthings.operators.conv_factors import conv_input_moment
-from hessian_eigenthings.operators.empty_batches import EmptyBatches
-from hessian_eigenthings.operators.model_guard import ModelGuard
-from hessian_eigenthings.operators.parameter_binding import refuse_in_place_forward
-from hessian_eigenthings.operators.precision import Precision, check_precision
-from hessian_eigenthings.operators.protocol import CurvatureOperator
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+from hessian_eigenthings.operators.kronecker import (
+    Eigen,
+    KroneckerBlock,
+    KroneckerEigen,
+    KroneckerEigenBlock,
+    KroneckerOperator,
+)
+from hessian_eigenthings.operators.precision import Precision
+from hessian_eigenthings.param_utils import ParamFilter
 
 __all__ = [
     "EKFACOperator",
@@ -100,178 +96,93 @@ __all__ = [
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",
-    "KroneckerProductOperator",
+    "LayerKroneckerOperator",
 ]
 
-FisherType = Literal["type2", "mc", "empirical"]
 KFACApprox = Literal["expand", "reduce"]
-_SUPPORTED = (nn.Linear, nn.Conv2d)
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """HuggingFace's ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layers: ``x @ W + b``,
-    ``W (in, out)``), recognized without importing ``transformers``: if a model holds one, the
-    module defining it is loaded already."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    cls = getattr(utils, "Conv1D", None)
-    return cls is not None and isinstance(module, cls)
+class LayerKroneckerOperator(KroneckerOperator):
+    """A :class:`KroneckerOperator` over a model's layers whose factors a
+    :class:`~hessian_eigenthings.operators.factor_pass.FactorPass` collects (KFAC, EKFAC, KFOC):
+    the pass's arguments as attributes, and each layer's blocks from its factors."""
+
+    excluded_parameters: tuple[str, ...]
+
+    def _start_pass(self, factor_pass: FactorPass) -> None:
+        self._pass = factor_pass
+        self.model = factor_pass.model
+        self.forward_fn = factor_pass.forward_fn
+        self.loss_of_output_fn = factor_pass.loss_of_output_fn
+        self.fisher_type: FisherType = factor_pass.fisher_type
+        self.mc_samples = factor_pass.mc_samples
+        self.seed = factor_pass.seed
+        self.column_chunk = factor_pass.column_chunk
+        self.precision = factor_pass.precision
+        self.source = factor_pass.source
+        self.guard = factor_pass.guard
+        #: selected parameters left out with ``exclude_unsupported=True`` (name and layer type)
+        self.excluded_parameters = factor_pass.excluded
+        self.named_params = factor_pass.named_params
+        self.params = factor_pass.params
+        self.layout = factor_pass.layout
+        self._size, self._device, self._dtype = (
+            self.layout.size,
+            self.layout.device,
+            self.layout.dtype,
+        )
+        self.factor_dtype = factor_pass.factor_dtype
+
+    def _zeros_for(
+        self, layer: Layer
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+        """Makers of zero factors ``G``, ``A`` for a layer whose GGN block is zero (it never ran)."""
+        m, q = self._pass.matrix_shape(layer)
+        q += int(layer.joint)
+        dtype, device = self.factor_dtype, self.device
+        return (
+            lambda: torch.zeros(m, m, dtype=dtype, device=device),
+            lambda: torch.zeros(q, q, dtype=dtype, device=device),
+        )
+
+    def _layer_blocks(
+        self,
+        G_of: dict[str, torch.Tensor],
+        A_of: dict[str, torch.Tensor],
+        bias_G_of: dict[str, torch.Tensor] | None = None,
+    ) -> list:  # type: ignore[type-arg]
+        """Each layer's blocks in the layout's order: weight and bias joined, or the weight's
+        ``G ⊗ A`` and the bias's ``G ⊗ [1]`` (``bias_G_of``: a separate bias's own ``G``)."""
+        blocks = []
+        for layer in self._pass.layers:
+            if layer.weight is not None:
+                bias = layer.bias if layer.joint else None
+                G, A = G_of[layer.name], A_of[layer.name]
+                blocks.append(
+                    self._factor_block(
+                        self.layout, layer.weight, bias, layer.name, G, A, layer.transposed
+                    )
+                )
+            if layer.bias is not None and not layer.joint:
+                own = G_of[layer.name] if bias_G_of is None else bias_G_of[layer.name]
+                blocks.append(
+                    self._factor_block(self.layout, None, layer.bias, layer.name, own, None)
+                )
+        return blocks
+
+    def _repr_fields(self) -> str:
+        return f"fisher_type={self.fisher_type!r}"
+
+    def __repr__(self) -> str:
+        extra = f", excluded={list(self.excluded_parameters)}" if self.excluded_parameters else ""
+        return (
+            f"{type(self).__name__}(size={self.size}, blocks={self.num_blocks}, {self._repr_fields()}, "
+            f"dtype={self.dtype}{extra})"
+        )
 
 
-def _supported(module: nn.Module) -> bool:
-    return isinstance(module, _SUPPORTED) or _is_hf_conv1d(module)
-
-
-def _joined(S: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
-    """``Σ ã ãᵀ`` of the inputs with a one appended, ``ã = [a, 1]``, from ``Σ a aᵀ``, ``Σ a`` and the
-    number of rows (no copy of the inputs)."""
-    q = S.shape[0]
-    out = S.new_empty(q + 1, q + 1)
-    out[:q, :q] = S
-    out[:q, q] = s
-    out[q, :q] = s
-    out[q, q] = rows
-    return out
-
-
-@dataclass(frozen=True)
-class KroneckerBlock:
-    """One diagonal block ``G ⊗ A`` of the operator over the parameters ``names``.
-
-    The block acts on the matrix ``X (m, q)`` made of the parameters' entries:
-    the weight's rows (a conv weight flattened to ``(out, in·kh·kw)``; a ``Conv1D`` weight
-    ``(in, out)`` transposed), then the bias as a last column when it is joined to the weight; a bias alone is
-    ``(m, 1)`` with ``A = [[1]]``. ``G`` is ``(m, m)``, ``A`` is ``(q, q)``.
-    """
-
-    names: tuple[str, ...]
-    module: str  # the layer's name in the model
-    G: torch.Tensor  # (m, m) output-side factor
-    A: torch.Tensor  # (q, q) input-side factor
-
-
-@dataclass(frozen=True)
-class KroneckerEigenBlock:
-    names: tuple[str, ...]
-    eigenvalues: torch.Tensor  # (m, q): eigenvalue of u_G[:, i] ⊗ u_A[:, j] at [i, j]
-    G_eigenvectors: torch.Tensor  # (m, m), columns
-    A_eigenvectors: torch.Tensor  # (q, q), columns
-
-
-@dataclass(frozen=True)
-class KroneckerEigen:
-    """Eigendecomposition of a Kronecker-factored operator, block by block.
-
-    The eigenvector of ``blocks[b].eigenvalues[i, j]`` is ``u_G,i ⊗ u_A,j`` laid
-    out in the block's parameters (zero elsewhere)."""
-
-    blocks: tuple[KroneckerEigenBlock, ...]
-
-    @property
-    def eigenvalues(self) -> torch.Tensor:  # (n,) every eigenvalue, ascending
-        return torch.cat([b.eigenvalues.reshape(-1) for b in self.blocks]).sort().values
-
-
-@dataclass
-class _Layer:
-    name: str
-    module: nn.Module
-    weight: int | None  # index of the weight in the layout
-    bias: int | None
-    joint: bool  # bias appended to the input as a column of ones
-    A: torch.Tensor | None = None
-    G: torch.Tensor | None = None
-
-
-@dataclass
-class _Block:
-    layer: _Layer
-    part: Literal["weight", "bias", "joint"]
-    #: the block's own output-side factor where it is not the layer's (KFOC's separate bias)
-    own_G: torch.Tensor | None = None
-
-    def A(self) -> torch.Tensor:
-        if self.part == "bias":
-            G = self.G()
-            return torch.ones(1, 1, dtype=G.dtype, device=G.device)
-        assert self.layer.A is not None
-        return self.layer.A
-
-    def G(self) -> torch.Tensor:
-        if self.own_G is not None:
-            return self.own_G
-        assert self.layer.G is not None
-        return self.layer.G
-
-
-def _check_layer(name: str, module: nn.Module) -> None:
-    if isinstance(module, nn.Conv2d):
-        if module.groups != 1:
-            raise ValueError(
-                f"KFAC supports Conv2d with groups=1; layer {name!r} has groups={module.groups}"
-            )
-        if module.padding_mode != "zeros" or (
-            isinstance(module.padding, str) and module.padding != "valid"
-        ):
-            raise ValueError(
-                f"KFAC supports Conv2d with zero padding given as numbers; layer {name!r} has "
-                f"padding={module.padding!r}, padding_mode={module.padding_mode!r}"
-            )
-
-
-def _conv_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Unfolded input patches ``(N, positions, in·kh·kw)`` in the weight's row-major order."""
-    padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid" (checked)
-    cols = F.unfold(
-        x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
-    )
-    return cols.transpose(1, 2)
-
-
-_NO_INPUT = torch.empty(0)  # a layer whose inputs were not kept (the factors take them as they come)
-
-
-class _WeightedSum:
-    """``Σ wᵢ Xᵢ / total``, accumulated in place; the first term's weight is applied late.
-
-    NOTE [factor weights applied late]: with one batch (the common case) a factor's weights cancel
-    (``size · X / size``), and a multiply and a divide per factor, two launches each on dozens of
-    layers, cost more host time than the arithmetic they do; so the first term is kept as it
-    comes and its weight is folded into the next term's scaling or into the final division."""
-
-    __slots__ = ("scale", "value")
-
-    def __init__(self) -> None:
-        self.value: torch.Tensor | None = None
-        self.scale = 1.0
-
-    def _settle(self) -> torch.Tensor:
-        assert self.value is not None
-        if self.scale != 1.0:
-            self.value.mul_(self.scale)
-            self.scale = 1.0
-        return self.value
-
-    def add(self, X: torch.Tensor, weight: float) -> None:
-        if self.value is None:
-            self.value, self.scale = X, weight
-        else:
-            self._settle().add_(X, alpha=weight)
-
-    def addmm(self, a: torch.Tensor, b: torch.Tensor, weight: float) -> None:
-        """Adds ``weight · a @ b`` (one fused product-and-add after the first term)."""
-        if self.value is None:
-            self.value, self.scale = a @ b, weight
-        else:
-            self._settle().addmm_(a, b, alpha=weight)
-
-    def mean(self, total: float) -> torch.Tensor:
-        assert self.value is not None
-        factor = self.scale / total
-        return self.value if factor == 1.0 else self.value.mul_(factor)
-
-
-class _KroneckerFactored(CurvatureOperator):
-    """The shared part of KFAC and EKFAC: layers, factor pass, blocks and their algebra."""
+class _KFACFactors(LayerKroneckerOperator):
+    """KFAC's factors from one pass (the constructor KFAC and EKFAC share)."""
 
     def __init__(
         self,
@@ -291,618 +202,73 @@ class _KroneckerFactored(CurvatureOperator):
         precision: Precision = "fp32",
         column_chunk: int = 16,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if fisher_type not in ("type2", "mc", "empirical"):
-            raise ValueError(
-                f"fisher_type must be 'type2', 'mc' or 'empirical', got {fisher_type!r}"
-            )
-        if kfac_approx not in ("expand", "reduce"):
-            raise ValueError(f"kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
-        if not callable(forward_fn) or not callable(loss_of_output_fn):
-            raise TypeError(
-                "forward_fn(model, batch) and loss_of_output_fn(output, batch) must be callable"
-            )
-        check_loss_argument(
-            loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output"
+        factor_pass = FactorPass(
+            type(self).__name__,
+            model,
+            dataloader,
+            forward_fn,
+            loss_of_output_fn,
+            fisher_type=fisher_type,
+            kfac_approx=kfac_approx,
+            param_filter=param_filter,
+            mc_samples=mc_samples,
+            seed=seed,
+            num_batches=num_batches,
+            separate_bias=separate_bias,
+            exclude_unsupported=exclude_unsupported,
+            precision=precision,
+            column_chunk=column_chunk,
         )
-        check_loss_argument(
-            forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
-        )
-        if not isinstance(
-            loss_of_output_fn, (CrossEntropyOutputLoss, MSEOutputLoss, BCEWithLogitsOutputLoss)
-        ):
-            raise ValueError(
-                f"{type(self).__name__} needs the loss's distribution to factor its Hessian; supported: "
-                "cross_entropy_loss_of_output(), mse_loss_of_output() and supervised_loss_of_output(...) of "
-                f"nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(); got {loss_of_output_fn!r}"
-            )
-        self.mc_samples: int = check_count("mc_samples", mc_samples)  # type: ignore[assignment]
-        if fisher_type != "mc" and self.mc_samples != 1:
-            raise ValueError(
-                f"mc_samples={mc_samples} applies to fisher_type='mc' only (got {fisher_type!r})"
-            )
-        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
-        self.column_chunk: int = check_count("column_chunk", column_chunk)  # type: ignore[assignment]
-        if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
-            raise TypeError("separate_bias and exclude_unsupported must be True or False")
-        refuse_in_place_forward(model, type(self).__name__)
-        self.model = model
-        self.forward_fn = forward_fn
-        self.loss_of_output_fn = loss_of_output_fn
-        self.fisher_type: FisherType = fisher_type
+        self._start_pass(factor_pass)
         self.kfac_approx: KFACApprox = kfac_approx
         self.separate_bias = separate_bias
-        self.precision = check_precision(precision)
-        self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
-        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
-
-        selected = select_parameters(model, param_filter)
-        owner: dict[int, tuple[str, nn.Module, str]] = {}
-        users: dict[int, list[str]] = {}
-        for mname, module in model.named_modules(remove_duplicate=False):
-            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
-                owner.setdefault(id(p), (mname, module, pname))
-                users.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
-        tied = [" = ".join(users[id(p)]) for p in selected.values() if len(users[id(p)]) > 1]
-        if tied:
-            raise ValueError(
-                f"{type(self).__name__} gives each layer its own block; these selected parameters are tied "
-                f"(shared by several layers): {'; '.join(tied)}. Leave them out with param_filter"
-            )
-        unsupported = []
-        named = []
-        for name, p in selected.items():
-            mname, module, pname = owner[id(p)]
-            if _supported(module) and pname in ("weight", "bias"):
-                _check_layer(mname, module)
-                named.append((name, p))
-            else:
-                unsupported.append(f"{name} ({type(module).__name__})")
-        if unsupported and not exclude_unsupported:
-            raise ValueError(
-                f"{type(self).__name__} covers nn.Linear, nn.Conv2d and transformers' Conv1D layers; these selected parameters belong to "
-                f"none: {', '.join(unsupported)}. Leave them out with param_filter, or pass "
-                "exclude_unsupported=True to drop them (listed in .excluded_parameters)"
-            )
-        if not named:
-            raise ValueError(
-                "no selected parameter belongs to an nn.Linear, nn.Conv2d or transformers' Conv1D layer"
-            )
-        #: selected parameters left out with ``exclude_unsupported=True`` (name and layer type)
-        self.excluded_parameters: tuple[str, ...] = tuple(unsupported)
-        self.named_params = named
-        self.params = [p for _, p in named]
-        self.layout = ParamLayout.from_named(named)
-        self._size = self.layout.size
-        self._device = self.layout.device
-        self._dtype = self.layout.dtype
-        #: factors and reductions run in float32 or better
-        self.factor_dtype = torch.promote_types(self._dtype, torch.float32)
-
-        layers: dict[str, _Layer] = {}
-        for index, (_, p) in enumerate(named):
-            mname, module, pname = owner[id(p)]
-            layer = layers.setdefault(mname, _Layer(mname, module, None, None, False))
-            setattr(layer, pname, index)
-        for layer in layers.values():
-            layer.joint = not separate_bias and layer.weight is not None and layer.bias is not None
-        self._layers = list(layers.values())
-        self._blocks: list[_Block] = []
-        for layer in self._layers:
-            if layer.joint:
-                self._blocks.append(_Block(layer, "joint"))
-            else:
-                if layer.weight is not None:
-                    self._blocks.append(_Block(layer, "weight"))
-                if layer.bias is not None:
-                    self._blocks.append(_Block(layer, "bias"))
-        self.guard = ModelGuard(model, self.params)
-        coupled = batchnorm_modules(model)
-        if coupled:
-            # NOTE [samples independent]: a column of the loss Hessian covers every row of the batch
-            # at once, which is exact only when no row's output depends on another row's input
-            warnings.warn(
-                f"{type(self).__name__}: BatchNorm in training mode ({', '.join(coupled[:3])}"
-                f"{', ...' if len(coupled) > 3 else ''}) couples the samples of a batch; KFAC's factors "
-                "assume independent samples (call model.eval() for the curvature of the deterministic model)",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
-        self._clone_outputs = False
-        self._empty = EmptyBatches(type(self).__name__)
-        self._eigen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._compute_factors()
+        G_of, A_of = self._kfac_factors()
+        self._init_blocks(self.layout, self._layer_blocks(G_of, A_of))
         self._after_factors()
 
     def _after_factors(self) -> None:
         """What a subclass computes once the factors are known (EKFAC: its second pass)."""
 
-    # -- the pass over the data ---------------------------------------------------------------
-    def _inputs(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """The layer input ``(N, positions, d_in)`` (ones appended for a joint bias), factor dtype."""
-        module = layer.module
-        x = x.detach()
-        if isinstance(module, nn.Conv2d):
-            a = _conv_patches(module, x)
-        else:
-            if x.dim() < 2:
-                raise ValueError(
-                    f"KFAC needs a batch dimension at the input of layer {layer.name!r}"
-                )
-            a = x.reshape(x.shape[0], -1, x.shape[-1])
-        a = a.to(self.factor_dtype)
-        if layer.joint:
-            a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
-        return a
+    def _repr_fields(self) -> str:
+        return f"fisher_type={self.fisher_type!r}, kfac_approx={self.kfac_approx!r}"
 
-    def _input_moment(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
-        mean position with ``reduce``), in the factor dtype; a convolution's by the route
-        :func:`conv_input_moment` plans (unfolded or row shifts), its patch sums only for a joined bias."""
-        module = layer.module
-        x = x.detach().to(self.factor_dtype)
+    def _kfac_factors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``G`` and ``A`` of every layer (zero for a layer that never ran: its block is zero)."""
+        sums_A: dict[str, WeightedSum] = {}
+        sums_G: dict[str, WeightedSum] = {}
         reduce = self.kfac_approx == "reduce"
-        if isinstance(module, nn.Conv2d):
-            padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid"
-            S, s, rows = conv_input_moment(
-                x,
-                module.kernel_size,  # type: ignore[arg-type]
-                module.stride,  # type: ignore[arg-type]
-                padding,  # type: ignore[arg-type]
-                module.dilation,  # type: ignore[arg-type]
-                reduce=reduce,
-                sums=layer.joint,
-            )
-        else:
-            if x.dim() < 2:
-                raise ValueError(
-                    f"KFAC needs a batch dimension at the input of layer {layer.name!r}"
-                )
-            a = x.reshape(x.shape[0], -1, x.shape[-1])
-            flat = a.mean(1) if reduce else a.reshape(-1, a.shape[-1])
-            S, rows = flat.T @ flat, flat.shape[0]
-            s = flat.sum(0) if layer.joint else S.new_empty(0)
-        if layer.joint:
-            S = _joined(S, s, rows)
-        return S, rows
 
-    def _grads(self, layer: _Layer, g: torch.Tensor) -> torch.Tensor:
-        """Output gradients ``(k, N, positions, d_out)`` of a block of ``k`` columns."""
-        g = g.detach().to(self.factor_dtype)
-        if isinstance(layer.module, nn.Conv2d):
-            return g.flatten(3).transpose(2, 3)
-        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
-
-    def _columns(
-        self, output: torch.Tensor, batch: Batch, position: int
-    ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
-        """``k`` and ``columns(start, stop) -> (stop - start, *output.shape)``: the columns ``s_c``
-        of the batch loss's output Hessian, made a chunk at a time (NOTE [column chunks])."""
-        loss = self.loss_of_output_fn
-        out = output.detach()
-        if isinstance(loss, CrossEntropyOutputLoss):
-            if out.dim() < 2:
-                raise ValueError(
-                    f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(out.shape)}"
-                )
-            y = batch[1] if isinstance(batch, (tuple, list)) else None
-            if not isinstance(y, torch.Tensor):
-                raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
-            valid = None if y.is_floating_point() else (y != loss.ignore_index)
-            rows = out.numel() // out.shape[1]
-            count = (
-                torch.tensor(float(rows), dtype=torch.float64)
-                if valid is None
-                else valid.sum().clamp_min(1)
-            )
-            w = 1.0 / count.to(self.factor_dtype) if loss.reduction == "mean" else torch.ones(())
-            mask = None if valid is None else valid.unsqueeze(1).to(out.dtype)
-        else:
-            w = torch.tensor(
-                1.0 / out.numel() if loss.reduction == "mean" else 1.0, dtype=torch.float64
-            )
-            mask = None
-        w = w.to(self.factor_dtype)  # 0-dim: the reduction's weight per loss term
-        if self.fisher_type == "empirical":
-            leaf = out.requires_grad_(True)
-            with torch.enable_grad():
-                (grad,) = torch.autograd.grad(loss(leaf, batch), leaf)
-            empirical = (grad / w.sqrt()).unsqueeze(0).to(out.dtype)
-            return 1, lambda a, b: empirical[a:b]
-        if self.fisher_type == "mc":
-            generator = torch.Generator(device=out.device)
-            generator.manual_seed(self.seed * 1_000_003 + position)
-            samples = loss.sample_grads(out, batch, self.mc_samples, generator)
-            sampled = (samples * (w / self.mc_samples).sqrt()).to(out.dtype)
-            return self.mc_samples, lambda a, b: sampled[a:b]
-        if isinstance(loss, CrossEntropyOutputLoss):
-            p = torch.softmax(out.to(self.factor_dtype), dim=1).movedim(1, -1)  # (rows..., C)
-            C = p.shape[-1]
-            eye = torch.eye(C, dtype=p.dtype, device=p.device).reshape(C, *([1] * (p.dim() - 1)), C)
-            root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
-
-            def ce_columns(a: int, b: int) -> torch.Tensor:
-                cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(
-                    -1, 2
-                )  # (b - a, *out.shape)
-                return (cols if mask is None else cols * mask).to(out.dtype)
-
-            return C, ce_columns
-        if isinstance(loss, MSEOutputLoss):
-            diag = torch.full_like(out, 2.0) * w
-        else:
-            s = torch.sigmoid(out)
-            diag = s * (1 - s) * w
-        base = diag.sqrt().unsqueeze(0)
-        if out.dim() <= 1:
-            return 1, lambda a, b: base[a:b]
-        C = out.shape[-1]
-        eye = torch.eye(C, dtype=out.dtype, device=out.device).reshape(
-            C, *([1] * (out.dim() - 1)), C
-        )
-        return C, lambda a, b: base * eye[a:b]
-
-    def _run(
-        self,
-        visit: Callable[[_Layer, torch.Tensor, torch.Tensor, float], None],
-        on_input: Callable[[_Layer, torch.Tensor, float], None] | None,
-    ) -> float:
-        """One pass: for each batch, ``on_input(layer, x, weight)`` in the forward (``x`` the
-        layer's raw input; without it, the inputs are kept as ``a``) and
-        ``visit(layer, a_or_empty, g, weight)`` after the backward. Returns the total weight."""
-        total = 0.0
-        seen = skipped = 0
-        with self.guard.product(self.precision, double_backward=False):
-            for position, raw in enumerate(self.source.batches()):
-                seen += 1
-                if batch_size(raw) == 0:  # NOTE [empty batches] (positions kept: MC draws unchanged)
-                    skipped += 1
-                    continue
-                batch = to_device(raw, self.device)
-                size = float(batch_size(batch))
-                inputs, outputs = self._forward(batch, on_input, size)
-                output = self._output
-                k, columns = self._columns(output, batch, position)
-                layers = [layer for layer in self._layers if layer.name in outputs]
-                targets = [outputs[layer.name] for layer in layers]
-                # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
-                # them at once holds k copies of the activations' gradients (and the columns
-                # themselves k outputs), so they are made and go through in chunks of
-                # ``column_chunk`` (the factors are sums over columns: the same result)
-                for start in range(0, k, self.column_chunk):
-                    chunk = columns(start, min(k, start + self.column_chunk))
-                    last = start + self.column_chunk >= k
-                    if chunk.shape[0] == 1:
-                        grads = torch.autograd.grad(
-                            output, targets, chunk[0], allow_unused=True, retain_graph=not last
-                        )
-                        grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
-                    else:
-                        grads = torch.autograd.grad(
-                            output,
-                            targets,
-                            chunk,
-                            is_grads_batched=True,
-                            allow_unused=True,
-                            retain_graph=not last,
-                        )
-                    for layer, g, y in zip(layers, grads, targets, strict=True):
-                        if g is None:
-                            g = torch.zeros(
-                                (chunk.shape[0], *y.shape), dtype=y.dtype, device=y.device
-                            )
-                        visit(
-                            layer,
-                            inputs.get(layer.name, _NO_INPUT),
-                            self._grads(layer, g),
-                            size,
-                        )
-                total += size
-                del self._output
-        self._empty.say(skipped, seen)
-        if total == 0:
-            raise EmptyBatches.none_error(seen)
-        return total
-
-    def _forward(
-        self,
-        batch: Batch,
-        on_input: Callable[[_Layer, torch.Tensor, float], None] | None,
-        size: float,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        inputs: dict[str, torch.Tensor] = {}
-        outputs: dict[str, torch.Tensor] = {}
-        versions: dict[str, int] = {}
-        handles = []
-
-        def hook(
-            layer: _Layer, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor
-        ) -> torch.Tensor | None:
-            if layer.name in outputs:
-                raise ValueError(
-                    f"layer {layer.name!r} ran twice in one forward; KFAC needs each layer called once per batch"
-                )
-            if on_input is not None:
-                on_input(layer, args[0], size)
-            else:
-                inputs[layer.name] = self._inputs(layer, args[0])
-            outputs[layer.name] = out
-            versions[layer.name] = out._version
-            return out.clone() if self._clone_outputs else None
-
-        for layer in self._layers:
-            handles.append(
-                layer.module.register_forward_hook(
-                    lambda m, a, o, layer=layer: hook(layer, m, a, o)
-                )
-            )
-        try:
-            with torch.enable_grad(), self.guard.private_buffers():
-                self._output = self.forward_fn(self.model, batch)
-            # NOTE [layer outputs changed in place]: an in-place op after a layer (ReLU(inplace=True))
-            # rewrites the output tensor we differentiate against; such models run every forward with
-            # the hooks returning a copy, so the captured tensor keeps its value and graph
-            if not self._clone_outputs and any(
-                outputs[k]._version != v for k, v in versions.items()
-            ):
-                self._clone_outputs = True
-                if on_input is not None:
-                    raise _Retry
-                inputs.clear()
-                outputs.clear()
-                versions.clear()
-                with torch.enable_grad(), self.guard.private_buffers():
-                    self._output = self.forward_fn(self.model, batch)
-        finally:
-            for h in handles:
-                h.remove()
-        if not isinstance(self._output, torch.Tensor):
-            raise TypeError(
-                f"forward_fn must return a tensor (the model output), got {type(self._output).__name__}"
-            )
-        return inputs, outputs
-
-    # -- KFAC's factors ---------------------------------------------------------------------
-    def _compute_factors(self) -> None:
-        for layer in self._layers:
-            layer.A = layer.G = None
-        sums_A: dict[str, _WeightedSum] = {}
-        sums_G: dict[str, _WeightedSum] = {}
-
-        def on_input(layer: _Layer, x: torch.Tensor, size: float) -> None:
+        def on_input(layer: Layer, x: torch.Tensor, size: float) -> None:
             if layer.weight is None:
                 return
-            S, rows = self._input_moment(layer, x)
+            S, rows = input_moment(layer, x, self.factor_dtype, reduce)
             # the batch's mean over rows, weighted by its size
-            sums_A.setdefault(layer.name, _WeightedSum()).add(S, size / rows)
+            sums_A.setdefault(layer.name, WeightedSum()).add(S, size / rows)
 
-        def visit(layer: _Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
-            g = g.sum(2, keepdim=True) if self.kfac_approx == "reduce" else g
+        def visit(layer: Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+            g = g.sum(2, keepdim=True) if reduce else g
             flat = g.reshape(-1, g.shape[-1])
-            sums_G.setdefault(layer.name, _WeightedSum()).addmm(flat.T, flat, size)
+            sums_G.setdefault(layer.name, WeightedSum()).addmm(flat.T, flat, size)
 
         try:
-            total = self._run(visit, on_input)
-        except (
-            _Retry
-        ):  # the first forward found outputs changed in place: start again, copying them
+            total = self._pass.run(visit, on_input)
+        except Retry:  # the first forward found outputs changed in place: start again, copying them
             sums_A.clear()
             sums_G.clear()
-            total = self._run(visit, on_input)
-        for layer in self._layers:
-            if layer.name in sums_A:
-                layer.A = sums_A[layer.name].mean(total)
-            if layer.name in sums_G:
-                layer.G = sums_G[layer.name].mean(total)
-            if layer.G is None:  # the layer never ran in the forward: its GGN block is zero
-                m = (
-                    self._weight_matrix_shape(layer)[0]
-                    if layer.weight is not None
-                    else self.params[layer.bias].shape[0]  # type: ignore[index]
+            total = self._pass.run(visit, on_input)
+        G_of: dict[str, torch.Tensor] = {}
+        A_of: dict[str, torch.Tensor] = {}
+        for layer in self._pass.layers:
+            zero_G, zero_A = self._zeros_for(layer)  # no kernel unless the layer never ran
+            G_of[layer.name] = sums_G[layer.name].mean(total) if layer.name in sums_G else zero_G()
+            if layer.weight is not None:
+                A_of[layer.name] = (
+                    sums_A[layer.name].mean(total) if layer.name in sums_A else zero_A()
                 )
-                layer.G = torch.zeros(m, m, dtype=self.factor_dtype, device=self.device)
-            if layer.A is None and layer.weight is not None:
-                q = self._weight_matrix_shape(layer)[1] + int(layer.joint)
-                layer.A = torch.zeros(q, q, dtype=self.factor_dtype, device=self.device)
-
-    @property
-    def factors(self) -> tuple[KroneckerBlock, ...]:
-        """The blocks ``G ⊗ A`` in the order of the flat vector's parameters."""
-        return tuple(
-            KroneckerBlock(self._names(b), b.layer.name, b.G(), b.A()) for b in self._blocks
-        )
-
-    def _names(self, block: _Block) -> tuple[str, ...]:
-        idx = {"weight": [block.layer.weight], "bias": [block.layer.bias]}.get(
-            block.part, [block.layer.weight, block.layer.bias]
-        )
-        return tuple(self.layout.names[i] for i in idx if i is not None)
-
-    # -- blocks as matrices ------------------------------------------------------------------
-    def _weight_matrix_shape(self, layer: _Layer) -> tuple[int, int]:
-        """``(out, in)`` of the layer's weight as a matrix (a Conv2d's kernel flattened)."""
-        assert layer.weight is not None
-        shape = self.params[layer.weight].shape
-        if _is_hf_conv1d(layer.module):
-            return shape[1], shape[0]
-        return shape[0], shape[1:].numel()
-
-    def _gather(self, block: _Block, views: list[torch.Tensor]) -> torch.Tensor:
-        """``(k, m, q)`` of the block's parameters in a row block's per-parameter views."""
-        layer = block.layer
-        parts = []
-        if block.part in ("weight", "joint"):
-            assert layer.weight is not None
-            w = views[layer.weight]
-            if _is_hf_conv1d(layer.module):  # (k, in, out) entries: X is the transpose
-                parts.append(w.transpose(1, 2))
-            else:
-                parts.append(w.reshape(w.shape[0], w.shape[1], -1))
-        if block.part in ("bias", "joint"):
-            assert layer.bias is not None
-            parts.append(views[layer.bias].unsqueeze(-1))
-        X = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return X.to(self.factor_dtype)
-
-    def _scatter(self, block: _Block, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
-        layer = block.layer
-        if block.part == "bias":
-            assert layer.bias is not None
-            views[layer.bias].copy_(Y[..., 0])
-            return
-        assert layer.weight is not None
-        w = views[layer.weight]
-        d = self._weight_matrix_shape(layer)[1]
-        if _is_hf_conv1d(layer.module):
-            w.copy_(Y[..., :d].transpose(-1, -2))
-        else:
-            w.copy_(Y[..., :d].reshape(w.shape))
-        if block.part == "joint":
-            assert layer.bias is not None
-            views[layer.bias].copy_(Y[..., d])
-
-    def _block_product(self, index: int, X: torch.Tensor) -> torch.Tensor:
-        block = self._blocks[index]
-        return block.G() @ X @ block.A()
-
-    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
-        out = self.layout.empty(V.shape[0])
-        views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
-        for i, block in enumerate(self._blocks):
-            self._scatter(block, self._block_product(i, self._gather(block, views)), out_views)
-        return out
-
-    # -- the eigendecomposition and what it gives ----------------------------------------------
-    def _block_eigenvalues(
-        self, index: int, lam_G: torch.Tensor, lam_A: torch.Tensor
-    ) -> torch.Tensor:
-        return lam_G.unsqueeze(1) * lam_A.unsqueeze(0)
-
-    def _eigen_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(D (m, q), U_G, U_A)`` per block (computed once; factors are symmetric PSD)."""
-        if self._eigen is None:
-            cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-            def eig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                if id(M) not in cache:
-                    lam, U = torch.linalg.eigh(M)
-                    cache[id(M)] = (lam, U)
-                return cache[id(M)]
-
-            result = []
-            for i, block in enumerate(self._blocks):
-                A = block.A()
-                lam_G, U_G = eig(block.G())
-                lam_A, U_A = eig(A)
-                result.append((self._block_eigenvalues(i, lam_G, lam_A), U_G, U_A))
-            self._eigen = result
-        return self._eigen
-
-    def eigh(self) -> KroneckerEigen:
-        """Eigenvalues of the whole operator with the factors' eigenvectors, block by block."""
-        return KroneckerEigen(
-            tuple(
-                KroneckerEigenBlock(self._names(b), D, U_G, U_A)
-                for b, (D, U_G, U_A) in zip(self._blocks, self._eigen_blocks(), strict=True)
-            )
-        )
-
-    def trace(self) -> torch.Tensor:
-        """``tr`` of the operator (sum of its eigenvalues), a 0-dim tensor in the factors' dtype."""
-        return sum(
-            (D.sum() for D, _, _ in self._eigen_blocks()),
-            torch.zeros((), dtype=self.factor_dtype, device=self.device),
-        )
-
-    def logdet(self, damping: float = 0.0) -> torch.Tensor:
-        """``log det (K + damping·I)`` (e.g. a Laplace posterior's precision with an isotropic prior).
-
-        Without damping a singular operator (cross-entropy's ``G`` always has the null vector of
-        ones) gives ``-inf``, or ``nan`` where rounding left an eigenvalue slightly below zero."""
-        damping = _check_damping(damping)
-        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
-        return sum(((D + damping).log().sum() for D, _, _ in self._eigen_blocks()), zero)
-
-    def frobenius_norm(self) -> torch.Tensor:
-        """``‖·‖_F`` of the operator."""
-        squares = sum(
-            (D.square().sum() for D, _, _ in self._eigen_blocks()),
-            torch.zeros((), dtype=self.factor_dtype, device=self.device),
-        )
-        return squares.sqrt()
-
-    def inverse(self, damping: float = 0.0) -> CurvatureOperator:
-        """``(K + damping·I)⁻¹`` applied exactly through the eigendecompositions of each block.
-
-        NOTE [exact damping]: K-FAC optimizers often damp each factor instead, ``(G + √λ I) ⊗
-        (A + √λ I)``, which adds cross terms ``√λ (G ⊗ I + I ⊗ A)`` and is not ``K + λI``. Here
-        every block is ``U (D + λ)⁻¹ Uᵀ`` with ``U = U_G ⊗ U_A``: the inverse of the damped
-        operator itself (what a Laplace posterior or a linear solve needs), at the price of one
-        eigendecomposition per factor (cached). With ``damping=0`` a singular block gives inf.
-        """
-        damping = _check_damping(damping)
-        return _EigenFunction(self, lambda D: 1.0 / (D + damping))
-
-    def _eigen_apply(
-        self, V: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        out = self.layout.empty(V.shape[0])
-        views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
-        for block, (D, U_G, U_A) in zip(self._blocks, self._eigen_blocks(), strict=True):
-            X = U_G.T @ self._gather(block, views) @ U_A
-            self._scatter(block, U_G @ (X * fn(D)) @ U_A.T, out_views)
-        return out
-
-    def __repr__(self) -> str:
-        extra = f", excluded={list(self.excluded_parameters)}" if self.excluded_parameters else ""
-        return (
-            f"{type(self).__name__}(size={self.size}, blocks={len(self._blocks)}, fisher_type={self.fisher_type!r}, "
-            f"kfac_approx={self.kfac_approx!r}, dtype={self.dtype}{extra})"
-        )
+        return G_of, A_of
 
 
-def _check_damping(damping: object) -> float:
-    value = float(damping)  # type: ignore[arg-type]
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
-    return value
-
-
-class _Retry(Exception):
-    """Raised inside a pass when the forward found a layer output changed in place."""
-
-
-class _EigenFunction(CurvatureOperator):
-    """``f(K)`` of a Kronecker-factored operator ``K``, block by block in its eigenbasis."""
-
-    def __init__(self, op: _KroneckerFactored, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._op = op
-        self._fn = fn
-        self._size, self._device, self._dtype = op.size, op.device, op.dtype
-
-    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
-        return self._op._eigen_apply(V, self._fn)
-
-
-class KroneckerProductOperator(_KroneckerFactored):
-    """Base of the operators whose blocks are exactly ``G ⊗ A`` (KFAC; KFOC in ``kfoc``): the
-    layers, the data pass, the block algebra, and trace and norm from the factors. A subclass
-    sets each layer's factors in ``_compute_factors`` (called once, at construction)."""
-
-    def trace(self) -> torch.Tensor:
-        """``Σ tr(G)·tr(A)`` over the blocks (no eigendecomposition)."""
-        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
-        return sum((b.G().trace() * b.A().trace() for b in self._blocks), zero)
-
-    def frobenius_norm(self) -> torch.Tensor:
-        """``sqrt(Σ ‖G‖²_F ‖A‖²_F)`` over the blocks (no eigendecomposition)."""
-        zero = torch.zeros((), dtype=self.factor_dtype, device=self.device)
-        return sum((b.G().square().sum() * b.A().square().sum() for b in self._blocks), zero).sqrt()
-
-
-class KFACOperator(KroneckerProductOperator):
+class KFACOperator(_KFACFactors):
     """Kronecker-factored approximate curvature (KFAC) of the GGN / Fisher of a mean loss.
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
@@ -925,12 +291,13 @@ class KFACOperator(KroneckerProductOperator):
 
     The factors are computed once, at construction (one pass over ``dataloader``); build a new
     operator after the model changes. ``op @ v``, ``op.matmat``, ``op.inverse(damping)``,
-    ``op.eigh()``, ``op.logdet()``, ``op.trace()``, ``op.frobenius_norm()``; ``op.factors``
-    holds the blocks. The module docstring states the conventions.
+    ``op.eigh()``, ``op.eigenvector(block, i, j)``, ``op.logdet()``, ``op.trace()``,
+    ``op.frobenius_norm()`` (those of :class:`~hessian_eigenthings.operators.KroneckerOperator`);
+    ``op.factors`` holds the blocks. The module docstring states the conventions.
     """
 
 
-class EKFACOperator(_KroneckerFactored):
+class EKFACOperator(_KFACFactors):
     """Eigenvalue-corrected KFAC (George et al. 2018): KFAC's eigenbases, with the eigenvalues
     re-estimated as the second moments of the per-sample gradients in that basis.
 
@@ -940,37 +307,53 @@ class EKFACOperator(_KroneckerFactored):
     chooses the factors whose eigenbases are used). NOTE [EKFAC per sample]: a per-position
     moment would not be the second moment of any gradient; per sample, the corrected eigenvalues
     are exactly the diagonal of the GGN block in KFAC's eigenbasis (and EKFAC equals KFAC where
-    KFAC is exact). Costs a second pass over the data.
+    KFAC is exact). Costs a second pass over the data. ``factors`` are KFAC's; the operator's
+    blocks are in their eigenbases with the corrected eigenvalues.
     """
 
-    _scalings: list[torch.Tensor] | None = None
-
     def _after_factors(self) -> None:
-        self._scalings = self._compute_scalings()
-        self._eigen = None  # the eigenvalues change from KFAC's to the corrected ones
+        self._kfac_blocks = self._blocks
+        bases = self._eigen()
+        scalings = self._compute_scalings(bases)
+        self._init_blocks(
+            self.layout,
+            [
+                self._factor_block(
+                    self.layout, b.weight, b.bias, b.module, None, None, b.transposed, (D, U_G, U_A)
+                )
+                for b, D, (_, U_G, U_A) in zip(self._kfac_blocks, scalings, bases, strict=True)
+            ],
+        )
 
-    def _compute_scalings(self) -> list[torch.Tensor]:
-        bases = self._eigen_blocks_of_kfac()
+    @property
+    def factors(self) -> tuple[KroneckerBlock, ...]:
+        """KFAC's blocks ``G ⊗ A`` (whose eigenbases EKFAC keeps)."""
+        return self._public_factors(self._kfac_blocks)
+
+    def _compute_scalings(self, bases: list[Eigen]) -> list[torch.Tensor]:
         sums: list[torch.Tensor | None] = [None] * len(self._blocks)
         by_layer: dict[str, list[int]] = {}
         for i, b in enumerate(self._blocks):
-            by_layer.setdefault(b.layer.name, []).append(i)
+            by_layer.setdefault(b.module, []).append(i)
 
-        def visit(layer: _Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+        def visit(layer: Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             # g: (k, N, P, m); a: (N, P, q)
             for i in by_layer[layer.name]:
-                block = self._blocks[i]
                 _, U_G, U_A = bases[i]
                 g_rot = g @ U_G  # (k, N, P, m)
-                if block.part == "bias":
+                if self._blocks[i].weight is None:  # a bias alone
                     value = g_rot.sum(2).square().sum((0, 1)).unsqueeze(-1)  # (m, 1)
                 else:
                     a_rot = a @ U_A  # (N, P, q)
                     value = self._rotated_moment(g_rot, a_rot)
                 sums[i] = value.mul_(size) if sums[i] is None else sums[i].add_(value.mul_(size))  # type: ignore[union-attr]
 
-        total = self._run(visit, None)
-        return [s.div_(total) for s in sums if s is not None]
+        total = self._pass.run(visit, None)
+        # a block whose layer never ran is zero (its KFAC block is)
+        return [
+            s.div_(total) if s is not None else b_D.new_zeros(b_D.shape)
+            for s, (b_D, _, _) in zip(sums, bases, strict=True)
+        ]
 
     @staticmethod
     def _rotated_moment(g_rot: torch.Tensor, a_rot: torch.Tensor) -> torch.Tensor:
@@ -986,23 +369,7 @@ class EKFACOperator(_KroneckerFactored):
             out += grads.square().sum((0, 1))
         return out
 
-    def _eigen_blocks_of_kfac(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        self._eigen = None
-        return super()._eigen_blocks()
-
-    def _block_eigenvalues(
-        self, index: int, lam_G: torch.Tensor, lam_A: torch.Tensor
-    ) -> torch.Tensor:
-        scalings = self._scalings
-        if scalings is None:  # during construction: KFAC's eigenvalues (only the bases are used)
-            return super()._block_eigenvalues(index, lam_G, lam_A)
-        return scalings[index]
-
     @property
     def corrected_eigenvalues(self) -> tuple[torch.Tensor, ...]:
         """Per block ``(m, q)``: the eigenvalues replacing ``λ_G λ_Aᵀ``."""
-        assert self._scalings is not None
-        return tuple(self._scalings)
-
-    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
-        return self._eigen_apply(V, lambda D: D)
+        return tuple(b.eigen[0] for b in self._blocks)  # type: ignore[index]

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import nn
@@ -70,7 +70,8 @@ from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
-from hessian_eigenthings.operators.kfac import FisherType, KroneckerProductOperator
+from hessian_eigenthings.operators.factor_pass import FactorPass, FisherType, Layer
+from hessian_eigenthings.operators.kfac import LayerKroneckerOperator
 from hessian_eigenthings.operators.precision import Precision
 from hessian_eigenthings.param_utils import ParamFilter
 
@@ -122,22 +123,11 @@ def rearranged_transpose_product(a: torch.Tensor, g: torch.Tensor, G: torch.Tens
     return out
 
 
-class _FactoredLayer(Protocol):
-    """What KFOC reads and sets of a layer of the Kronecker-factored base."""
-
-    name: str
-    weight: int | None  # index of the weight in the layout
-    bias: int | None
-    joint: bool
-    A: torch.Tensor | None
-    G: torch.Tensor | None
-
-
 def _symmetric(M: torch.Tensor) -> torch.Tensor:
     return (M + M.T) / 2
 
 
-class KFOCOperator(KroneckerProductOperator):
+class KFOCOperator(LayerKroneckerOperator):
     """Kronecker-factored optimal curvature: per layer, the ``G ⊗ A`` nearest the GGN block.
 
     ``KFOCOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
@@ -187,7 +177,6 @@ class KFOCOperator(KroneckerProductOperator):
                 f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"
             )
         self.weight_sharing: WeightSharing = weight_sharing
-        # read by _compute_factors, which the base's __init__ calls
         self.max_iter: int = check_count("max_iter", max_iter)  # type: ignore[assignment]
         try:
             self.tol = float(tol)
@@ -199,7 +188,8 @@ class KFOCOperator(KroneckerProductOperator):
         self.iterations = 0
         #: whether every layer's factors met ``tol`` within ``max_iter`` iterations
         self.converged = False
-        super().__init__(
+        factor_pass = FactorPass(
+            type(self).__name__,
             model,
             dataloader,
             forward_fn,
@@ -215,23 +205,25 @@ class KFOCOperator(KroneckerProductOperator):
             precision=precision,
             column_chunk=column_chunk,
         )
+        factor_pass.check_output = self._check_output
+        self._start_pass(factor_pass)
+        self.separate_bias = separate_bias
+        self._init_blocks(self.layout, self._layer_blocks(*self._compute_factors()))
 
-    def _pass(
+    def _sum_pass(
         self,
-        contribution: Callable[
-            [_FactoredLayer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]
-        ],
+        contribution: Callable[[Layer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
     ) -> dict[str, torch.Tensor]:
         """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (layers that never ran in
         the forward are missing: their blocks are zero)."""
         sums: dict[str, torch.Tensor] = {}
 
-        def visit(layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+        def visit(layer: Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             for key, value in contribution(layer, a, g).items():
                 value = value.mul_(size)
                 sums[key] = value if key not in sums else sums[key].add_(value)
 
-        total = self._run(visit, None)
+        total = self._pass.run(visit, None)
         return {key: _symmetric(value.div_(total)) for key, value in sums.items()}
 
     # NOTE [a pass per product]: each product with the rearranged block R needs every
@@ -239,24 +231,48 @@ class KFOCOperator(KroneckerProductOperator):
     # samples and columns instead (k·N·P·m numbers per layer, k = classes for type-2) would make
     # the iterations free but does not scale with the dataset. The first pass starts from A = I,
     # so no pass is spent on an initial guess; a layer that met tol stops contributing work.
-    def _compute_factors(self) -> None:
-        iterated = [layer for layer in self._layers if layer.weight is not None]
-        bias_blocks = [b for b in self._blocks if b.part == "bias"]
+    def _compute_factors(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``G`` and ``A`` of each layer with a weight, and each separate bias's own ``G``."""
         dtype, device = self.factor_dtype, self.device
+        shapes = {layer.name: self._pass.matrix_shape(layer) for layer in self._pass.layers}
+        q_of = {
+            layer.name: shapes[layer.name][1] + int(layer.joint)
+            for layer in self._pass.layers
+            if layer.weight is not None
+        }
+        separate = {
+            layer.name for layer in self._pass.layers if layer.bias is not None and not layer.joint
+        }
+        G_unit, A_unit, sigma, bias_G = self._power_iteration(q_of, separate)
+        G_of: dict[str, torch.Tensor] = {}
+        A_of: dict[str, torch.Tensor] = {}
+        for name, q in q_of.items():
+            root = math.sqrt(sigma[name])
+            if root == 0.0:
+                m = shapes[name][0]
+                G_of[name] = torch.zeros(m, m, dtype=dtype, device=device)
+                A_of[name] = torch.zeros(q, q, dtype=dtype, device=device)
+            else:
+                G_of[name] = G_unit[name] * root
+                A_of[name] = A_unit[name] * root
+        for name in separate - bias_G.keys():  # the layer never ran: a zero block
+            m = shapes[name][0]
+            bias_G[name] = torch.zeros(m, m, dtype=dtype, device=device)
+        return G_of, A_of, bias_G
+
+    def _power_iteration(
+        self, q_of: dict[str, int], separate: set[str]
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]
+    ]:
+        """Unit ``G``, ``A`` and ``σ`` of each layer with a weight, from ``A₀ = I`` (module
+        docstring), and the exact ``G`` of each separate bias (from the first pass)."""
 
         def eye(n: int) -> torch.Tensor:
-            return torch.eye(n, dtype=dtype, device=device) / math.sqrt(n)
+            return torch.eye(n, dtype=self.factor_dtype, device=self.device) / math.sqrt(n)
 
-        q_of = {
-            layer.name: self.params[layer.weight][0].numel() + int(layer.joint)  # type: ignore[index]
-            for layer in iterated
-        }
-        m_of = {
-            layer.name: self.params[
-                layer.weight if layer.weight is not None else layer.bias  # type: ignore[index]
-            ].shape[0]
-            for layer in self._layers
-        }
         A_unit = {name: eye(q) for name, q in q_of.items()}
         G_unit: dict[str, torch.Tensor] = {}
         sigma = dict.fromkeys(q_of, 0.0)
@@ -264,21 +280,17 @@ class KFOCOperator(KroneckerProductOperator):
         first = True
         bias_G: dict[str, torch.Tensor] = {}
 
-        def left(
-            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
-        ) -> dict[str, torch.Tensor]:
+        def left(layer: Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
             a, g = self._terms(a, g)
             out = {}
             if layer.name in active:
                 out[layer.name] = rearranged_product(a, g, A_unit[layer.name])
-            if first and any(b.layer is layer for b in bias_blocks):
+            if first and layer.name in separate:
                 g_bar = g.sum(2).reshape(-1, g.shape[-1])  # the bias gradient sums positions
                 out["bias:" + layer.name] = g_bar.T @ g_bar
             return out
 
-        def right(
-            layer: _FactoredLayer, a: torch.Tensor, g: torch.Tensor
-        ) -> dict[str, torch.Tensor]:
+        def right(layer: Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
             if layer.name not in active:
                 return {}
             a, g = self._terms(a, g)
@@ -286,7 +298,7 @@ class KFOCOperator(KroneckerProductOperator):
 
         self.iterations = 0
         while first or (active and self.iterations < self.max_iter):
-            sums = self._pass(left)
+            sums = self._sum_pass(left)
             if first:
                 bias_G = {k.removeprefix("bias:"): v for k, v in sums.items() if k[:5] == "bias:"}
                 first = False
@@ -302,7 +314,7 @@ class KFOCOperator(KroneckerProductOperator):
                     G_unit[name] = G / norm
             if not active:
                 break
-            sums = self._pass(right)
+            sums = self._sum_pass(right)
             self.iterations += 1
             for name in list(active):
                 A = sums[name]
@@ -317,26 +329,7 @@ class KFOCOperator(KroneckerProductOperator):
                 if change <= self.tol:
                     active.discard(name)
         self.converged = not active
-        for layer in self._layers:
-            if layer.weight is None:
-                layer.G = torch.zeros(
-                    m_of[layer.name], m_of[layer.name], dtype=dtype, device=device
-                )
-                continue
-            name = layer.name
-            root = math.sqrt(sigma[name])
-            if root == 0.0:
-                m, q = m_of[name], q_of[name]
-                layer.G = torch.zeros(m, m, dtype=dtype, device=device)
-                layer.A = torch.zeros(q, q, dtype=dtype, device=device)
-            else:
-                layer.G = G_unit[name] * root
-                layer.A = A_unit[name] * root
-        for block in bias_blocks:
-            m = m_of[block.layer.name]
-            block.own_G = bias_G.get(
-                block.layer.name, torch.zeros(m, m, dtype=dtype, device=device)
-            )
+        return G_unit, A_unit, sigma, bias_G
 
     def _terms(self, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``a (N, P, q)``, ``g (k, N, P, m)`` regrouped so that dimension 1 indexes the loss terms
@@ -346,9 +339,7 @@ class KFOCOperator(KroneckerProductOperator):
         k, N, P, m = g.shape
         return a.reshape(N * P, 1, -1), g.reshape(k, N * P, 1, m)
 
-    def _columns(
-        self, output: torch.Tensor, batch: Batch, position: int
-    ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
+    def _check_output(self, output: torch.Tensor) -> None:
         # NOTE [weight sharing]: a column of the loss Hessian covers every loss term of the batch
         # at once, so the backward keeps samples apart (and positions, as the layer sees them)
         # but adds up the terms of one sample. With one term per sample (logits (N, C), targets
@@ -368,12 +359,9 @@ class KFOCOperator(KroneckerProductOperator):
                     "weight_sharing='position' when each position of the layers is its own loss "
                     "term (a model that does not mix positions, such as a per-token MLP)"
                 )
-        return super()._columns(output, batch, position)
 
-    def __repr__(self) -> str:
-        extra = f", excluded={list(self.excluded_parameters)}" if self.excluded_parameters else ""
+    def _repr_fields(self) -> str:
         return (
-            f"{type(self).__name__}(size={self.size}, blocks={len(self._blocks)}, "
-            f"fisher_type={self.fisher_type!r}, weight_sharing={self.weight_sharing!r}, iterations={self.iterations}, "
-            f"converged={self.converged}, dtype={self.dtype}{extra})"
+            f"fisher_type={self.fisher_type!r}, weight_sharing={self.weight_sharing!r}, "
+            f"iterations={self.iterations}, converged={self.converged}"
         )

@@ -1,0 +1,630 @@
+"""The pass over the data that Kronecker factors are made from (KFAC, EKFAC, KFOC).
+
+For each batch: a forward with hooks on the covered layers (``nn.Linear``; ``nn.Conv2d``;
+HuggingFace's ``Conv1D``, recognized without importing ``transformers``) that keeps each layer's
+input ``a`` and output ``z``; then, for the columns ``s_c`` of a factorization of the batch
+loss's output Hessian (``fisher_type``: the exact square root, Monte-Carlo gradients, or the
+empirical gradient; see :func:`loss_hessian_columns`), batched backwards of ``s_c`` from the
+model output to the layer outputs, giving ``g_c = ∂z`` per layer. A caller's ``visit(layer, a,
+g, weight)`` reduces them into factors; this module never decides what a factor is, so KFAC's
+moments, EKFAC's corrected eigenvalues and KFOC's rearranged products share one pass.
+
+Inputs come as ``a (N, positions, q)`` (a conv's unfolded patches; a column of ones appended
+for a joined bias) or, through ``on_input``, raw, for a moment computed without keeping them
+(:func:`input_moment`). Output gradients come as ``g (k, N, positions, m)``.
+
+Cost per batch: one forward and ``ceil(k / column_chunk)`` backwards to the layer outputs (no
+parameter gradients), ``k`` the number of columns (classes for type-2 cross-entropy).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings.batching import (
+    Batch,
+    BatchSource,
+    batch_size,
+    batchnorm_modules,
+    to_device,
+)
+from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
+from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
+from hessian_eigenthings.loss_fns.standard import (
+    BCEWithLogitsOutputLoss,
+    CrossEntropyOutputLoss,
+    MSEOutputLoss,
+)
+from hessian_eigenthings.operators.conv_factors import conv_input_moment
+from hessian_eigenthings.operators.empty_batches import EmptyBatches
+from hessian_eigenthings.operators.model_guard import ModelGuard
+from hessian_eigenthings.operators.parameter_binding import refuse_in_place_forward
+from hessian_eigenthings.operators.precision import Precision, check_precision
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+
+__all__ = [
+    "FactorPass",
+    "FisherType",
+    "Layer",
+    "Retry",
+    "WeightedSum",
+    "input_moment",
+    "loss_hessian_columns",
+]
+
+FisherType = Literal["type2", "mc", "empirical"]
+_SUPPORTED = (nn.Linear, nn.Conv2d)
+#: a layer whose inputs were not kept (the factors take them as they come)
+NO_INPUT = torch.empty(0)
+#: columns ``(stop - start, *output.shape)`` of the loss Hessian's factorization
+Columns = Callable[[int, int], torch.Tensor]
+#: the losses whose output Hessian the pass factors
+FactoredLoss = CrossEntropyOutputLoss | MSEOutputLoss | BCEWithLogitsOutputLoss
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """HuggingFace's ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layers: ``x @ W + b``,
+    ``W (in, out)``), recognized without importing ``transformers``: if a model holds one, the
+    module defining it is loaded already."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(utils, "Conv1D", None)
+    return cls is not None and isinstance(module, cls)
+
+
+def _supported(module: nn.Module) -> bool:
+    return isinstance(module, _SUPPORTED) or is_hf_conv1d(module)
+
+
+def _joined(S: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
+    """``Σ ã ãᵀ`` of the inputs with a one appended, ``ã = [a, 1]``, from ``Σ a aᵀ``, ``Σ a`` and the
+    number of rows (no copy of the inputs)."""
+    q = S.shape[0]
+    out = S.new_empty(q + 1, q + 1)
+    out[:q, :q] = S
+    out[:q, q] = s
+    out[q, :q] = s
+    out[q, q] = rows
+    return out
+
+
+@dataclass
+class Layer:
+    """A covered layer and where its parameters sit in the layout."""
+
+    name: str
+    module: nn.Module
+    weight: int | None  # index of the weight in the layout
+    bias: int | None
+    joint: bool  # bias appended to the input as a column of ones
+
+    @property
+    def transposed(self) -> bool:
+        """The weight is stored ``(in, out)`` (``Conv1D``)."""
+        return is_hf_conv1d(self.module)
+
+
+def _check_layer(name: str, module: nn.Module) -> None:
+    if isinstance(module, nn.Conv2d):
+        if module.groups != 1:
+            raise ValueError(
+                f"KFAC supports Conv2d with groups=1; layer {name!r} has groups={module.groups}"
+            )
+        if module.padding_mode != "zeros" or (
+            isinstance(module.padding, str) and module.padding != "valid"
+        ):
+            raise ValueError(
+                f"KFAC supports Conv2d with zero padding given as numbers; layer {name!r} has "
+                f"padding={module.padding!r}, padding_mode={module.padding_mode!r}"
+            )
+
+
+def _conv_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Unfolded input patches ``(N, positions, in·kh·kw)`` in the weight's row-major order."""
+    padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid" (checked)
+    cols = F.unfold(
+        x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
+    )
+    return cols.transpose(1, 2)
+
+
+class WeightedSum:
+    """``Σ wᵢ Xᵢ / total``, accumulated in place; the first term's weight is applied late.
+
+    NOTE [factor weights applied late]: with one batch (the common case) a factor's weights cancel
+    (``size · X / size``), and a multiply and a divide per factor, two launches each on dozens of
+    layers, cost more host time than the arithmetic they do; so the first term is kept as it
+    comes and its weight is folded into the next term's scaling or into the final division."""
+
+    __slots__ = ("scale", "value")
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.scale = 1.0
+
+    def _settle(self) -> torch.Tensor:
+        assert self.value is not None
+        if self.scale != 1.0:
+            self.value.mul_(self.scale)
+            self.scale = 1.0
+        return self.value
+
+    def add(self, X: torch.Tensor, weight: float) -> None:
+        if self.value is None:
+            self.value, self.scale = X, weight
+        else:
+            self._settle().add_(X, alpha=weight)
+
+    def addmm(self, a: torch.Tensor, b: torch.Tensor, weight: float) -> None:
+        """Adds ``weight · a @ b`` (one fused product-and-add after the first term)."""
+        if self.value is None:
+            self.value, self.scale = a @ b, weight
+        else:
+            self._settle().addmm_(a, b, alpha=weight)
+
+    def mean(self, total: float) -> torch.Tensor:
+        assert self.value is not None
+        factor = self.scale / total
+        return self.value if factor == 1.0 else self.value.mul_(factor)
+
+
+class Retry(Exception):
+    """Raised inside a pass when the forward found a layer output changed in place."""
+
+
+def _check_options(
+    who: str,
+    model: nn.Module,
+    forward_fn: ForwardFn,
+    loss_of_output_fn: LossOfOutputFn,
+    fisher_type: str,
+    kfac_approx: str,
+    mc_samples: int,
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if fisher_type not in ("type2", "mc", "empirical"):
+        raise ValueError(f"fisher_type must be 'type2', 'mc' or 'empirical', got {fisher_type!r}")
+    if kfac_approx not in ("expand", "reduce"):
+        raise ValueError(f"kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
+    if not callable(forward_fn) or not callable(loss_of_output_fn):
+        raise TypeError(
+            "forward_fn(model, batch) and loss_of_output_fn(output, batch) must be callable"
+        )
+    check_loss_argument(
+        loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output"
+    )
+    check_loss_argument(
+        forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
+    )
+    if not isinstance(
+        loss_of_output_fn, (CrossEntropyOutputLoss, MSEOutputLoss, BCEWithLogitsOutputLoss)
+    ):
+        raise ValueError(
+            f"{who} needs the loss's distribution to factor its Hessian; supported: "
+            "cross_entropy_loss_of_output(), mse_loss_of_output() and supervised_loss_of_output(...) of "
+            f"nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(); got {loss_of_output_fn!r}"
+        )
+    count = check_count("mc_samples", mc_samples)
+    if fisher_type != "mc" and count != 1:
+        raise ValueError(
+            f"mc_samples={mc_samples} applies to fisher_type='mc' only (got {fisher_type!r})"
+        )
+
+
+def find_layers(
+    who: str,
+    model: nn.Module,
+    param_filter: ParamFilter | str | Sequence[str] | None,
+    separate_bias: bool,
+    exclude_unsupported: bool,
+) -> tuple[list[tuple[str, nn.Parameter]], list[Layer], tuple[str, ...]]:
+    """The selected parameters that covered layers own, in selection order, their layers, and
+    the selected parameters of other modules (an error unless ``exclude_unsupported``)."""
+    selected = select_parameters(model, param_filter)
+    owner: dict[int, tuple[str, nn.Module, str]] = {}
+    users: dict[int, list[str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owner.setdefault(id(p), (mname, module, pname))
+            users.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    tied = [" = ".join(users[id(p)]) for p in selected.values() if len(users[id(p)]) > 1]
+    if tied:
+        raise ValueError(
+            f"{who} gives each layer its own block; these selected parameters are tied "
+            f"(shared by several layers): {'; '.join(tied)}. Leave them out with param_filter"
+        )
+    unsupported = []
+    named = []
+    for name, p in selected.items():
+        mname, module, pname = owner[id(p)]
+        if _supported(module) and pname in ("weight", "bias"):
+            _check_layer(mname, module)
+            named.append((name, p))
+        else:
+            unsupported.append(f"{name} ({type(module).__name__})")
+    if unsupported and not exclude_unsupported:
+        raise ValueError(
+            f"{who} covers nn.Linear, nn.Conv2d and transformers' Conv1D layers; these selected parameters belong to "
+            f"none: {', '.join(unsupported)}. Leave them out with param_filter, or pass "
+            "exclude_unsupported=True to drop them (listed in .excluded_parameters)"
+        )
+    if not named:
+        raise ValueError(
+            "no selected parameter belongs to an nn.Linear, nn.Conv2d or transformers' Conv1D layer"
+        )
+    layers: dict[str, Layer] = {}
+    for index, (_, p) in enumerate(named):
+        mname, module, pname = owner[id(p)]
+        layer = layers.setdefault(mname, Layer(mname, module, None, None, False))
+        setattr(layer, pname, index)
+    for layer in layers.values():
+        layer.joint = not separate_bias and layer.weight is not None and layer.bias is not None
+    return named, list(layers.values()), tuple(unsupported)
+
+
+def input_moment(
+    layer: Layer, x: torch.Tensor, dtype: torch.dtype, reduce: bool
+) -> tuple[torch.Tensor, int]:
+    """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
+    mean position with ``reduce``), in ``dtype``; a convolution's by the route
+    :func:`conv_input_moment` plans (unfolded or row shifts), its patch sums only for a joined bias."""
+    module = layer.module
+    x = x.detach().to(dtype)
+    if isinstance(module, nn.Conv2d):
+        padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid"
+        S, s, rows = conv_input_moment(
+            x,
+            module.kernel_size,  # type: ignore[arg-type]
+            module.stride,  # type: ignore[arg-type]
+            padding,  # type: ignore[arg-type]
+            module.dilation,  # type: ignore[arg-type]
+            reduce=reduce,
+            sums=layer.joint,
+        )
+    else:
+        if x.dim() < 2:
+            raise ValueError(f"KFAC needs a batch dimension at the input of layer {layer.name!r}")
+        a = x.reshape(x.shape[0], -1, x.shape[-1])
+        flat = a.mean(1) if reduce else a.reshape(-1, a.shape[-1])
+        S, rows = flat.T @ flat, flat.shape[0]
+        s = flat.sum(0) if layer.joint else S.new_empty(0)
+    if layer.joint:
+        S = _joined(S, s, rows)
+    return S, rows
+
+
+def loss_hessian_columns(
+    loss: FactoredLoss,
+    fisher_type: FisherType,
+    output: torch.Tensor,
+    batch: Batch,
+    *,
+    dtype: torch.dtype,
+    key: int,
+    mc_samples: int,
+) -> tuple[int, Columns]:
+    """``k`` and ``columns(start, stop) -> (stop - start, *output.shape)``: the columns ``s_c``
+    of the batch loss's output Hessian ``H = Σ_c s_c s_cᵀ`` (type-2), of its Monte-Carlo
+    estimate (``mc_samples`` draws seeded by ``key``) or the scaled empirical gradient, made a
+    chunk at a time (NOTE [column chunks]); ``dtype`` is the factors'."""
+    out = output.detach()
+    if isinstance(loss, CrossEntropyOutputLoss):
+        if out.dim() < 2:
+            raise ValueError(
+                f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(out.shape)}"
+            )
+        y = batch[1] if isinstance(batch, (tuple, list)) else None
+        if not isinstance(y, torch.Tensor):
+            raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
+        valid = None if y.is_floating_point() else (y != loss.ignore_index)
+        rows = out.numel() // out.shape[1]
+        count = (
+            torch.tensor(float(rows), dtype=torch.float64)
+            if valid is None
+            else valid.sum().clamp_min(1)
+        )
+        w = 1.0 / count.to(dtype) if loss.reduction == "mean" else torch.ones(())
+        mask = None if valid is None else valid.unsqueeze(1).to(out.dtype)
+    else:
+        w = torch.tensor(
+            1.0 / out.numel() if loss.reduction == "mean" else 1.0, dtype=torch.float64
+        )
+        mask = None
+    w = w.to(dtype)  # 0-dim: the reduction's weight per loss term
+    if fisher_type == "empirical":
+        leaf = out.requires_grad_(True)
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(loss(leaf, batch), leaf)
+        empirical = (grad / w.sqrt()).unsqueeze(0).to(out.dtype)
+        return 1, lambda a, b: empirical[a:b]
+    if fisher_type == "mc":
+        generator = torch.Generator(device=out.device)
+        generator.manual_seed(key)
+        samples = loss.sample_grads(out, batch, mc_samples, generator)
+        sampled = (samples * (w / mc_samples).sqrt()).to(out.dtype)
+        return mc_samples, lambda a, b: sampled[a:b]
+    if isinstance(loss, CrossEntropyOutputLoss):
+        return _cross_entropy_columns(out, w, mask, dtype)
+    if isinstance(loss, MSEOutputLoss):
+        diag = torch.full_like(out, 2.0) * w
+    else:
+        s = torch.sigmoid(out)
+        diag = s * (1 - s) * w
+    base = diag.sqrt().unsqueeze(0)
+    if out.dim() <= 1:
+        return 1, lambda a, b: base[a:b]
+    C = out.shape[-1]
+    eye = torch.eye(C, dtype=out.dtype, device=out.device).reshape(C, *([1] * (out.dim() - 1)), C)
+    return C, lambda a, b: base * eye[a:b]
+
+
+def _cross_entropy_columns(
+    out: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[int, Columns]:
+    """``diag(p) - ppᵀ = S Sᵀ`` with ``S = (I - p 1ᵀ) diag(√p)``, one column per class."""
+    p = torch.softmax(out.to(dtype), dim=1).movedim(1, -1)  # (rows..., C)
+    C = p.shape[-1]
+    eye = torch.eye(C, dtype=p.dtype, device=p.device).reshape(C, *([1] * (p.dim() - 1)), C)
+    root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
+
+    def ce_columns(a: int, b: int) -> torch.Tensor:
+        cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(-1, 2)  # (b - a, *out.shape)
+        return (cols if mask is None else cols * mask).to(out.dtype)
+
+    return C, ce_columns
+
+
+#: ``visit(layer, a_or_empty, g, weight)`` after a backward; ``on_input(layer, x, weight)`` in the forward
+Visit = Callable[[Layer, torch.Tensor, torch.Tensor, float], None]
+OnInput = Callable[[Layer, torch.Tensor, float], None]
+
+
+class FactorPass:
+    """A model's covered layers and passes over its data that hand each layer's inputs and
+    output gradients to a caller (module docstring). Checks its arguments as the KFAC family's
+    constructors document them; ``who`` names the operator in messages."""
+
+    def __init__(
+        self,
+        who: str,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        forward_fn: ForwardFn,
+        loss_of_output_fn: LossOfOutputFn,
+        *,
+        fisher_type: FisherType = "type2",
+        kfac_approx: str = "expand",
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        mc_samples: int = 1,
+        seed: int = 0,
+        num_batches: int | None = None,
+        separate_bias: bool = True,
+        exclude_unsupported: bool = False,
+        precision: Precision = "fp32",
+        column_chunk: int = 16,
+    ) -> None:
+        _check_options(
+            who, model, forward_fn, loss_of_output_fn, fisher_type, kfac_approx, mc_samples
+        )
+        self.mc_samples: int = check_count("mc_samples", mc_samples)  # type: ignore[assignment]
+        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        self.column_chunk: int = check_count("column_chunk", column_chunk)  # type: ignore[assignment]
+        if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
+            raise TypeError("separate_bias and exclude_unsupported must be True or False")
+        refuse_in_place_forward(model, who)
+        self.who = who
+        self.model = model
+        self.forward_fn = forward_fn
+        self.loss_of_output_fn = loss_of_output_fn
+        self.fisher_type: FisherType = fisher_type
+        self.precision = check_precision(precision)
+        self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
+        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
+        named, self.layers, self.excluded = find_layers(
+            who, model, param_filter, separate_bias, exclude_unsupported
+        )
+        self.named_params = named
+        self.params = [p for _, p in named]
+        self.layout = ParamLayout.from_named(named)
+        #: factors and reductions run in float32 or better
+        self.factor_dtype = torch.promote_types(self.layout.dtype, torch.float32)
+        self.guard = ModelGuard(model, self.params)
+        coupled = batchnorm_modules(model)
+        if coupled:
+            # NOTE [samples independent]: a column of the loss Hessian covers every row of the batch
+            # at once, which is exact only when no row's output depends on another row's input
+            warnings.warn(
+                f"{who}: BatchNorm in training mode ({', '.join(coupled[:3])}"
+                f"{', ...' if len(coupled) > 3 else ''}) couples the samples of a batch; KFAC's factors "
+                "assume independent samples (call model.eval() for the curvature of the deterministic model)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
+        self._clone_outputs = False
+        self._empty = EmptyBatches(who)
+        #: checks the model output of each batch before its columns are made (KFOC's terms)
+        self.check_output: Callable[[torch.Tensor], None] | None = None
+
+    def matrix_shape(self, layer: Layer) -> tuple[int, int]:
+        """``(m, q)`` of the layer's weight as a matrix (a Conv2d's kernel flattened; the bias
+        alone ``(m, 1)``), without a joined bias's column."""
+        if layer.weight is None:
+            assert layer.bias is not None
+            return self.params[layer.bias].shape[0], 1
+        shape = self.params[layer.weight].shape
+        if layer.transposed:
+            return shape[1], shape[0]
+        return shape[0], shape[1:].numel()
+
+    def inputs(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """The layer input ``(N, positions, d_in)`` (ones appended for a joint bias), factor dtype."""
+        module = layer.module
+        x = x.detach()
+        if isinstance(module, nn.Conv2d):
+            a = _conv_patches(module, x)
+        else:
+            if x.dim() < 2:
+                raise ValueError(
+                    f"KFAC needs a batch dimension at the input of layer {layer.name!r}"
+                )
+            a = x.reshape(x.shape[0], -1, x.shape[-1])
+        a = a.to(self.factor_dtype)
+        if layer.joint:
+            a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+        return a
+
+    def _grads(self, layer: Layer, g: torch.Tensor) -> torch.Tensor:
+        """Output gradients ``(k, N, positions, d_out)`` of a block of ``k`` columns."""
+        g = g.detach().to(self.factor_dtype)
+        if isinstance(layer.module, nn.Conv2d):
+            return g.flatten(3).transpose(2, 3)
+        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+
+    def _columns(self, output: torch.Tensor, batch: Batch, position: int) -> tuple[int, Columns]:
+        if self.check_output is not None:
+            self.check_output(output)
+        return loss_hessian_columns(
+            cast(FactoredLoss, self.loss_of_output_fn),  # checked in the constructor
+            self.fisher_type,
+            output,
+            batch,
+            dtype=self.factor_dtype,
+            key=self.seed * 1_000_003 + position,
+            mc_samples=self.mc_samples,
+        )
+
+    def run(self, visit: Visit, on_input: OnInput | None) -> float:
+        """One pass: for each batch, ``on_input(layer, x, weight)`` in the forward (``x`` the
+        layer's raw input; without it, the inputs are kept as ``a``) and
+        ``visit(layer, a_or_empty, g, weight)`` after the backward. Returns the total weight.
+        Raises :class:`Retry` when ``on_input`` was given and a forward changed a layer output
+        in place (the caller starts again; later passes copy the outputs)."""
+        total = 0.0
+        seen = skipped = 0
+        with self.guard.product(self.precision, double_backward=False):
+            for position, raw in enumerate(self.source.batches()):
+                seen += 1
+                if (
+                    batch_size(raw) == 0
+                ):  # NOTE [empty batches] (positions kept: MC draws unchanged)
+                    skipped += 1
+                    continue
+                batch = to_device(raw, self.device)
+                size = float(batch_size(batch))
+                output, inputs, outputs = self._forward(batch, on_input, size)
+                self._backward(output, batch, position, inputs, outputs, visit, size)
+                total += size
+                del output, inputs, outputs  # the batch's activations go before the next forward
+        self._empty.say(skipped, seen)
+        if total == 0:
+            raise EmptyBatches.none_error(seen)
+        return total
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.device
+
+    def _backward(
+        self,
+        output: torch.Tensor,
+        batch: Batch,
+        position: int,
+        inputs: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        visit: Visit,
+        size: float,
+    ) -> None:
+        k, columns = self._columns(output, batch, position)
+        layers = [layer for layer in self.layers if layer.name in outputs]
+        targets = [outputs[layer.name] for layer in layers]
+        # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
+        # them at once holds k copies of the activations' gradients (and the columns
+        # themselves k outputs), so they are made and go through in chunks of
+        # ``column_chunk`` (the factors are sums over columns: the same result)
+        for start in range(0, k, self.column_chunk):
+            chunk = columns(start, min(k, start + self.column_chunk))
+            last = start + self.column_chunk >= k
+            if chunk.shape[0] == 1:
+                grads = torch.autograd.grad(
+                    output, targets, chunk[0], allow_unused=True, retain_graph=not last
+                )
+                grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
+            else:
+                grads = torch.autograd.grad(
+                    output,
+                    targets,
+                    chunk,
+                    is_grads_batched=True,
+                    allow_unused=True,
+                    retain_graph=not last,
+                )
+            for layer, g, y in zip(layers, grads, targets, strict=True):
+                if g is None:
+                    g = torch.zeros((chunk.shape[0], *y.shape), dtype=y.dtype, device=y.device)
+                visit(layer, inputs.get(layer.name, NO_INPUT), self._grads(layer, g), size)
+
+    def _forward(
+        self, batch: Batch, on_input: OnInput | None, size: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        versions: dict[str, int] = {}
+        handles = []
+
+        def hook(
+            layer: Layer, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor
+        ) -> torch.Tensor | None:
+            if layer.name in outputs:
+                raise ValueError(
+                    f"layer {layer.name!r} ran twice in one forward; KFAC needs each layer called once per batch"
+                )
+            if on_input is not None:
+                on_input(layer, args[0], size)
+            else:
+                inputs[layer.name] = self.inputs(layer, args[0])
+            outputs[layer.name] = out
+            versions[layer.name] = out._version
+            return out.clone() if self._clone_outputs else None
+
+        for layer in self.layers:
+            handles.append(
+                layer.module.register_forward_hook(
+                    lambda m, a, o, layer=layer: hook(layer, m, a, o)
+                )
+            )
+        try:
+            with torch.enable_grad(), self.guard.private_buffers():
+                output = self.forward_fn(self.model, batch)
+            # NOTE [layer outputs changed in place]: an in-place op after a layer (ReLU(inplace=True))
+            # rewrites the output tensor we differentiate against; such models run every forward with
+            # the hooks returning a copy, so the captured tensor keeps its value and graph
+            if not self._clone_outputs and any(
+                outputs[k]._version != v for k, v in versions.items()
+            ):
+                self._clone_outputs = True
+                if on_input is not None:
+                    raise Retry
+                inputs.clear()
+                outputs.clear()
+                versions.clear()
+                with torch.enable_grad(), self.guard.private_buffers():
+                    output = self.forward_fn(self.model, batch)
+        finally:
+            for h in handles:
+                h.remove()
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"forward_fn must return a tensor (the model output), got {type(output).__name__}"
+            )
+        return output, inputs, outputs

@@ -1,0 +1,528 @@
+"""Block-diagonal Kronecker-factored operators, built from their factors.
+
+``K = blockdiag_b(G_b ⊗ A_b) + λ I`` over a flat parameter vector. Block ``b`` covers one or two
+parameters and reads them as a matrix ``X (m, q)``: the first parameter's rows (a tensor of
+more than two dimensions flattened to ``(m, rest)``, as a conv weight ``(out, in·kh·kw)``; with
+``transposed`` a matrix stored ``(in, out)``, HuggingFace's ``Conv1D``, read as its transpose),
+then a second, one-dimensional parameter of size ``m`` (a bias) as a last column. A single
+one-dimensional parameter is ``X (m, 1)`` (a bias alone, ``A = [[1]]``). With ``vec`` row-major,
+as in the flat vector, ``(G ⊗ A) vec(X) = vec(G X A)`` for a symmetric ``A``.
+
+Eigendecomposition: with ``G = U_G Λ_G U_Gᵀ`` and ``A = U_A Λ_A U_Aᵀ`` the block's eigenvalues
+are ``λ_G,i λ_A,j`` with eigenvectors ``u_G,i ⊗ u_A,j`` (the matrix ``u_G,i u_A,jᵀ`` in the
+block's parameters). A block may instead be given in such an eigenbasis with eigenvalues of its
+own, ``U diag(D) Uᵀ`` with ``U = U_G ⊗ U_A`` and ``D (m, q)`` (EKFAC's form). Every matrix
+function is then exact and block by block: ``(K + λI)⁻¹``, ``log det(K + λI)``.
+
+Cost: a product is two small matrix products per block (four in eigenbasis form); ``eigh``,
+``inverse`` and ``logdet`` decompose each distinct factor once (a factor shared by two blocks,
+a layer's ``G`` for its weight and its bias, once), cached; ``trace`` and ``frobenius_norm`` of
+factored blocks need no decomposition (``tr(G)·tr(A)``, ``‖G‖_F·‖A‖_F``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hessian_eigenthings.operators.protocol import CurvatureOperator, same_device
+from hessian_eigenthings.param_utils import ParamLayout
+
+__all__ = [
+    "KroneckerBlock",
+    "KroneckerEigen",
+    "KroneckerEigenBlock",
+    "KroneckerOperator",
+]
+
+
+@dataclass(frozen=True)
+class KroneckerBlock:
+    """One diagonal block ``G ⊗ A`` of the operator over the parameters ``names``.
+
+    The block acts on the matrix ``X (m, q)`` made of the parameters' entries:
+    the weight's rows (a conv weight flattened to ``(out, in·kh·kw)``; a ``Conv1D`` weight
+    ``(in, out)`` transposed), then the bias as a last column when it is joined to the weight; a bias alone is
+    ``(m, 1)`` with ``A = [[1]]``. ``G`` is ``(m, m)``, ``A`` is ``(q, q)``, both symmetric.
+    """
+
+    names: tuple[str, ...]
+    module: str  # the layer's name in the model (a label; may be "")
+    G: torch.Tensor  # (m, m) output-side factor
+    A: torch.Tensor  # (q, q) input-side factor
+    transposed: bool = False  # the first parameter is stored (in, out) and read as its transpose
+
+
+@dataclass(frozen=True)
+class KroneckerEigenBlock:
+    """One diagonal block in its eigenbasis: eigenvalue ``eigenvalues[i, j]`` belongs to the
+    eigenvector ``u_G,i ⊗ u_A,j``, laid out in ``names`` as :class:`KroneckerBlock` reads them."""
+
+    names: tuple[str, ...]
+    eigenvalues: torch.Tensor  # (m, q): eigenvalue of u_G[:, i] ⊗ u_A[:, j] at [i, j]
+    G_eigenvectors: torch.Tensor  # (m, m), columns
+    A_eigenvectors: torch.Tensor  # (q, q), columns
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class KroneckerEigen:
+    """Eigendecomposition of a Kronecker-factored operator, block by block.
+
+    The eigenvector of ``blocks[b].eigenvalues[i, j]`` is ``u_G,i ⊗ u_A,j`` laid
+    out in the block's parameters (zero elsewhere): ``op.eigenvector(b, i, j)``."""
+
+    blocks: tuple[KroneckerEigenBlock, ...]
+
+    def _all(self) -> torch.Tensor:
+        return torch.cat([b.eigenvalues.reshape(-1) for b in self.blocks])
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:  # (n,) every eigenvalue, ascending
+        return self._all().sort(stable=True).values
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """``(block, i, j)`` of ``eigenvalues[index]`` (negative counts from the largest)."""
+        flat = self._all()
+        n = flat.shape[0]
+        if not -n <= index < n:
+            raise IndexError(f"eigenvalue index {index} out of range for {n} eigenvalues")
+        at = int(flat.sort(stable=True).indices[index])
+        for b, block in enumerate(self.blocks):
+            count = block.eigenvalues.numel()
+            if at < count:
+                q = block.eigenvalues.shape[1]
+                return b, at // q, at % q
+            at -= count
+        raise AssertionError("unreachable: the index lies in some block")
+
+
+Block = KroneckerBlock | KroneckerEigenBlock
+Eigen = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (D (m, q), U_G (m, m), U_A (q, q))
+
+
+@dataclass(eq=False)
+class _Block:
+    """Where a block sits in the flat vector and what it holds (factors or an eigenbasis)."""
+
+    names: tuple[str, ...]
+    module: str
+    weight: int | None  # layout index of the parameter read as the matrix's first columns
+    bias: int | None  # layout index of the parameter read as its last column (or alone)
+    transposed: bool
+    m: int
+    d: int  # columns of the weight part (0 for a bias alone)
+    G: torch.Tensor | None = None  # None: given in its eigenbasis
+    A: torch.Tensor | None = None  # None with G set: a bias alone, A = [[1]]
+    eigen: Eigen | None = None  # given eigenbasis and eigenvalues
+
+    @property
+    def q(self) -> int:
+        return self.d + int(self.bias is not None)
+
+
+def _slot(
+    layout: ParamLayout, weight: int | None, bias: int | None, module: str, transposed: bool
+) -> _Block:
+    """The block over parameters ``weight`` (read as a matrix) and ``bias`` (a last column, or
+    alone), by their indices in ``layout``, with the reading rules of the module docstring."""
+    names = tuple(layout.names[i] for i in (weight, bias) if i is not None)
+    if weight is None:
+        assert bias is not None
+        shape = layout.shapes[bias]
+        if len(shape) > 1 or transposed:
+            raise ValueError(
+                f"a parameter alone in a block as a column (m, 1) is one-dimensional; "
+                f"{names[0]!r} has shape {tuple(shape)}{' (transposed=True)' if transposed else ''}"
+            )
+        return _Block(names, module, None, bias, False, shape.numel(), 0)
+    w = layout.shapes[weight]
+    if len(w) < 2 or (transposed and len(w) != 2):
+        raise ValueError(
+            f"the first parameter of a block is read as a matrix; {names[0]!r} has shape {tuple(w)}"
+        )
+    m, d = (w[1], w[0]) if transposed else (w[0], w[1:].numel())
+    if bias is not None and tuple(layout.shapes[bias]) != (m,):
+        raise ValueError(
+            f"the second parameter of a block is a bias of shape ({m},) for {names[0]!r}; "
+            f"{names[1]!r} has shape {tuple(layout.shapes[bias])}"
+        )
+    return _Block(names, module, weight, bias, transposed, m, d)
+
+
+def _place(
+    layout: ParamLayout,
+    index: Mapping[str, int],
+    names: str | Sequence[str],
+    module: str,
+    transposed: bool,
+) -> _Block:
+    """The block over ``names`` (one parameter, or a weight and its bias) in ``layout``."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    missing = [n for n in names if n not in index]
+    if missing or not 1 <= len(names) <= 2:
+        shown = ", ".join(layout.names[:6]) + (", ..." if len(layout.names) > 6 else "")
+        raise ValueError(
+            f"a Kronecker block covers one parameter, or a weight and its bias, of the layout "
+            f"({shown}); got names={names}" + (f", unknown: {missing}" if missing else "")
+        )
+    if len(names) == 1 and len(layout.shapes[index[names[0]]]) <= 1 and not transposed:
+        return _slot(layout, None, index[names[0]], module, transposed)
+    bias = index[names[1]] if len(names) == 2 else None
+    return _slot(layout, index[names[0]], bias, module, transposed)
+
+
+def _check_square(name: str, M: torch.Tensor, size: int, owner: tuple[str, ...]) -> None:
+    if not isinstance(M, torch.Tensor) or tuple(M.shape) != (size, size):
+        got = tuple(M.shape) if isinstance(M, torch.Tensor) else type(M).__name__
+        raise ValueError(f"{name} of the block over {owner} must be ({size}, {size}), got {got}")
+
+
+_BLOCK_TYPES = "blocks holds KroneckerBlock(names, module, G, A) or KroneckerEigenBlock entries"
+
+
+def _normalize(layout: ParamLayout, index: Mapping[str, int], block: object) -> _Block:
+    if isinstance(block, KroneckerBlock):
+        slot = _place(layout, index, block.names, block.module, block.transposed)
+        _check_square("G", block.G, slot.m, slot.names)
+        _check_square("A", block.A, slot.q, slot.names)
+        slot.G, slot.A = block.G, block.A
+        return slot
+    if isinstance(block, KroneckerEigenBlock):
+        slot = _place(layout, index, block.names, "", block.transposed)
+        _check_square("G_eigenvectors", block.G_eigenvectors, slot.m, slot.names)
+        _check_square("A_eigenvectors", block.A_eigenvectors, slot.q, slot.names)
+        if tuple(block.eigenvalues.shape) != (slot.m, slot.q):
+            raise ValueError(
+                f"eigenvalues of the block over {slot.names} must be ({slot.m}, {slot.q}), "
+                f"got {tuple(block.eigenvalues.shape)}"
+            )
+        slot.eigen = (block.eigenvalues, block.G_eigenvectors, block.A_eigenvectors)
+        return slot
+    raise TypeError(_BLOCK_TYPES + f", got {type(block).__name__}")
+
+
+def _as_layout(layout: object, first: torch.Tensor) -> ParamLayout:
+    """A :class:`ParamLayout`; named shapes take the factors' dtype and device."""
+    if isinstance(layout, ParamLayout):
+        return layout
+    pairs = list(layout.items()) if isinstance(layout, Mapping) else list(layout)  # type: ignore[call-overload]
+    if pairs and all(isinstance(t, torch.Tensor) for _, t in pairs):
+        return ParamLayout.from_named(pairs)
+    if not pairs:
+        raise ValueError("a Kronecker operator needs at least one parameter in its layout")
+    shapes = [torch.Size(s) for _, s in pairs]
+    offsets = [0]
+    for s in shapes:
+        offsets.append(offsets[-1] + s.numel())
+    return ParamLayout(
+        tuple(str(n) for n, _ in pairs), tuple(shapes), tuple(offsets), first.dtype, first.device
+    )
+
+
+def check_damping(damping: object) -> float:
+    value = float(damping)  # type: ignore[arg-type]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+    return value
+
+
+class KroneckerOperator(CurvatureOperator):
+    """A block-diagonal operator ``blockdiag(G_b ⊗ A_b) + damping·I`` from its factors.
+
+    ``KroneckerOperator(layout, blocks, *, damping=0.0)``:
+
+    - ``layout``: the flat vector's parameters in order: a :class:`ParamLayout`, a dict of
+      tensors (``dict(model.named_parameters())``: their dtype and device) or of shapes
+      (``{"fc.weight": (3, 4), "fc.bias": (3,)}``: the factors' dtype and device).
+    - ``blocks``: :class:`KroneckerBlock` ``(names, module, G, A)`` or, for a block known in its
+      eigenbasis, :class:`KroneckerEigenBlock`; each parameter of ``layout`` in exactly one
+      block. The module docstring says how a block reads its parameters.
+    - ``damping``: ``λ >= 0`` added to the diagonal: the operator is ``K + λI``.
+
+    Products and every method below are exact. The factors must be symmetric (positive
+    semi-definite for ``logdet`` and the meaning of ``inverse``); they are not copied. The
+    operator's dtype is the layout's, its factors' may be wider (products are computed in the
+    factors' dtype).
+    """
+
+    def __init__(
+        self,
+        layout: ParamLayout | Mapping[str, torch.Tensor | Sequence[int]],
+        blocks: Sequence[Block],
+        *,
+        damping: float = 0.0,
+    ) -> None:
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("a Kronecker operator needs at least one block")
+        first = blocks[0]
+        if not isinstance(first, (KroneckerBlock, KroneckerEigenBlock)):
+            raise TypeError(_BLOCK_TYPES + f", got {type(first).__name__}")
+        factor = first.G if isinstance(first, KroneckerBlock) else first.eigenvalues
+        if not isinstance(factor, torch.Tensor):
+            raise TypeError(f"a block's factors are tensors, got {type(factor).__name__}")
+        lay = _as_layout(layout, factor)
+        index = {name: i for i, name in enumerate(lay.names)}
+        slots = [_normalize(lay, index, b) for b in blocks]
+        covered = [i for s in slots for i in (s.weight, s.bias) if i is not None]
+        twice = sorted({lay.names[i] for i in covered if covered.count(i) > 1})
+        missing = [n for i, n in enumerate(lay.names) if i not in covered]
+        if twice or missing:
+            raise ValueError(
+                "every parameter of the layout belongs to exactly one block; "
+                + (f"in several: {twice}" if twice else f"in none: {missing}")
+            )
+        tensors = [t for s in slots for t in ((s.G, s.A) if s.eigen is None else s.eigen)]
+        dtypes = {t.dtype for t in tensors if t is not None}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise TypeError(
+                f"the factors must share one floating dtype, got {sorted(map(str, dtypes))}"
+            )
+        off = [
+            str(t.device)
+            for t in tensors
+            if t is not None and not same_device(t.device, lay.device)
+        ]
+        if off:
+            raise ValueError(
+                f"the factors must be on the layout's device {lay.device}, found {off[0]}"
+            )
+        self._init_blocks(lay, slots, check_damping(damping))
+
+    # -- for subclasses that build their blocks from a model (KFAC, EKFAC, KFOC) -----------------
+    def _init_blocks(self, layout: ParamLayout, blocks: list[_Block], damping: float = 0.0) -> None:
+        """Trusted blocks (no checks; the factor path adds no kernel: a bias alone keeps ``A``
+        unset until it is read)."""
+        self.layout = layout
+        self._size, self._device, self._dtype = layout.size, layout.device, layout.dtype
+        self._blocks = blocks
+        self.damping = damping
+        first = blocks[0]
+        factor = first.G if first.G is not None else first.eigen[0]  # type: ignore[index]
+        #: factors and reductions run in this dtype (float32 or wider in the KFAC family)
+        self.factor_dtype: torch.dtype = factor.dtype
+        self._eigen_cache: list[Eigen] | None = None
+        self._unit: torch.Tensor | None = None
+
+    @staticmethod
+    def _factor_block(
+        layout: ParamLayout,
+        weight: int | None,
+        bias: int | None,
+        module: str,
+        G: torch.Tensor | None,
+        A: torch.Tensor | None,
+        transposed: bool = False,
+        eigen: Eigen | None = None,
+    ) -> _Block:
+        """For :meth:`_init_blocks`: the block over the parameters ``weight`` and ``bias`` (layout
+        indices) as ``G ⊗ A`` (``A=None``: a bias alone, ``[[1]]``) or in the eigenbasis ``eigen``."""
+        block = _slot(layout, weight, bias, module, transposed)
+        block.G, block.A, block.eigen = G, A, eigen
+        return block
+
+    def _A(self, block: _Block) -> torch.Tensor:
+        if block.A is not None:
+            return block.A
+        if self._unit is None:
+            G = block.G
+            assert G is not None
+            self._unit = torch.ones(1, 1, dtype=G.dtype, device=G.device)
+        return self._unit
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def factors(self) -> tuple[KroneckerBlock, ...]:
+        """The blocks ``G ⊗ A`` in the order of the flat vector's parameters."""
+        return self._public_factors(self._blocks)
+
+    def _public_factors(self, blocks: Sequence[_Block]) -> tuple[KroneckerBlock, ...]:
+        if any(b.G is None for b in blocks):
+            raise ValueError(
+                f"{type(self).__name__} holds blocks given in their eigenbasis, not as factors; see eigh()"
+            )
+        return tuple(
+            KroneckerBlock(b.names, b.module, b.G, self._A(b), b.transposed)  # type: ignore[arg-type]
+            for b in blocks
+        )
+
+    # -- blocks as matrices ------------------------------------------------------------------
+    def _gather(self, block: _Block, views: list[torch.Tensor]) -> torch.Tensor:
+        """``(k, m, q)`` of the block's parameters in a row block's per-parameter views."""
+        parts = []
+        if block.weight is not None:
+            w = views[block.weight]
+            if block.transposed:  # (k, in, out) entries: X is the transpose
+                parts.append(w.transpose(1, 2))
+            else:
+                parts.append(w.reshape(w.shape[0], w.shape[1], -1))
+        if block.bias is not None:
+            parts.append(views[block.bias].unsqueeze(-1))
+        X = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return X.to(self.factor_dtype)
+
+    def _scatter(self, block: _Block, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
+        if block.weight is None:
+            assert block.bias is not None
+            views[block.bias].copy_(Y[..., 0])
+            return
+        w, d = views[block.weight], block.d
+        if block.transposed:
+            w.copy_(Y[..., :d].transpose(-1, -2))
+        else:
+            w.copy_(Y[..., :d].reshape(w.shape))
+        if block.bias is not None:
+            views[block.bias].copy_(Y[..., d])
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        out = self.layout.empty(V.shape[0])
+        views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
+        for block in self._blocks:
+            X = self._gather(block, views)
+            if block.eigen is None:
+                assert block.G is not None
+                Y = block.G @ X @ self._A(block)
+                if self.damping:
+                    Y = Y.add_(X, alpha=self.damping)
+            else:
+                D, U_G, U_A = block.eigen
+                Y = U_G @ ((U_G.T @ X @ U_A) * (D + self.damping if self.damping else D)) @ U_A.T
+            self._scatter(block, Y, out_views)
+        return out
+
+    # -- the eigendecomposition and what it gives ----------------------------------------------
+    def _eigen(self) -> list[Eigen]:
+        """``(D (m, q), U_G, U_A)`` per block, undamped (computed once; a factor shared by
+        several blocks is decomposed once)."""
+        if self._eigen_cache is None:
+            cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def eig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                if id(M) not in cache:
+                    cache[id(M)] = torch.linalg.eigh(M)
+                return cache[id(M)]
+
+            result = []
+            for block in self._blocks:
+                if block.eigen is not None:
+                    result.append(block.eigen)
+                    continue
+                assert block.G is not None
+                A = self._A(block)
+                lam_G, U_G = eig(block.G)
+                lam_A, U_A = eig(A)
+                result.append((lam_G.unsqueeze(1) * lam_A.unsqueeze(0), U_G, U_A))
+            self._eigen_cache = result
+        return self._eigen_cache
+
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=self.factor_dtype, device=self.device)
+
+    def eigh(self) -> KroneckerEigen:
+        """Eigenvalues of the whole operator with the factors' eigenvectors, block by block."""
+        return KroneckerEigen(
+            tuple(
+                KroneckerEigenBlock(
+                    b.names, D + self.damping if self.damping else D, U_G, U_A, b.transposed
+                )
+                for b, (D, U_G, U_A) in zip(self._blocks, self._eigen(), strict=True)
+            )
+        )
+
+    def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
+        """The eigenvector ``u_G,i ⊗ u_A,j`` of block ``block`` in the flat layout ``(n,)``
+        (unit norm; its eigenvalue is ``eigh().blocks[block].eigenvalues[i, j]``;
+        ``eigh().locate(index)`` finds ``(block, i, j)`` of the ``index``-th eigenvalue)."""
+        if not -len(self._blocks) <= block < len(self._blocks):
+            raise IndexError(f"block {block} out of range for {len(self._blocks)} blocks")
+        slot = self._blocks[block]
+        if not (-slot.m <= i < slot.m and -slot.q <= j < slot.q):
+            raise IndexError(
+                f"(i, j) = ({i}, {j}) out of range for a block of ({slot.m}, {slot.q}) eigenvalues"
+            )
+        _, U_G, U_A = self._eigen()[block]
+        out = torch.zeros(1, self.size, dtype=self.dtype, device=self.device)
+        self._scatter(
+            slot, torch.outer(U_G[:, i], U_A[:, j]).unsqueeze(0), self.layout.split_rows(out)
+        )
+        return out[0]
+
+    def trace(self) -> torch.Tensor:
+        """``tr`` of the operator, a 0-dim tensor in the factors' dtype: ``Σ tr(G)·tr(A)`` over
+        factored blocks (no eigendecomposition), the eigenvalues' sum over the others."""
+        terms = (
+            b.G.trace() * self._A(b).trace() if b.G is not None else b.eigen[0].sum()  # type: ignore[index]
+            for b in self._blocks
+        )
+        total = sum(terms, self._zero())
+        return total + self.damping * self.size if self.damping else total
+
+    def logdet(self, damping: float = 0.0) -> torch.Tensor:
+        """``log det (K + damping·I)`` (e.g. a Laplace posterior's precision with an isotropic prior).
+
+        Without damping a singular operator (cross-entropy's ``G`` always has the null vector of
+        ones) gives ``-inf``, or ``nan`` where rounding left an eigenvalue slightly below zero."""
+        shift = self.damping + check_damping(damping)
+        return sum(((D + shift).log().sum() for D, _, _ in self._eigen()), self._zero())
+
+    def frobenius_norm(self) -> torch.Tensor:
+        """``‖·‖_F`` of the operator (from the factors where no damping and no eigenbasis)."""
+        if self.damping:
+            squares = sum(
+                ((D + self.damping).square().sum() for D, _, _ in self._eigen()), self._zero()
+            )
+            return squares.sqrt()
+        terms = (
+            b.G.square().sum() * self._A(b).square().sum()
+            if b.G is not None
+            else b.eigen[0].square().sum()  # type: ignore[index]
+            for b in self._blocks
+        )
+        return sum(terms, self._zero()).sqrt()
+
+    def inverse(self, damping: float = 0.0) -> CurvatureOperator:
+        """``(K + damping·I)⁻¹`` applied exactly through the eigendecompositions of each block.
+
+        NOTE [exact damping]: K-FAC optimizers often damp each factor instead, ``(G + √λ I) ⊗
+        (A + √λ I)``, which adds cross terms ``√λ (G ⊗ I + I ⊗ A)`` and is not ``K + λI``. Here
+        every block is ``U (D + λ)⁻¹ Uᵀ`` with ``U = U_G ⊗ U_A``: the inverse of the damped
+        operator itself (what a Laplace posterior or a linear solve needs), at the price of one
+        eigendecomposition per factor (cached). With ``damping=0`` a singular block gives inf.
+        """
+        shift = self.damping + check_damping(damping)
+        return _EigenFunction(self, lambda D: 1.0 / (D + shift))
+
+    def _eigen_apply(
+        self, V: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        out = self.layout.empty(V.shape[0])
+        views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
+        for block, (D, U_G, U_A) in zip(self._blocks, self._eigen(), strict=True):
+            X = U_G.T @ self._gather(block, views) @ U_A
+            self._scatter(block, U_G @ (X * fn(D)) @ U_A.T, out_views)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={self.size}, blocks={len(self._blocks)}, "
+            f"damping={self.damping}, dtype={self.dtype}, factor_dtype={self.factor_dtype})"
+        )
+
+
+class _EigenFunction(CurvatureOperator):
+    """``f(K)`` of a Kronecker-factored operator ``K``, block by block in its eigenbasis."""
+
+    def __init__(self, op: KroneckerOperator, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._op = op
+        self._fn = fn
+        self._size, self._device, self._dtype = op.size, op.device, op.dtype
+
+    def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        return self._op._eigen_apply(V, self._fn)
