@@ -106,11 +106,7 @@ class Layer:
     weight: int | None  # index of the weight in the layout
     bias: int | None
     joint: bool  # bias appended to the input as a column of ones
-
-    @property
-    def transposed(self) -> bool:
-        """The weight is stored ``(in, out)`` (``Conv1D``)."""
-        return is_hf_conv1d(self.module)
+    transposed: bool  # the weight is stored (in, out) (Conv1D)
 
 
 def _check_layer(name: str, module: nn.Module) -> None:
@@ -265,7 +261,9 @@ def find_layers(
     layers: dict[str, Layer] = {}
     for index, (_, p) in enumerate(named):
         mname, module, pname = owner[id(p)]
-        layer = layers.setdefault(mname, Layer(mname, module, None, None, False))
+        layer = layers.setdefault(
+            mname, Layer(mname, module, None, None, False, is_hf_conv1d(module))
+        )
         setattr(layer, pname, index)
     for layer in layers.values():
         layer.joint = not separate_bias and layer.weight is not None and layer.bias is not None

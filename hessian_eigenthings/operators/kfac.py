@@ -259,12 +259,17 @@ class _KFACFactors(LayerKroneckerOperator):
         G_of: dict[str, torch.Tensor] = {}
         A_of: dict[str, torch.Tensor] = {}
         for layer in self._pass.layers:
-            zero_G, zero_A = self._zeros_for(layer)  # no kernel unless the layer never ran
-            G_of[layer.name] = sums_G[layer.name].mean(total) if layer.name in sums_G else zero_G()
-            if layer.weight is not None:
-                A_of[layer.name] = (
-                    sums_A[layer.name].mean(total) if layer.name in sums_A else zero_A()
-                )
+            name = layer.name
+            if name in sums_G:
+                G_of[name] = sums_G[name].mean(total)
+            if name in sums_A:
+                A_of[name] = sums_A[name].mean(total)
+            if name not in G_of or (layer.weight is not None and name not in A_of):
+                zero_G, zero_A = self._zeros_for(layer)  # the layer never ran: its block is zero
+                if name not in G_of:
+                    G_of[name] = zero_G()
+                if layer.weight is not None and name not in A_of:
+                    A_of[name] = zero_A()
         return G_of, A_of
 
 
