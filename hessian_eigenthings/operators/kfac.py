@@ -62,7 +62,7 @@ this module only turns the pass's inputs and output gradients into factors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -133,25 +133,17 @@ class LayerKroneckerOperator(KroneckerOperator):
         )
         self.factor_dtype = factor_pass.factor_dtype
 
-    def _zeros_for(
-        self, layer: Layer
-    ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
-        """Makers of zero factors ``G``, ``A`` for a layer whose GGN block is zero (it never ran)."""
-        m, q = self._pass.matrix_shape(layer)
-        q += int(layer.joint)
-        dtype, device = self.factor_dtype, self.device
-        return (
-            lambda: torch.zeros(m, m, dtype=dtype, device=device),
-            lambda: torch.zeros(q, q, dtype=dtype, device=device),
-        )
+    def _zero_factor(self, n: int) -> torch.Tensor:
+        """An ``(n, n)`` factor of a zero block (a layer that never ran in the forward)."""
+        return torch.zeros(n, n, dtype=self.factor_dtype, device=self.device)
 
-    def _layer_blocks(
+    def _init_layer_blocks(
         self,
         G_of: dict[str, torch.Tensor],
         A_of: dict[str, torch.Tensor],
         bias_G_of: dict[str, torch.Tensor] | None = None,
-    ) -> list:  # type: ignore[type-arg]
-        """Each layer's blocks in the layout's order: weight and bias joined, or the weight's
+    ) -> None:
+        """The operator's blocks, each layer's in the layout's order: weight and bias joined, or the weight's
         ``G ⊗ A`` and the bias's ``G ⊗ [1]`` (``bias_G_of``: a separate bias's own ``G``)."""
         blocks = []
         for layer in self._pass.layers:
@@ -168,7 +160,7 @@ class LayerKroneckerOperator(KroneckerOperator):
                 blocks.append(
                     self._factor_block(self.layout, None, layer.bias, layer.name, own, None)
                 )
-        return blocks
+        self._init_blocks(self.layout, blocks)
 
     def _repr_fields(self) -> str:
         return f"fisher_type={self.fisher_type!r}"
@@ -223,7 +215,7 @@ class _KFACFactors(LayerKroneckerOperator):
         self.kfac_approx: KFACApprox = kfac_approx
         self.separate_bias = separate_bias
         G_of, A_of = self._kfac_factors()
-        self._init_blocks(self.layout, self._layer_blocks(G_of, A_of))
+        self._init_layer_blocks(G_of, A_of)
         self._after_factors()
 
     def _after_factors(self) -> None:
@@ -260,16 +252,15 @@ class _KFACFactors(LayerKroneckerOperator):
         A_of: dict[str, torch.Tensor] = {}
         for layer in self._pass.layers:
             name = layer.name
-            if name in sums_G:
+            if name in sums_G:  # a layer that ran has both (A only with a weight)
                 G_of[name] = sums_G[name].mean(total)
-            if name in sums_A:
-                A_of[name] = sums_A[name].mean(total)
-            if name not in G_of or (layer.weight is not None and name not in A_of):
-                zero_G, zero_A = self._zeros_for(layer)  # the layer never ran: its block is zero
-                if name not in G_of:
-                    G_of[name] = zero_G()
-                if layer.weight is not None and name not in A_of:
-                    A_of[name] = zero_A()
+                if name in sums_A:
+                    A_of[name] = sums_A[name].mean(total)
+            else:  # it never ran in the forward: its GGN block is zero
+                m, q = self._pass.matrix_shape(layer)
+                G_of[name] = self._zero_factor(m)
+                if layer.weight is not None:
+                    A_of[name] = self._zero_factor(q + int(layer.joint))
         return G_of, A_of
 
 

@@ -208,7 +208,7 @@ class KFOCOperator(LayerKroneckerOperator):
         factor_pass.check_output = self._check_output
         self._start_pass(factor_pass)
         self.separate_bias = separate_bias
-        self._init_blocks(self.layout, self._layer_blocks(*self._compute_factors()))
+        self._init_layer_blocks(*self._compute_factors())
 
     def _sum_pass(
         self,
@@ -226,16 +226,10 @@ class KFOCOperator(LayerKroneckerOperator):
         total = self._pass.run(visit, None)
         return {key: _symmetric(value.div_(total)) for key, value in sums.items()}
 
-    # NOTE [a pass per product]: each product with the rearranged block R needs every
-    # per-sample gradient, so it is a pass over the data; keeping the output gradients of all
-    # samples and columns instead (k·N·P·m numbers per layer, k = classes for type-2) would make
-    # the iterations free but does not scale with the dataset. The first pass starts from A = I,
-    # so no pass is spent on an initial guess; a layer that met tol stops contributing work.
     def _compute_factors(
         self,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``G`` and ``A`` of each layer with a weight, and each separate bias's own ``G``."""
-        dtype, device = self.factor_dtype, self.device
         shapes = {layer.name: self._pass.matrix_shape(layer) for layer in self._pass.layers}
         q_of = {
             layer.name: shapes[layer.name][1] + int(layer.joint)
@@ -252,16 +246,20 @@ class KFOCOperator(LayerKroneckerOperator):
             root = math.sqrt(sigma[name])
             if root == 0.0:
                 m = shapes[name][0]
-                G_of[name] = torch.zeros(m, m, dtype=dtype, device=device)
-                A_of[name] = torch.zeros(q, q, dtype=dtype, device=device)
+                G_of[name], A_of[name] = self._zero_factor(m), self._zero_factor(q)
             else:
                 G_of[name] = G_unit[name] * root
                 A_of[name] = A_unit[name] * root
         for name in separate - bias_G.keys():  # the layer never ran: a zero block
             m = shapes[name][0]
-            bias_G[name] = torch.zeros(m, m, dtype=dtype, device=device)
+            bias_G[name] = self._zero_factor(m)
         return G_of, A_of, bias_G
 
+    # NOTE [a pass per product]: each product with the rearranged block R needs every
+    # per-sample gradient, so it is a pass over the data; keeping the output gradients of all
+    # samples and columns instead (k·N·P·m numbers per layer, k = classes for type-2) would make
+    # the iterations free but does not scale with the dataset. The first pass starts from A = I,
+    # so no pass is spent on an initial guess; a layer that met tol stops contributing work.
     def _power_iteration(
         self, q_of: dict[str, int], separate: set[str]
     ) -> tuple[

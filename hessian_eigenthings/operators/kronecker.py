@@ -23,6 +23,7 @@ factored blocks need no decomposition (``tr(G)·tr(A)``, ``‖G‖_F·‖A‖_F`
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ def _slot(
     if weight is None:
         assert bias is not None
         shape = layout.shapes[bias]
-        if len(shape) > 1 or transposed:
+        if len(shape) != 1 or transposed:
             raise ValueError(
                 f"a parameter alone in a block as a column (m, 1) is one-dimensional; "
                 f"{names[0]!r} has shape {tuple(shape)}{' (transposed=True)' if transposed else ''}"
@@ -169,7 +170,7 @@ def _place(
             f"a Kronecker block covers one parameter, or a weight and its bias, of the layout "
             f"({shown}); got names={names}" + (f", unknown: {missing}" if missing else "")
         )
-    if len(names) == 1 and len(layout.shapes[index[names[0]]]) <= 1 and not transposed:
+    if len(names) == 1 and len(layout.shapes[index[names[0]]]) == 1 and not transposed:
         return _slot(layout, None, index[names[0]], module, transposed)
     bias = index[names[1]] if len(names) == 2 else None
     return _slot(layout, index[names[0]], bias, module, transposed)
@@ -223,6 +224,43 @@ def _as_layout(layout: object, first: torch.Tensor) -> ParamLayout:
     )
 
 
+def _checked(layout: object, given: Sequence[object]) -> tuple[ParamLayout, list[_Block]]:
+    """The layout and the blocks of a user's ``KroneckerOperator(layout, blocks)``, checked:
+    shapes, every parameter in one block, one floating dtype, the layout's device."""
+    blocks = list(given)
+    if not blocks:
+        raise ValueError("a Kronecker operator needs at least one block")
+    first = blocks[0]
+    if not isinstance(first, (KroneckerBlock, KroneckerEigenBlock)):
+        raise TypeError(_BLOCK_TYPES + f", got {type(first).__name__}")
+    factor = first.G if isinstance(first, KroneckerBlock) else first.eigenvalues
+    if not isinstance(factor, torch.Tensor):
+        raise TypeError(f"a block's factors are tensors, got {type(factor).__name__}")
+    lay = _as_layout(layout, factor)
+    index = {name: i for i, name in enumerate(lay.names)}
+    slots = [_normalize(lay, index, b) for b in blocks]
+    covered = Counter(i for s in slots for i in (s.weight, s.bias) if i is not None)
+    twice = sorted(lay.names[i] for i, count in covered.items() if count > 1)
+    missing = [n for i, n in enumerate(lay.names) if i not in covered]
+    if twice or missing:
+        raise ValueError(
+            "every parameter of the layout belongs to exactly one block; "
+            + (f"in several: {twice}" if twice else f"in none: {missing}")
+        )
+    tensors = [t for s in slots for t in ((s.G, s.A) if s.eigen is None else s.eigen)]
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise TypeError(
+            f"the factors must share one floating dtype, got {sorted(map(str, dtypes))}"
+        )
+    off = [
+        str(t.device) for t in tensors if t is not None and not same_device(t.device, lay.device)
+    ]
+    if off:
+        raise ValueError(f"the factors must be on the layout's device {lay.device}, found {off[0]}")
+    return lay, slots
+
+
 def check_damping(damping: object) -> float:
     value = float(damping)  # type: ignore[arg-type]
     if not math.isfinite(value) or value < 0:
@@ -256,41 +294,7 @@ class KroneckerOperator(CurvatureOperator):
         *,
         damping: float = 0.0,
     ) -> None:
-        blocks = list(blocks)
-        if not blocks:
-            raise ValueError("a Kronecker operator needs at least one block")
-        first = blocks[0]
-        if not isinstance(first, (KroneckerBlock, KroneckerEigenBlock)):
-            raise TypeError(_BLOCK_TYPES + f", got {type(first).__name__}")
-        factor = first.G if isinstance(first, KroneckerBlock) else first.eigenvalues
-        if not isinstance(factor, torch.Tensor):
-            raise TypeError(f"a block's factors are tensors, got {type(factor).__name__}")
-        lay = _as_layout(layout, factor)
-        index = {name: i for i, name in enumerate(lay.names)}
-        slots = [_normalize(lay, index, b) for b in blocks]
-        covered = [i for s in slots for i in (s.weight, s.bias) if i is not None]
-        twice = sorted({lay.names[i] for i in covered if covered.count(i) > 1})
-        missing = [n for i, n in enumerate(lay.names) if i not in covered]
-        if twice or missing:
-            raise ValueError(
-                "every parameter of the layout belongs to exactly one block; "
-                + (f"in several: {twice}" if twice else f"in none: {missing}")
-            )
-        tensors = [t for s in slots for t in ((s.G, s.A) if s.eigen is None else s.eigen)]
-        dtypes = {t.dtype for t in tensors if t is not None}
-        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise TypeError(
-                f"the factors must share one floating dtype, got {sorted(map(str, dtypes))}"
-            )
-        off = [
-            str(t.device)
-            for t in tensors
-            if t is not None and not same_device(t.device, lay.device)
-        ]
-        if off:
-            raise ValueError(
-                f"the factors must be on the layout's device {lay.device}, found {off[0]}"
-            )
+        lay, slots = _checked(layout, blocks)
         self._init_blocks(lay, slots, check_damping(damping))
 
     # -- for subclasses that build their blocks from a model (KFAC, EKFAC, KFOC) -----------------

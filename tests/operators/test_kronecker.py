@@ -244,3 +244,23 @@ def test_ekfac_is_a_kronecker_operator_of_its_eigenbases() -> None:
     b, i, j = op.eigh().locate(-1)
     v = op.eigenvector(b, i, j)
     torch.testing.assert_close(op @ v, op.eigh().eigenvalues[-1] * v)
+
+
+def test_ekfac_block_of_a_layer_outside_the_forward_is_zero() -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.used(x)
+            return out
+
+    torch.manual_seed(6)
+    model = Unused().double()
+    data = classification_data(n=9, d_in=4, classes=3, batch=5)
+    loss = cross_entropy_loss_of_output()
+    K = EKFACOperator(model, data, supervised_forward, loss).to_dense()
+    assert torch.all(K[15:] == 0) and torch.all(K[:, 15:] == 0)
+    used = EKFACOperator(model, data, supervised_forward, loss, param_filter="used.*")
+    torch.testing.assert_close(K[:15, :15], used.to_dense())
