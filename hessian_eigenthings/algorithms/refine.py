@@ -38,7 +38,8 @@ from hessian_eigenthings.algorithms._common import (
     row_dots,
     work_dtype,
 )
-from hessian_eigenthings.algorithms.lanczos import _order, lanczos
+from hessian_eigenthings.algorithms.krylov import ritz_order
+from hessian_eigenthings.algorithms.lanczos import lanczos
 from hessian_eigenthings.algorithms.result import (
     EigenResult,
     quiet_convergence_warnings,
@@ -111,7 +112,7 @@ def refine_eigenpairs(
             raise non_finite_error("refinement", it)
         H = backend.inner_rows(Z, AZ).to("cpu", torch.float64).numpy()
         theta, S = np.linalg.eigh(0.5 * (H + H.T))
-        want = _order(theta, which)[:k]
+        want = ritz_order(theta, which)[:k]
         Sw = torch.from_numpy(np.ascontiguousarray(S[:, want].T)).to(device=Z.device, dtype=wd)
         Y, AY = Sw @ Z, Sw @ AZ
         lam = torch.from_numpy(theta[want].copy())
