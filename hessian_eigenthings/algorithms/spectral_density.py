@@ -40,7 +40,7 @@ from hessian_eigenthings.algorithms._common import (
     work_dtype,
 )
 from hessian_eigenthings.algorithms.lanczos import tridiagonal_runs
-from hessian_eigenthings.algorithms.result import SpectralDensityResult
+from hessian_eigenthings.algorithms.result import LanczosTridiag, SpectralDensityResult
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.operators.base import CurvatureOperator
 
@@ -119,16 +119,8 @@ def spectral_density(
     op.expect_products(num_runs * steps)
     wd = work_dtype(op, precision)
     gen = make_generator(seed, backend)
-    itemsize = torch.empty((), dtype=wd).element_size()
-    per_run = (steps if reorthogonalize else 2) * n * itemsize
-    group = max(1, min(num_runs, memory_budget // max(per_run, 1)))
-    checkpoint_runs = check_count("checkpoint_runs", checkpoint_runs, allow_none=True)
-    if checkpoint_runs is not None:
-        if checkpoint is None:
-            raise ValueError(
-                "checkpoint_runs is given without checkpoint= (a file to save the runs to)"
-            )
-        group = min(group, checkpoint_runs)
+    per_run = (steps if reorthogonalize else 2) * n * torch.empty((), dtype=wd).element_size()
+    group = _group_size(num_runs, per_run, memory_budget, checkpoint, checkpoint_runs)
 
     nodes: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
@@ -163,23 +155,13 @@ def spectral_density(
                 bar=bar,
             )
             for run in runs:
-                T = torch.diag(run.alphas)
-                if run.iterations > 1:
-                    T += torch.diag(run.betas, 1) + torch.diag(run.betas, -1)
-                theta, S = torch.linalg.eigh(T)
+                theta, weight = _quadrature(run)
                 nodes.append(theta)
-                weights.append(S[0] ** 2)
+                weights.append(weight)
             if path is not None:
                 state = {"done": start + r, "nodes": nodes, "weights": weights}
                 save_checkpoint(path, "spectral_density", config, state, gen)
-    # one row per run (the 1.0 alpha's layout); a run cut short by an exhausted Krylov
-    # space is padded with NaN nodes and zero weights
-    m = max(t.shape[0] for t in nodes)
-    raw_nodes = torch.full((num_runs, m), float("nan"), dtype=torch.float64)
-    raw_weights = torch.zeros((num_runs, m), dtype=torch.float64)
-    for i, (theta, w) in enumerate(zip(nodes, weights, strict=True)):
-        raw_nodes[i, : theta.shape[0]] = theta
-        raw_weights[i, : w.shape[0]] = w
+    raw_nodes, raw_weights = _rows(nodes, weights)
     flat = ~torch.isnan(raw_nodes)
     flat_nodes, flat_weights = raw_nodes[flat], raw_weights[flat] / num_runs
     if sigma is None:
@@ -192,6 +174,50 @@ def spectral_density(
         raw_weights=raw_weights,
         sigma=float(sigma),
     )
+
+
+def _group_size(
+    num_runs: int,
+    per_run: int,
+    memory_budget: int,
+    checkpoint: str | os.PathLike[str] | None,
+    checkpoint_runs: int | None,
+) -> int:
+    """Runs per lockstep group: as many bases as fit ``memory_budget``, at most
+    ``checkpoint_runs``."""
+    group = max(1, min(num_runs, memory_budget // max(per_run, 1)))
+    checkpoint_runs = check_count("checkpoint_runs", checkpoint_runs, allow_none=True)
+    if checkpoint_runs is not None:
+        if checkpoint is None:
+            raise ValueError(
+                "checkpoint_runs is given without checkpoint= (a file to save the runs to)"
+            )
+        group = min(group, checkpoint_runs)
+    return group
+
+
+def _quadrature(run: LanczosTridiag) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss quadrature nodes and weights of one Lanczos run: the eigenvalues of its ``T``
+    and the squared first components of their eigenvectors."""
+    T = torch.diag(run.alphas)
+    if run.iterations > 1:
+        T += torch.diag(run.betas, 1) + torch.diag(run.betas, -1)
+    theta, S = torch.linalg.eigh(T)
+    return theta, S[0] ** 2
+
+
+def _rows(
+    nodes: list[torch.Tensor], weights: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per run (the 1.0 alpha's layout); a run cut short by an exhausted Krylov
+    space is padded with NaN nodes and zero weights."""
+    m = max(t.shape[0] for t in nodes)
+    raw_nodes = torch.full((len(nodes), m), float("nan"), dtype=torch.float64)
+    raw_weights = torch.zeros((len(nodes), m), dtype=torch.float64)
+    for i, (theta, w) in enumerate(zip(nodes, weights, strict=True)):
+        raw_nodes[i, : theta.shape[0]] = theta
+        raw_weights[i, : w.shape[0]] = w
+    return raw_nodes, raw_weights
 
 
 def default_sigma(nodes: torch.Tensor, steps: int) -> float:
