@@ -207,6 +207,112 @@ def random_directions(
     return torch.stack(rows).to(device=first.device, dtype=first.dtype)
 
 
+def _directions(
+    directions: EigenResult | torch.Tensor | str,
+    model: nn.Module,
+    dims: int,
+    n: int,
+    *,
+    param_filter: ParamFilter | str | Sequence[str] | None,
+    normalization: Literal["filter", "none"],
+    seed: int,
+) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """The ``(dims, n)`` directions of ``loss_landscape``, what they are, and their
+    eigenvalues when they are eigenvectors; raises for directions that do not fit."""
+    eigenvalues = None
+    if isinstance(directions, EigenResult):
+        vecs = directions.eigenvectors
+        if vecs.shape[0] < dims:
+            raise ValueError(
+                f"directions holds {vecs.shape[0]} eigenvectors, dims={dims} needs {dims}"
+            )
+        d = vecs[:dims]
+        kind = "eigenvectors"
+        eigenvalues = directions.eigenvalues[:dims].to("cpu", torch.float64)
+    elif isinstance(directions, str):
+        if directions != "random":
+            raise ValueError(
+                f"directions must be an EigenResult, a tensor or 'random', got {directions!r}"
+            )
+        d = random_directions(
+            model, dims, param_filter=param_filter, normalization=normalization, seed=seed
+        )
+        kind = "random (filter-normalised)" if normalization == "filter" else "random"
+    elif isinstance(directions, torch.Tensor):
+        d = directions.reshape(1, -1) if directions.dim() == 1 else directions
+        if d.dim() != 2 or (d.shape[0] != dims and d.shape[-1] == dims and d.shape[0] == n):
+            d = d.T if d.dim() == 2 else d
+        if d.dim() != 2 or d.shape[0] < dims:
+            raise ValueError(
+                f"directions must be a ({dims}, n) or (n, {dims}) tensor, got shape {tuple(directions.shape)}"
+            )
+        d = d[:dims]
+        kind = "given"
+    else:
+        raise TypeError(
+            f"directions must be an EigenResult, a tensor or 'random', got {type(directions).__name__}"
+        )
+    if d.shape[-1] != n:
+        raise ValueError(
+            f"the directions have length {d.shape[-1]}, the selected parameters {n}: pass the "
+            "param_filter of the operator the eigenvectors came from"
+        )
+    if not bool(torch.isfinite(d).all()):
+        raise ValueError("directions contain non-finite values")
+    return d, kind, eigenvalues
+
+
+def _loss_sums(
+    model: nn.Module,
+    dataloader: Iterable[Batch],
+    loss_fn: LossFn,
+    grid: list[tuple[Any, ...]],  # tolist() numbers
+    d: torch.Tensor,
+    names: list[str],
+    params: Sequence[torch.Tensor],
+    num_batches: int | None,
+    progress: bool | None,
+) -> tuple[torch.Tensor, float, int]:
+    """Batch-size-weighted loss sums at ``grid[1:]`` and at the center ``grid[0]`` (the
+    parameters moved by ``Σ c_r d_r``, never in place), and the number of samples."""
+    device = params[0].device
+    theta = [p.detach() for p in params]
+    sizes = [p.numel() for p in params]
+    shapes = [p.shape for p in params]
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    call = CallWithModel(model, loss_fn)
+    sums = torch.zeros(len(grid) - 1, dtype=torch.float64)
+    center_sum = 0.0
+    total = 0
+    modules = list(model.modules())
+    with torch.no_grad(), progress_bar(num_batches, "loss landscape", progress) as bar:
+        for batch in iterate_batches(dataloader, num_batches):
+            batch = to_device(batch, device)
+            size = batch_size(batch)
+            for i, coords in enumerate(grid):
+                step = sum(c * d[r] for r, c in enumerate(coords))
+                values = {
+                    f"model.{name}": theta[q] + step[offsets[q] : offsets[q + 1]].reshape(shapes[q])
+                    for q, name in enumerate(names)
+                }
+                with private_buffers(model, modules):
+                    loss = call_with_values(call, values, (batch,))
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(
+                        "loss_fn must return a scalar tensor (the mean loss of the batch)"
+                    )
+                value = float(loss.detach()) * size
+                if i == 0:
+                    center_sum += value
+                else:
+                    sums[i - 1] += value
+            total += size
+            bar.update(1)
+    return sums, center_sum, total
+
+
 def loss_landscape(
     model: nn.Module,
     dataloader: Iterable[Batch],
@@ -262,46 +368,15 @@ def loss_landscape(
     n = sum(p.numel() for p in params)
     device, dtype = params[0].device, params[0].dtype
 
-    eigenvalues = None
-    if isinstance(directions, EigenResult):
-        vecs = directions.eigenvectors
-        if vecs.shape[0] < dims:
-            raise ValueError(
-                f"directions holds {vecs.shape[0]} eigenvectors, dims={dims} needs {dims}"
-            )
-        d = vecs[:dims]
-        kind = "eigenvectors"
-        eigenvalues = directions.eigenvalues[:dims].to("cpu", torch.float64)
-    elif isinstance(directions, str):
-        if directions != "random":
-            raise ValueError(
-                f"directions must be an EigenResult, a tensor or 'random', got {directions!r}"
-            )
-        d = random_directions(
-            model, dims, param_filter=param_filter, normalization=normalization, seed=seed
-        )
-        kind = "random (filter-normalised)" if normalization == "filter" else "random"
-    elif isinstance(directions, torch.Tensor):
-        d = directions.reshape(1, -1) if directions.dim() == 1 else directions
-        if d.dim() != 2 or (d.shape[0] != dims and d.shape[-1] == dims and d.shape[0] == n):
-            d = d.T if d.dim() == 2 else d
-        if d.dim() != 2 or d.shape[0] < dims:
-            raise ValueError(
-                f"directions must be a ({dims}, n) or (n, {dims}) tensor, got shape {tuple(directions.shape)}"
-            )
-        d = d[:dims]
-        kind = "given"
-    else:
-        raise TypeError(
-            f"directions must be an EigenResult, a tensor or 'random', got {type(directions).__name__}"
-        )
-    if d.shape[-1] != n:
-        raise ValueError(
-            f"the directions have length {d.shape[-1]}, the selected parameters {n}: pass the "
-            "param_filter of the operator the eigenvectors came from"
-        )
-    if not bool(torch.isfinite(d).all()):
-        raise ValueError("directions contain non-finite values")
+    d, kind, eigenvalues = _directions(
+        directions,
+        model,
+        dims,
+        n,
+        param_filter=param_filter,
+        normalization=normalization,
+        seed=seed,
+    )
     d = d.detach().to(device=device, dtype=dtype)
 
     random = [name or type(m).__name__ for name, m in model.named_modules() if draws_randomly(m)]
@@ -320,41 +395,10 @@ def loss_landscape(
         if betas is None
         else [(a, b) for a in alphas.tolist() for b in betas.tolist()]
     )
-    theta = [p.detach() for p in params]
-    sizes = [p.numel() for p in params]
-    shapes = [p.shape for p in params]
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
     grid = [(0.0,) * dims, *points]  # the center first, then the points
-    call = CallWithModel(model, loss_fn)
-    sums = torch.zeros(len(points), dtype=torch.float64)
-    center_sum = 0.0
-    total = 0
-    modules = list(model.modules())
-    with torch.no_grad(), progress_bar(num_batches, "loss landscape", progress) as bar:
-        for batch in iterate_batches(dataloader, num_batches):
-            batch = to_device(batch, device)
-            size = batch_size(batch)
-            for i, coords in enumerate(grid):
-                step = sum(c * d[r] for r, c in enumerate(coords))
-                values = {
-                    f"model.{name}": theta[q] + step[offsets[q] : offsets[q + 1]].reshape(shapes[q])
-                    for q, name in enumerate(names)
-                }
-                with private_buffers(model, modules):
-                    loss = call_with_values(call, values, (batch,))
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError(
-                        "loss_fn must return a scalar tensor (the mean loss of the batch)"
-                    )
-                value = float(loss.detach()) * size
-                if i == 0:
-                    center_sum += value
-                else:
-                    sums[i - 1] += value
-            total += size
-            bar.update(1)
+    sums, center_sum, total = _loss_sums(
+        model, dataloader, loss_fn, grid, d, names, params, num_batches, progress
+    )
     if total == 0:
         raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
     losses = sums / total
