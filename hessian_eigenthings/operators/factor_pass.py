@@ -261,9 +261,10 @@ def find_layers(
     layers: dict[str, Layer] = {}
     for index, (_, p) in enumerate(named):
         mname, module, pname = owner[id(p)]
-        layer = layers.setdefault(
-            mname, Layer(mname, module, None, None, False, is_hf_conv1d(module))
-        )
+        layer = layers.get(mname)
+        if layer is None:
+            transposed = not isinstance(module, _SUPPORTED) and is_hf_conv1d(module)
+            layer = layers[mname] = Layer(mname, module, None, None, False, transposed)
         setattr(layer, pname, index)
     for layer in layers.values():
         layer.joint = not separate_bias and layer.weight is not None and layer.bias is not None
