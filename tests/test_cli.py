@@ -533,7 +533,7 @@ def test_figure_says_what_it_shows(which: str) -> None:
         "empirical Fisher of "
         + "a/very/long/path/to/some_users_experiment_module.py:make_problem " * 3
     )
-    fig = cli._figure(
+    fig = cli.plots.spectrum_figure(
         eig, density, tr, which, title, "data: 32 samples in 2 batches, float64 on cpu"
     )
     try:
@@ -702,7 +702,7 @@ def test_figure_with_many_eigenvalues_stays_readable() -> None:
     op = he.LambdaOperator(lambda v: A @ v, 120, dtype=torch.float64)
     eig = he.lanczos(op, k=50, which="SA", seed=0)
     density = he.spectral_density(op, num_runs=2, lanczos_steps=20, num_grid_points=200, seed=0)
-    fig = cli._figure(eig, density, None, "SA", "Hessian of a diagonal", "data: none")
+    fig = cli.plots.spectrum_figure(eig, density, None, "SA", "Hessian of a diagonal", "data: none")
     try:
         fig.canvas.draw()
         left, right = fig.axes[0], fig.axes[-1]
@@ -771,7 +771,7 @@ def test_bottom_eigenvectors_are_called_bottom(
 ) -> None:
     pytest.importorskip("matplotlib")
     figures: list = []
-    monkeypatch.setattr(cli, "_plot", lambda path, fig: figures.append((path.name, fig)))
+    monkeypatch.setattr(cli.plots, "save", lambda path, fig: figures.append((path.name, fig)))
     code = cli.main(
         [
             "--model",
