@@ -73,7 +73,7 @@ def check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: in
     residual / threshold now (``ratio``, at ``products``) and at the last check (``last``):
     half the products that the geometric decay between the two predicts, at most a quarter of
     the products so far, at least ``b`` (one step). See NOTE [ritz check schedule] in
-    ``lanczos``."""
+    ``krylov``."""
     if last is None or not (ratio > 1.0) or not math.isfinite(ratio):
         return b
     p_prev, r_prev = last

@@ -20,12 +20,12 @@ Gram-Schmidt twice, both as matrix products, and synchronizes with the host
 once to read the new coefficients (the ``T`` matrix is small and lives on the
 host in float64). Ritz convergence is checked within a restart cycle, on a
 schedule that predicts from the residual estimates when the wanted pairs will
-meet ``tol`` (NOTE [ritz check schedule]), so the solver stops at the step
+meet ``tol`` (NOTE [ritz check schedule] in ``krylov``), so the solver stops at the step
 where they do instead of at the end of a restart cycle, without a Ritz
 eigensolve on every step.
 
 Cost: ``max_iter`` products at most; the residuals come from the products made
-(``residuals="recorded"``, NOTE [recorded residuals]), or cost ``k`` more products
+(``residuals="recorded"``, NOTE [recorded residuals] in ``krylov``), or cost ``k`` more products
 (``residuals="exact"``); ``O(ncv · n)`` flops per product for
 reorthogonalization; memory ``(ncv + b) · n`` working-dtype numbers plus a
 restart buffer of ``l · n``.
@@ -172,7 +172,7 @@ def lanczos(
         progress: ``True`` a tqdm bar, ``False`` nothing; ``None`` a bar on a terminal or
             in Jupyter, elsewhere a log line on stderr every 30 s.
         checkpoint: a file to save the iteration to and to resume from, bit for bit
-            (NOTE [resumable lanczos]); one of other arguments is refused; a finished call
+            (NOTE [resumable lanczos] in ``krylov``); one of other arguments is refused; a finished call
             deletes it. One file per rank.
         checkpoint_every: save every this many products; default: at each thick restart.
 
