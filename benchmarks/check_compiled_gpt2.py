@@ -6,7 +6,7 @@ happened), product ms and the product's error against engine="autograd". GPU run
     python -m benchmarks.check_compiled_gpt2 --configs 6L,12L --attn eager,sdpa
 
 ``--without-fix`` compiles the traced graph as recorded (no `views_as_reshapes`), to show
-what NOTE [views the compiler may not keep] in operators/engines.py fixes.
+what NOTE [views the compiler may not keep] in operators/engines/compiled.py fixes.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def median_ms(fn: Any, reps: int = 5) -> float:
 
 def main() -> None:
     import hessian_eigenthings as he
-    from hessian_eigenthings.operators import engines
+    from hessian_eigenthings.operators.engines import compiled as engines
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="6L,12L")
@@ -85,13 +85,13 @@ def main() -> None:
     if args.without_fix:
         engines.views_as_reshapes = lambda gm: gm  # type: ignore[assignment]
     failures: list[str] = []
-    original = engines.CompiledEngine._fallback
+    original = engines.CompiledRunner._fallback
 
     def record(self: Any, prog: Any, k: int, exc: BaseException) -> None:
         failures.append("".join(traceback.format_exception(exc))[-3000:])
         original(self, prog, k, exc)
 
-    engines.CompiledEngine._fallback = record  # type: ignore[method-assign]
+    engines.CompiledRunner._fallback = record  # type: ignore[method-assign]
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tf32": False}
     import transformers
 

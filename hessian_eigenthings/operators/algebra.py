@@ -24,13 +24,14 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hessian_eigenthings.linalg import SingleDeviceBackend
-from hessian_eigenthings.operators.base import CurvatureOperator, same_device
+from hessian_eigenthings.operators.protocol import CurvatureOperator, bind_algebra, same_device
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, as_param_filter
 
 __all__ = [
@@ -430,3 +431,6 @@ def block(op: CurvatureOperator, param_filter: ParamFilter | str | Sequence[str]
     )
     sub.named_params = [(n, tensors[n]) for n in sub.layout.names if n in tensors]
     return sub
+
+
+bind_algebra(sys.modules[__name__])  # NOTE [algebra binding]

@@ -14,22 +14,27 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch, map_tensors
-from hessian_eigenthings.operators.graph_reuse import KeptState, batch_leaves, model_tensors
+from hessian_eigenthings.operators.engines.runner import ProductCounts, ProductRunner
+from hessian_eigenthings.operators.graph_reuse import (
+    KeptState,
+    StateCache,
+    batch_leaves,
+    model_tensors,
+)
+from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.protocol import same_device
 from hessian_eigenthings.param_utils import RowBlock
 
-if TYPE_CHECKING:
-    from hessian_eigenthings.operators.base import DataCurvatureOperator
-
 # a failed capture is undone by restoring the CUDA generator (torch >= 2.4 can)
-_RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "clone_state")
+RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "clone_state")
 
 
 @dataclass
@@ -168,11 +173,32 @@ class RecordedProduct:
 #   holds nothing). At most ``graph_reuse_max_batches`` signatures are recorded.
 
 
-class GraphRecorder:
-    """The CUDA stream, graph pool and recordings of one operator (option ``cuda_graphs``)."""
+#: a product without a reusable state: ``product(chunk, vectors)``
+FreshProduct = Callable[[Batch, list[torch.Tensor]], Sequence[torch.Tensor | None]]
 
-    def __init__(self, op: DataCurvatureOperator) -> None:
-        self.op = op
+
+class GraphRecorder:
+    """The CUDA stream, graph pool and recordings of one operator (option ``cuda_graphs``).
+
+    It records the products of ``params`` (the selected parameters) of the model that ``guard``
+    watches, on ``device``; its pools count against ``states``' budget, next to the kept states
+    they read; ``counts`` receives the replays and forwards; at most ``max_recorded`` batch
+    signatures are recorded; ``owner`` names the operator in warnings. The caller asks for
+    recordings only while they are on (``cuda_graphs=True``, CUDA, a recordable runner, and
+    ``RNG_RESTORABLE``); the runner of each product is an argument.
+    """
+
+    def __init__(
+        self, device: torch.device, params: Sequence[nn.Parameter], guard: ModelGuard, states: StateCache,
+        counts: ProductCounts, *, max_recorded: int, owner: str,
+    ) -> None:
+        self.device = device
+        self.params = params
+        self.guard = guard
+        self.states = states
+        self.counts = counts
+        self.max_recorded = max_recorded
+        self.owner = owner
         self.stream: Any = None  # the operator's CUDA stream
         self.pool: Any = None
         self.failures: set[int] = set()  # block widths whose capture failed
@@ -202,10 +228,8 @@ class GraphRecorder:
         """Start copying a single direction into the recording it will most likely replay."""
         self.copied_ahead = None
         replay = self.last_replay() if self.last_replay is not None else None
-        if replay is None or replay.flat_input is None or rows.k != 1 or len(self.op._states.entries) != 1:
+        if replay is None or replay.flat_input is None or rows.k != 1 or len(self.states.entries) != 1:
             return  # (a product over several kept chunks replays several recordings)
-        if not self.on():
-            return
         with self.own_stream():
             replay.flat_input.copy_(rows.block)
         self.copied_ahead = (weakref.ref(replay), rows.block)
@@ -214,11 +238,6 @@ class GraphRecorder:
         self.recorded.clear()
         self.attempted_products.clear()
         self.last_replay = self.copied_ahead = None
-
-    def on(self) -> bool:
-        # a traced engine's products are plain tensor programs: recordable whatever the curvature
-        recordable = self.op.supports_cuda_graphs if not self.op._engines.traced else self.op._engines.recordable
-        return self.op.cuda_graphs and recordable and self.op.device.type == "cuda" and _RNG_RESTORABLE
 
     def private_leaves(self) -> list[torch.Tensor] | None:
         """Leaves standing in for the parameters in a graph that will be recorded, else ``None``.
@@ -230,17 +249,14 @@ class GraphRecorder:
         """
         if not self.in_own_stream:
             return None
-        return [p.detach().requires_grad_(True) for p in self.op.params]
+        return [p.detach().requires_grad_(True) for p in self.params]
 
     @contextlib.contextmanager
     def own_stream(self) -> Iterator[None]:
         """Run the body on the operator's stream, ordered after and before the caller's."""
-        if not self.on():
-            yield
-            return
-        caller = torch.cuda.current_stream(self.op.device)
+        caller = torch.cuda.current_stream(self.device)
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.op.device)
+            self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(caller)
         outer = self.in_own_stream
         self.in_own_stream = True
@@ -251,37 +267,35 @@ class GraphRecorder:
             self.in_own_stream = outer
             caller.wait_stream(self.stream)
 
-    def apply_own_stream(self, state: Any, vecs: list[torch.Tensor], retain: bool) -> Sequence[torch.Tensor | None]:
+    def apply_own_stream(
+        self, runner: ProductRunner, state: Any, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
         """An eager product on a state built on the operator's stream."""
-        if not self.on():
-            return self.op._engines.apply(state, vecs, retain)
-        caller = torch.cuda.current_stream(self.op.device)
+        caller = torch.cuda.current_stream(self.device)
         with self.own_stream():
-            prods = self.op._engines.apply(state, vecs, retain)
+            prods = runner.apply(state, vecs, retain)
         for t in prods:
             if t is not None:  # made on our stream, read on the caller's: keep it until then
                 t.record_stream(caller)
         return prods
 
-    def apply_kept(self, entry: KeptState, rows: RowBlock) -> Product:
+    def apply_kept(self, runner: ProductRunner, entry: KeptState, rows: RowBlock) -> Product:
         """A product on a kept state: eager the first time per width, then replayed."""
         k = rows.k
-        if not self.on():
-            return self.op._engines.apply(entry.state, rows.views, retain=True)
         replay = entry.replays.get(k)
         if replay is None and k in entry.warm and k not in entry.attempted and k not in self.failures:
             with self.own_stream():
-                replay = self.capture(entry, rows)
+                replay = self.capture(runner, entry, rows)
         if replay is None:
             entry.warm.add(k)
-            return self.apply_own_stream(entry.state, rows.views, retain=True)
+            return self.apply_own_stream(runner, entry.state, rows.views, retain=True)
         ahead, self.copied_ahead = self.copied_ahead, None
         copied = ahead is not None and ahead[0]() is replay and ahead[1] is rows.block
         with self.own_stream():
             out = replay.run(rows, copied=copied)
         if k == 1:
             self.last_replay = weakref.ref(replay)
-        self.op.num_replays += 1
+        self.counts.replays += 1
         return out
 
     def room_for(self, need: int, free: int | None = None) -> bool:
@@ -291,11 +305,11 @@ class GraphRecorder:
         Memory is never freed back to the device during a capture, and a capture that
         runs out of memory can leave the caching allocator unusable: check first.
         """
-        budget = self.op._states.budget()
-        if budget is not None and self.op._states.nbytes + need > budget:
+        budget = self.states.budget()
+        if budget is not None and self.states.nbytes + need > budget:
             return False
         torch.cuda.empty_cache()
-        return bool(torch.cuda.mem_get_info(self.op.device)[0] >= (need if free is None else free))
+        return bool(torch.cuda.mem_get_info(self.device)[0] >= (need if free is None else free))
 
     def record(
         self, what: str, k: int, fn: Callable[[], Sequence[torch.Tensor | None]]
@@ -307,13 +321,13 @@ class GraphRecorder:
         when the pool outgrew the budget.
         """
         graph = torch.cuda.CUDAGraph()
-        live = self.recorded or any(entry.replays for entry in self.op._states.entries.values())
+        live = self.recorded or any(entry.replays for entry in self.states.entries.values())
         if self.pool is None or not live:
             # torch releases a pool with its last graph; its handle cannot take another capture
             self.pool = torch.cuda.graph_pool_handle()
-        before = _torch_compat.cuda_reserved(self.op.device)
+        before = _torch_compat.cuda_reserved(self.device)
         # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
-        rng = torch.cuda.default_generators[self.op.device.index if self.op.device.index is not None else torch.cuda.current_device()]
+        rng = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
         rng_state = rng.clone_state()
         # NOTE [no collection during a capture]: an unreachable object that holds a CUDA graph
         # (an operator dropped by the user, still in a reference cycle) frees it when the
@@ -338,20 +352,20 @@ class GraphRecorder:
             if not self.warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
                 self.warned = True  # once per operator; out of memory: quietly eager
                 warnings.warn(
-                    f"{type(self.op).__name__}: recording {what} as a CUDA graph failed for blocks "
+                    f"{self.owner}: recording {what} as a CUDA graph failed for blocks "
                     f"of {k} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); such "
                     "products run eagerly. Pass cuda_graphs=False to skip the attempt.",
                     RuntimeWarning,
                     stacklevel=user_stacklevel(),
                 )
             return None
-        extra = max(0, _torch_compat.cuda_reserved(self.op.device) - before)
-        budget = self.op._states.budget()
-        if budget is not None and self.op._states.nbytes + extra > budget:
+        extra = max(0, _torch_compat.cuda_reserved(self.device) - before)
+        budget = self.states.budget()
+        if budget is not None and self.states.nbytes + extra > budget:
             return None  # the graph and its pool are freed
         return graph, list(outputs), extra
 
-    def capture(self, entry: KeptState, rows: RowBlock) -> Replay | None:
+    def capture(self, runner: ProductRunner, entry: KeptState, rows: RowBlock) -> Replay | None:
         """Record ``_apply`` on ``entry`` for vectors shaped like ``rows``; ``None`` if it cannot be."""
         k = rows.k
         entry.attempted.add(k)  # a refused or failed width stays eager: no re-check per product
@@ -359,17 +373,17 @@ class GraphRecorder:
         # graph may hold about the graph again per vector, plus one; a traced tangent program
         # reads the kept values in place and its temporaries (tangents of kept values) are
         # about the kept state per vector
-        factor = k if self.op._engines.traced else k + 1
+        factor = k if runner.traced else k + 1
         if not self.room_for(factor * entry.nbytes):
             return None
         inputs, flat = static_inputs(rows)
-        recorded = self.record("the kept backward", k, lambda: self.op._engines.apply(entry.state, inputs, retain=True))
+        recorded = self.record("the kept backward", k, lambda: runner.apply(entry.state, inputs, True))
         if recorded is None:
             self.failures.add(k)
             return None
         graph, outputs, extra = recorded
         entry.nbytes += extra
-        self.op._states.nbytes += extra
+        self.states.nbytes += extra
         replay = Replay(graph=graph, inputs=inputs, outputs=outputs, flat_input=flat)
         entry.replays[k] = replay
         return replay
@@ -381,7 +395,7 @@ class GraphRecorder:
         sig: list[Any] = [k, torch.is_grad_enabled()]
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                if x.requires_grad or not same_device(x.device, self.op.device):
+                if x.requires_grad or not same_device(x.device, self.device):
                     return None
                 sig.append((x.shape, x.dtype))
             else:
@@ -390,47 +404,49 @@ class GraphRecorder:
                 except TypeError:
                     return None
                 sig.append(x)
-        sig.append(tuple(m.training for m in self.op.guard.modules))
+        sig.append(tuple(m.training for m in self.guard.modules))
         return tuple(sig)
 
     def pointers(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in model_tensors(self.op.guard.modules))
+        return tuple(t.data_ptr() for t in model_tensors(self.guard.modules))
 
-    def fresh_product(self, chunk: Batch, rows: RowBlock) -> Product:
-        """A product without a kept state: eager, or replayed from a recording."""
-        leaves = batch_leaves(chunk) if self.on() else []
+    def fresh_product(self, runner: ProductRunner, chunk: Batch, rows: RowBlock, product: FreshProduct) -> Product:
+        """A product without a kept state: eager (``product``), or replayed from a recording."""
+        leaves = batch_leaves(chunk)
         sig = self.signature(leaves, rows.k) if leaves else None
         if sig is None:
-            with self.op.guard.private_buffers():
-                return self.op._product(chunk, rows.views)
+            with self.guard.private_buffers():
+                return product(chunk, rows.views)
         rec = self.recorded.get(sig)
         if rec is not None and rec.pointers != self.pointers():
             del self.recorded[sig]  # new storage under a parameter or buffer: record again
-            self.op._states.nbytes -= rec.nbytes
+            self.states.nbytes -= rec.nbytes
             self.attempted_products.discard(sig)
             rec = None
         if rec is None and sig in self.warm_products and sig not in self.attempted_products:
             with self.own_stream():
-                rec = self.record_product(sig, chunk, rows)
+                rec = self.record_product(runner, sig, chunk, rows)
         if rec is None:  # eager; the first product of a signature measures its state for the room check
             measure = sig not in self.warm_products
-            before = _torch_compat.cuda_allocated(self.op.device) if measure else 0
-            with self.op.guard.private_buffers():
-                state = self.op._engines.prepare(chunk)
+            before = _torch_compat.cuda_allocated(self.device) if measure else 0
+            with self.guard.private_buffers():
+                state = runner.prepare(chunk)
                 if measure:
-                    self.warm_products[sig] = _torch_compat.cuda_allocated(self.op.device) - before
-                return self.op._engines.apply(state, rows.views, retain=False)
+                    self.warm_products[sig] = _torch_compat.cuda_allocated(self.device) - before
+                return runner.apply(state, rows.views, False)
         with self.own_stream():
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             out = rec.replay.run(rows, before=tensors, into=rec.batch_inputs)
-        self.op.num_replays += 1
-        self.op.num_forwards += 1
+        self.counts.replays += 1
+        self.counts.forwards += 1
         return out
 
-    def record_product(self, sig: tuple[Any, ...], chunk: Batch, rows: RowBlock) -> RecordedProduct | None:
+    def record_product(
+        self, runner: ProductRunner, sig: tuple[Any, ...], chunk: Batch, rows: RowBlock
+    ) -> RecordedProduct | None:
         self.attempted_products.add(sig)  # one attempt per signature
         k = rows.k
-        if len(self.recorded) >= self.op.graph_reuse_max_batches:
+        if len(self.recorded) >= self.max_recorded:
             return None
         state = self.warm_products[sig]
         # held afterwards: the pool, about one product's peak (the state plus the
@@ -441,12 +457,12 @@ class GraphRecorder:
         inputs, flat = static_inputs(rows)
 
         def product() -> Sequence[torch.Tensor | None]:
-            with self.op.guard.private_buffers():
-                return self.op._engines.apply(self.op._engines.prepare(static), inputs, retain=False)
+            with self.guard.private_buffers():
+                return runner.apply(runner.prepare(static, self.private_leaves()), inputs, False)
 
-        forwards = self.op.num_forwards
+        forwards = self.counts.forwards
         recorded = self.record("the product", k, product)
-        self.op.num_forwards = forwards  # a capture runs nothing
+        self.counts.forwards = forwards  # a capture runs nothing
         if recorded is None:
             return None
         graph, outputs, extra = recorded
@@ -458,5 +474,5 @@ class GraphRecorder:
             nbytes=extra,
         )
         self.recorded[sig] = rec
-        self.op._states.nbytes += extra
+        self.states.nbytes += extra
         return rec

@@ -59,6 +59,7 @@ from hessian_eigenthings.linalg_distributed import (
 from hessian_eigenthings.operators.autodiff import scalar_loss
 from hessian_eigenthings.operators.base import DataCurvatureOperator
 from hessian_eigenthings.operators.cuda_graphs import Product
+from hessian_eigenthings.operators.engines.runner import ProductRunner
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
@@ -561,7 +562,9 @@ class FSDPHessianOperator(HessianOperator):
             assert item is not None
             yield item
 
-    def _chunk_product(self, raw: Batch, chunk: Batch, rows: RowBlock) -> tuple[Product, float]:
+    def _chunk_product(
+        self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
+    ) -> tuple[Product, float]:
         with self.guard.private_buffers():
             return self._sharded_product(chunk, self._chunk_weight, rows.views)
 

@@ -50,8 +50,15 @@ class EmptyBatches:
                     yield raw
                     return
                 skipped += 1
+        self.finish(skipped, seen)
+
+    def finish(self, skipped: int, seen: int) -> None:
+        """The end of a pass that skipped ``skipped`` of ``seen`` batches: said once, an error when
+        they were all."""
+        if not skipped:
+            return
         self.say(skipped, seen)
-        if seen and skipped == seen:
+        if skipped == seen:
             raise self.none_error(seen)
 
     def say(self, skipped: int, seen: int) -> None:

@@ -10,20 +10,15 @@ them by count and bytes (NOTE [graph reuse]).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.operators.precision import precision_flags
-
-if TYPE_CHECKING:
-    from hessian_eigenthings.operators.base import DataCurvatureOperator
-    from hessian_eigenthings.operators.cuda_graphs import Replay
 
 # NOTE [reuse key]
 # A kept state (any engine's) answers for the model only while nothing it read
@@ -76,6 +71,7 @@ def parameter_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         return torch.stack(torch._foreach_norm([p.detach() for p in params]))
 
+
 # NOTE [graph reuse]
 # A Hessian product from scratch costs forward + backward(create_graph) +
 # double backward. When the data of a product is one batch (or a few), the
@@ -104,7 +100,8 @@ class KeptState:
     warm: set[int] = field(default_factory=set)
     #: block widths whose recording was attempted (one attempt per width and state)
     attempted: set[int] = field(default_factory=set)
-    replays: dict[int, Replay] = field(default_factory=dict)
+    #: the recordings of ``apply`` on this state by block width (``cuda_graphs.Replay``)
+    replays: dict[int, Any] = field(default_factory=dict)
 
 
 def model_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
@@ -162,11 +159,24 @@ def same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
 
 
 class StateCache:
-    """The kept states of one operator (its options: ``graph_reuse``,
-    ``graph_reuse_max_batches``, ``graph_memory_budget``)."""
+    """The kept states of one operator over ``modules`` (the model's) on ``device``: at most
+    ``max_batches``, holding at most ``memory_budget`` bytes on CUDA (default a quarter of the
+    device). ``keep``: whether states may be kept at all (a batch cycled per product is not)."""
 
-    def __init__(self, op: DataCurvatureOperator) -> None:
-        self.op = op
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        device: torch.device,
+        *,
+        max_batches: int,
+        memory_budget: int | None,
+        keep: bool = True,
+    ) -> None:
+        self.modules = modules
+        self.device = device
+        self.max_batches = max_batches
+        self.memory_budget = memory_budget
+        self.keep = keep
         self.entries: dict[tuple[int, int], KeptState] = {}
         #: device bytes held: kept states and their recordings
         self.nbytes = 0
@@ -181,9 +191,15 @@ class StateCache:
 
     def versions(self) -> tuple[Any, ...]:
         """The reuse key's model part, see NOTE [reuse key]."""
-        modules = self.op.guard.modules
+        modules = self.modules
         tensors = tuple((id(t), t._version) for t in model_tensors(modules))
-        return tensors, tuple(m.training for m in modules), precision_flags(), _optimizer_steps
+        # the global switches a product's numbers depend on (NOTE [product precision] in model_guard)
+        precision = (
+            bool(torch.backends.cuda.matmul.allow_tf32),
+            bool(torch.backends.cudnn.allow_tf32),
+            torch.get_float32_matmul_precision(),
+        )
+        return tensors, tuple(m.training for m in modules), precision, _optimizer_steps
 
     def drop_changed(self) -> int:
         """Drop the kept states whose parameters' norms changed since they were built (writes
@@ -200,7 +216,7 @@ class StateCache:
 
     def watched(self) -> list[torch.Tensor]:
         """Every parameter and floating-point buffer of the model (what a kept state read)."""
-        return [t for t in model_tensors(self.op.guard.modules) if t.is_floating_point()]
+        return [t for t in model_tensors(self.modules) if t.is_floating_point()]
 
     def get(self, key: tuple[int, int], raw: Batch) -> KeptState | None:
         """The kept state of chunk ``key`` if it still answers for the model and ``raw``."""
@@ -214,47 +230,53 @@ class StateCache:
         return entry
 
     def budget(self) -> int | None:
-        op = self.op
-        if op.graph_memory_budget is not None or op.device.type != "cuda":
-            return op.graph_memory_budget
-        if self._default_budget is None:  # read once: this is asked on every product without a kept state
-            self._default_budget = int(0.25 * torch.cuda.get_device_properties(op.device).total_memory)
+        if self.memory_budget is not None or self.device.type != "cuda":
+            return self.memory_budget
+        if (
+            self._default_budget is None
+        ):  # read once: this is asked on every product without a kept state
+            self._default_budget = int(
+                0.25 * torch.cuda.get_device_properties(self.device).total_memory
+            )
         return self._default_budget
 
     def may_keep(self) -> bool:
         """Whether the state of the next chunk may be kept (else it is a fresh product)."""
-        op = self.op
-        if op.graph_reuse == "auto" and not op.source.full_dataset:
-            try:
-                cycle_len = len(op.source.dataloader)  # type: ignore[arg-type]
-            except TypeError:
-                cycle_len = -1
-            if cycle_len != 1:  # a cycled batch changes every product: nothing to reuse
-                return False
-        if len(self.entries) >= op.graph_reuse_max_batches:
+        if not self.keep or len(self.entries) >= self.max_batches:
             return False
         budget = self.budget()
         return budget is None or self.nbytes + self.unkept_bytes <= budget
 
-    def build(self, key: tuple[int, int], raw: Batch, chunk: Batch) -> tuple[Any, bool]:
-        """Build the state of one chunk; keep it when the budget allows. Returns (state, kept)."""
-        op = self.op
-        cuda = op.device.type == "cuda"
-        before = _torch_compat.cuda_allocated(op.device) if cuda else 0
+    def build(
+        self,
+        key: tuple[int, int],
+        raw: Batch,
+        chunk: Batch,
+        prepare: Callable[[Batch], Any],
+        samples: Callable[[Batch], int],
+    ) -> tuple[Any, bool]:
+        """Build the state of one chunk with ``prepare(chunk)``; keep it (with ``samples(chunk)``,
+        read once the state is built) when the budget allows. Returns (state, kept)."""
+        cuda = self.device.type == "cuda"
+        before = _torch_compat.cuda_allocated(self.device) if cuda else 0
         watch_optimizer_steps()
         versions = self.versions()
         raw_key = batch_key(raw)
         norms = parameter_norms(self.watched())
-        with op.recorder.own_stream(), op.guard.private_buffers():
-            state = op._engines.prepare(chunk)
-        nbytes = (_torch_compat.cuda_allocated(op.device) - before) if cuda else 0
+        state = prepare(chunk)
+        nbytes = (_torch_compat.cuda_allocated(self.device) - before) if cuda else 0
         budget = self.budget()
         if budget is not None and self.nbytes + nbytes > budget:
             self.unkept_bytes = nbytes
             return state, False
         self.unkept_bytes = 0
         self.entries[key] = KeptState(
-            raw=raw_key, versions=versions, state=state, size=op._samples(chunk), nbytes=nbytes, norms=norms
+            raw=raw_key,
+            versions=versions,
+            state=state,
+            size=samples(chunk),
+            nbytes=nbytes,
+            norms=norms,
         )
         self.nbytes += nbytes
         return state, True

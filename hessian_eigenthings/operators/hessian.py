@@ -110,7 +110,7 @@ class HessianOperator(DataCurvatureOperator):
         self._call = CallWithModel(self.model, loss_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
         self.supports_functional = method == "autograd"
-        self._engines  # noqa: B018 - validates engine= against the method now, not at the first product
+        self._check_engine()
 
     def functional_unsupported_reason(self) -> str:
         return "method='finite_difference' runs ordinary gradients, not a traced product"
@@ -140,15 +140,16 @@ class HessianOperator(DataCurvatureOperator):
         return list(hv)
 
     # -- autograd ---------------------------------------------------------------
-    def _prepare(self, batch: Batch) -> _GradState:
+    def _prepare(self, batch: Batch, params: Sequence[torch.Tensor] | None = None) -> _GradState:
+        """``∇L`` with a graph, with respect to ``params`` (stand-ins for the selected parameters,
+        NOTE [CUDA graphs] in ``cuda_graphs``) or the parameters themselves."""
         self.num_forwards += 1
-        leaves = self.recorder.private_leaves()
-        if leaves is None:
+        if params is None:
             inputs: Sequence[torch.Tensor] = self.params
             loss = scalar_loss(self.loss_fn(self.model, batch))
-        else:  # see NOTE [CUDA graphs] in cuda_graphs
-            inputs = leaves
-            named = dict(zip(self._call_names, leaves, strict=True))
+        else:
+            inputs = params
+            named = dict(zip(self._call_names, params, strict=True))
             loss = scalar_loss(call_with_values(self._call, named, (batch,)))
         grads = torch.autograd.grad(loss, inputs, create_graph=True, allow_unused=True)
         # a gradient without graph is constant in θ: its Hessian rows are zero

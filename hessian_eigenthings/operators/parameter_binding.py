@@ -75,11 +75,13 @@ class ParameterBinding:
         for name, _ in named_params:
             for slot in _slots(self.model, name):
                 seen.setdefault((id(slot[0]), slot[1]), slot)
-        self._checks = list(seen.values())
+        #: ``(dict, key, value)``: the attribute slots on the path to each selected parameter and
+        #: what they held when bound (NOTE [replaced parameters])
+        self.slots = list(seen.values())
 
     def current(self) -> bool:
         """Whether every slot still holds the object it held when last bound (NOTE [replaced parameters])."""
-        return all(d.get(key) is value for d, key, value in self._checks)
+        return all(d.get(key) is value for d, key, value in self.slots)
 
     def follow(self) -> list[tuple[str, nn.Parameter]] | None:
         """``None`` while the model holds the bound tensors; else the ones it holds now under the

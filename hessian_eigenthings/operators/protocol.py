@@ -180,10 +180,23 @@ class CurvatureOperator(ABC):
         return _algebra().block(self, param_filter)
 
 
-def _algebra() -> Any:
-    from hessian_eigenthings.operators import algebra  # it imports this module: bound on first use
+# NOTE [algebra binding]
+# The algebra's operators (`A + B`, `c * A`, `A.submatrix(...)`, in operators/algebra.py) are
+# CurvatureOperators, and the operator's own dunders build them. So that the two modules do not
+# import each other, algebra imports this module and binds itself here when it is imported
+# (`hessian_eigenthings.operators` imports it, and every import of this module goes through
+# that package first).
+_bound_algebra: Any = None
 
-    return algebra
+
+def bind_algebra(algebra: Any) -> None:
+    """Called once by ``operators.algebra``: the module that builds the operators of ``A + B``, ...."""
+    global _bound_algebra
+    _bound_algebra = algebra
+
+
+def _algebra() -> Any:
+    return _bound_algebra
 
 
 class LambdaOperator(CurvatureOperator):

@@ -17,13 +17,15 @@ from hessian_eigenthings.loss_fns import (
     supervised_loss_of_output,
     supervised_per_sample_loss,
 )
+from hessian_eigenthings.loss_fns.forward_rules import ElementwiseLosses
 from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
-from hessian_eigenthings.operators import engines as engines_mod
 from hessian_eigenthings.operators.engines import (
     CompileFallbackWarning,
     EngineUnsupportedError,
     split_by_tangent,
 )
+from hessian_eigenthings.operators.engines import auto as engines_mod
+from hessian_eigenthings.operators.engines import compiled as compiled_mod
 from hessian_eigenthings.param_utils import match_names, select_parameters
 from hessian_eigenthings.testing import dense_hessian
 from tests.conftest import SmallCNN, TinyTransformer, classification_data, mlp
@@ -386,7 +388,7 @@ def test_a_program_specialized_to_a_batch_is_retraced_when_a_parameter_changes()
 
 @compile_only
 def test_compilations_are_bounded_per_operator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engines_mod, "MAX_COMPILATIONS", 1)
+    monkeypatch.setattr(compiled_mod, "MAX_COMPILATIONS", 1)
     model, data = mlp(), classification_data(n=10, batch=4)  # two batch signatures
     op = HessianOperator(model, data, SUP, engine="compiled")
     H = dense_hessian(model, data, SUP, select_parameters(model))
@@ -439,7 +441,7 @@ def test_regression_losses_trace_without_forward_mode_rules(name: str) -> None:
 
 def test_legacy_loss_arguments_keep_torchs_own_loss() -> None:
     """A legacy ``size_average``/``reduce`` argument is not rewritten (torch's own code runs)."""
-    mode = engines_mod._ElementwiseLosses()
+    mode = ElementwiseLosses()
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     with mode:
         torch.testing.assert_close(nn.functional.mse_loss(a, b), ((a - b) ** 2).mean())

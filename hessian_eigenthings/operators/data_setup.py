@@ -1,0 +1,265 @@
+"""What every data operator is built with: its options, their validation, its collaborators.
+
+:class:`DataOperatorSetup` (the base of ``base.DataCurvatureOperator``) selects and binds the
+parameters, reads the options (:class:`DataOptions`), and builds the collaborators each option
+configures, giving each what it uses: the model guard, the kept states (NOTE [graph reuse]), the
+CUDA-graph recorder and the engine selector (which runner computes the per-batch products). It
+also declares the hooks a curvature implements (``_prepare`` / ``_apply`` for the autograd
+runner, ``functional_product`` for the traced ones). The data loop itself is ``base``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, TypedDict
+
+import torch
+from torch import nn
+
+from hessian_eigenthings._checks import check_count
+from hessian_eigenthings.batching import (
+    Batch,
+    BatchSource,
+    check_microbatching,
+)
+from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.operators.cuda_graphs import GraphRecorder
+from hessian_eigenthings.operators.empty_batches import EmptyBatches
+from hessian_eigenthings.operators.engines.auto import EngineSelector
+from hessian_eigenthings.operators.engines.runner import (
+    ENGINES,
+    CountField,
+    EngineName,
+    ProductCounts,
+    unsupported,
+)
+from hessian_eigenthings.operators.graph_reuse import StateCache
+from hessian_eigenthings.operators.model_guard import ModelGuard, Precision, check_precision
+from hessian_eigenthings.operators.parameter_binding import ParameterBinding
+from hessian_eigenthings.operators.protocol import CurvatureOperator
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+
+__all__ = ["DataOperatorSetup", "DataOptions", "Reuse"]
+
+Reuse = bool | Literal["auto"]
+
+
+class DataOptions(TypedDict, total=False):
+    """Block, graph-reuse and CUDA-graph options every data operator accepts (``**options``)."""
+
+    max_block_size: int | None
+    block_memory_budget: int | None
+    graph_reuse: Reuse
+    graph_reuse_max_batches: int
+    graph_memory_budget: int | None
+    cuda_graphs: bool
+    engine: EngineName
+    precision: Precision
+
+
+class DataOperatorSetup(CurvatureOperator):
+    """Construction of a data operator (the base of ``base.DataCurvatureOperator``, whose
+    docstring lists the options): validation, parameter selection and binding, the
+    collaborators each option configures, the engine, and the hooks a curvature implements."""
+
+    #: Subclasses set this when ``_apply`` may run several times on one state.
+    supports_graph_reuse: bool = False
+    #: Subclasses set this when products need a double backward.
+    needs_double_backward: bool = True
+    #: Subclasses set this when ``_apply`` on a kept state can be recorded as a CUDA graph.
+    supports_cuda_graphs: bool = False
+    #: ``"size"``: batches weighted by their sample count (``Σ bᵢ·Pᵢ / Σ bᵢ``);
+    #: ``"uniform"``: every batch weighs the same (the 0.x facade). See NOTE [batch weighting].
+    batch_weighting: Literal["size", "uniform"] = "size"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        max_block_size: int | None = None,
+        block_memory_budget: int | None = None,
+        graph_reuse: Reuse = "auto",
+        graph_reuse_max_batches: int = 4,
+        graph_memory_budget: int | None = None,
+        cuda_graphs: bool = True,
+        engine: EngineName = "auto",
+        precision: Precision = "fp32",
+        backend: LinAlgBackend | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        microbatch_size = check_count("microbatch_size", microbatch_size, allow_none=True)
+        max_block_size = check_count("max_block_size", max_block_size, allow_none=True)
+        graph_reuse_max_batches = check_count(
+            "graph_reuse_max_batches", graph_reuse_max_batches, minimum=0
+        )  # type: ignore[assignment]
+        if graph_reuse not in (True, False, "auto"):
+            raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        check_microbatching(model, microbatch_size, microbatch_unsafe)
+        self.model = model
+        self.named_params = list(select_parameters(model, param_filter).items())
+        self.params = [p for _, p in self.named_params]
+        self.layout = ParamLayout.from_named(self.named_params)
+        self._binding = ParameterBinding(
+            model, self.named_params, self.layout.offsets, type(self).__name__
+        )
+        self._empty = EmptyBatches(type(self).__name__)
+        self._size = self.layout.size
+        self._device = self.layout.device
+        self._dtype = self.layout.dtype
+        self.source = BatchSource(dataloader, full_dataset=full_dataset, num_batches=num_batches)
+        self.microbatch_size = microbatch_size
+        self.microbatch_unsafe = microbatch_unsafe
+        self.max_block_size = max_block_size
+        self.block_memory_budget = block_memory_budget
+        self.graph_reuse = graph_reuse
+        self.graph_reuse_max_batches = graph_reuse_max_batches
+        self.graph_memory_budget = graph_memory_budget
+        self.cuda_graphs = cuda_graphs
+        self.backend = default_backend(backend)
+        self.precision = check_precision(precision)
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self._engine_name = engine
+        #: passes over the data (one per batch chunk), forward passes, replayed products: cost checks
+        self.counts = ProductCounts()
+        self._collaborators()
+        self._per_vector_bytes: float | None = None
+        #: widest block that fit after an out-of-memory retry (NOTE [block out of memory])
+        self._oom_block_limit: int | None = None
+        self.chunk_position = 0
+
+    num_passes = CountField("passes")
+    num_forwards = CountField("forwards")
+    num_replays = CountField("replays")
+
+    def _collaborators(self) -> None:
+        """The model guard, kept states (NOTE [graph reuse]) and CUDA-graph recordings, for the
+        parameters bound now; a batch cycled on every product (``full_dataset=False`` over more
+        than one batch) is not kept under ``graph_reuse="auto"``."""
+        self.guard = ModelGuard(self.model, self.params)
+        cycled = False
+        if self.graph_reuse == "auto" and not self.source.full_dataset:
+            try:
+                cycled = len(self.source.dataloader) != 1  # type: ignore[arg-type]
+            except TypeError:
+                cycled = True
+        self._states = StateCache(
+            self.guard.modules,
+            self._device,
+            max_batches=self.graph_reuse_max_batches,
+            memory_budget=self.graph_memory_budget,
+            keep=not cycled,
+        )
+        self.recorder = GraphRecorder(
+            self._device,
+            self.params,
+            self.guard,
+            self._states,
+            self.counts,
+            max_recorded=self.graph_reuse_max_batches,
+            owner=type(self).__name__,
+        )
+
+    @property
+    def _engines(self) -> EngineSelector:
+        # built on first use: subclasses finish their own setup after this base's __init__
+        sel = self.__dict__.get("_engine_selector")
+        if sel is None:
+            sel = self.__dict__["_engine_selector"] = EngineSelector(self, self._engine_name)
+        return sel
+
+    def _check_engine(self) -> None:
+        """Refuse now (not at the first product) a traced ``engine=`` these options cannot run."""
+        if self._engine_name in ("functional", "compiled") and not self.supports_functional:
+            raise unsupported(
+                self._engine_name, type(self).__name__, self.functional_unsupported_reason()
+            )
+
+    #: Subclasses set this when they define ``functional_product`` (engines other than autograd).
+    supports_functional: bool = False
+
+    def functional_unsupported_reason(self) -> str:
+        return f"{type(self).__name__} defines no functional product"
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The per-batch product for one direction as a pure function (see ``operators.engines``)."""
+        raise NotImplementedError
+
+    def inconsistency_causes(self) -> list[str]:
+        causes = super().inconsistency_causes()
+        random = self.guard.random_cause()
+        if random:
+            causes.append(random)
+        if not self.source.full_dataset:
+            causes.append("full_dataset=False takes another batch for every product")
+        if self.precision == "tf32":
+            causes.append("precision='tf32' runs products with TF32 (about 1e-3 relative error)")
+        return causes
+
+    @property
+    def engine(self) -> str:
+        """The engine running products now (``"auto"`` resolves to one after its measurement)."""
+        return self._engines.active
+
+    @property
+    def engine_report(self) -> dict[str, Any]:
+        """The engine, ``auto``'s choice with its timings, traces and compilations."""
+        return self._engines.report()
+
+    def expect_products(self, n: int) -> None:
+        """Declare how many products are coming (algorithms pass their budget): ``engine="auto"``
+        traces or compiles only when that many products pay for it. Kept states whose parameters
+        changed without a version bump are dropped here (NOTE [updates that keep the version])."""
+        self._follow_parameters()
+        self._states.drop_changed()
+        self._engines.expect(n)
+
+    # -- hooks for subclasses -------------------------------------------------
+    def _prepare(self, batch: Batch) -> Any:
+        """Forward (and first-order graph) on one batch; returns the state. A hook may take a
+        second argument, ``params``: tensors standing in for the selected parameters in the graph
+        it builds (``None``: the parameters themselves; see NOTE [CUDA graphs])."""
+        raise NotImplementedError
+
+    def _apply(
+        self, state: Any, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
+        """Per-batch product of the mean-loss curvature with a block.
+
+        ``vecs[i]`` has shape ``(k, *shape_i)``. Return one ``(k, *shape_i)``
+        tensor per parameter (``None`` for an exact zero). ``retain``: keep
+        the graph of ``state`` alive for another call.
+        """
+        raise NotImplementedError
+
+    def _engine_batch(self, batch: Batch) -> Batch:
+        """The batch a traced engine's product receives (the batch, or the batch with per-chunk inputs)."""
+        return batch
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held between products: kept graphs and CUDA-graph pools (0 on the CPU)."""
+        return self._states.nbytes
+
+    def clear_cache(self) -> None:
+        """Drop kept graphs and recorded products (they are dropped automatically when stale)."""
+        self._states.clear()
+        self.recorder.clear()
+
+    def _follow_parameters(self) -> None:
+        """NOTE [replaced parameters]: drop what was keyed on replaced tensors (states, recordings, programs)."""
+        if (named := self._binding.follow()) is not None:
+            self.named_params, self.params = named, [p for _, p in named]
+            self._collaborators()
+            self.__dict__.pop("_engine_selector", None)

@@ -1,0 +1,350 @@
+"""The ``auto`` engine policy, and the selector that owns which runner an operator's products use.
+
+:class:`EngineSelector` builds the runners of one curvature (autograd from its reverse-mode hooks,
+functional and compiled from its pure product) and, for ``engine="auto"``, chooses among them by
+timing the operator's own products (NOTE [auto engine]). It holds the curvature's hooks and
+product function, never the operator: a trial receives the product to time as an argument.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.operators.engines.compiled import CompiledRunner, recorded_compile_s
+from hessian_eigenthings.operators.engines.functional import (
+    FunctionalRunner,
+    check_functional_model,
+)
+from hessian_eigenthings.operators.engines.runner import (
+    ENGINES,
+    AutogradRunner,
+    EngineUnsupportedError,
+    ProductCounts,
+    ProductRunner,
+    unsupported,
+)
+from hessian_eigenthings.operators.engines.tracing import SplitProgram
+
+
+class EngineMismatchWarning(RuntimeWarning):
+    """``auto``'s timing runs gave different products on two engines: it keeps ``autograd``."""
+
+
+#: relative difference between two engines' products beyond which ``auto`` distrusts the traced
+#: one (rounding differs between engines, a wrong trace differs by O(1))
+MISMATCH_TOL: dict[torch.dtype, float] = {torch.float64: 1e-8, torch.float32: 1e-3}
+
+
+class Curvature(Protocol):
+    """What the selector reads from a curvature when it is built (and keeps no reference to)."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    supports_functional: bool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def functional_product(
+        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
+    ) -> list[torch.Tensor]: ...
+
+    def functional_unsupported_reason(self) -> str: ...
+
+    def _prepare(self, batch: Batch) -> Any: ...
+
+    def _apply(
+        self, state: Any, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]: ...
+
+    def _engine_batch(self, batch: Batch) -> Batch: ...
+
+
+# NOTE [auto engine]
+# `engine="auto"` decides per operator, from measurement, once the operator
+# knows how many products are coming (algorithms declare their budget with
+# `op.expect_products(n)`; a bare `op @ v` assumes few):
+# - fewer than AUTO_MIN_PRODUCTS expected: "autograd" (nothing is traced);
+# - otherwise the first kept batch is timed on "autograd" and "functional"
+#   (two products each after a warm-up; the results of the timing runs are
+#   the operator's own products, nothing is computed twice) and the faster
+#   one is kept;
+# - "compiled" only when expected products × the expected saving exceed the
+#   expected compile time: a compile time recorded by an earlier run (NOTE
+#   [compile policy]) or else a prior of COMPILE_PRIOR_S + COMPILE_S_PER_NODE
+#   per node of the tangent graph (H100, torch 2.11: 11 s at 138 nodes, 31 s
+#   at 1857, 36 s at 3922), and a saving of COMPILED_SAVING of the eager
+#   tangent time (measured 0-36%, median ~22%).
+# The choice and its figures are on `op.engine_report`.
+
+AUTO_MIN_PRODUCTS = 8
+COMPILE_PRIOR_S = 8.0
+COMPILE_S_PER_NODE = 0.008
+COMPILED_SAVING = 0.2
+
+
+@dataclass
+class AutoChoice:
+    """What ``engine="auto"`` chose and why (``op.engine_report``)."""
+
+    chosen: str = "autograd"
+    expected_products: int = 1
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    compile_estimate_s: float | None = None
+    reason: str = "few products expected"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen,
+            "expected_products": self.expected_products,
+            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
+            "compile_estimate_s": None
+            if self.compile_estimate_s is None
+            else round(self.compile_estimate_s, 1),
+            "reason": self.reason,
+        }
+
+
+def compile_estimate(prog: SplitProgram, k: int) -> float:
+    recorded = recorded_compile_s(prog, k)
+    if recorded is not None:
+        return recorded
+    return COMPILE_PRIOR_S + COMPILE_S_PER_NODE * len(prog.tangent.graph.nodes)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its wall time in ms (synchronised on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+AUTO_MIN_RUN_MS = 20_000.0
+
+#: the operator's product of a row block ``V (k, n)`` into ``out`` (one pass over the data)
+BlockProduct = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class EngineSelector:
+    """Owns which runner computes a curvature's per-batch products, and ``auto``'s choice.
+
+    ``runner`` is the active :class:`ProductRunner`; the operator calls :meth:`before_block`
+    before a block product (``auto`` decides there, timing the ``product`` it is given).
+    """
+
+    def __init__(self, curvature: Curvature, engine: str) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.requested = engine
+        self.owner = type(curvature).__name__
+        self.device = curvature.device
+        self.auto_trials = bool(getattr(curvature, "auto_trials", True))
+        self.model = curvature.model
+        self.params = list(curvature.params)
+        self.product = curvature.functional_product
+        self.batch_of = curvature._engine_batch
+        self.functional = curvature.supports_functional
+        self.unsupported_reason = (
+            "" if self.functional else curvature.functional_unsupported_reason()
+        )
+        prepare = curvature._prepare
+        takes = "params" in inspect.signature(prepare).parameters
+        self.autograd = AutogradRunner(prepare, curvature._apply, takes_params=takes)
+        self.runner: ProductRunner = self.autograd
+        self.expected_products = 1
+        self.auto = AutoChoice(chosen="autograd", reason="undecided")
+        self.decided = engine != "auto"
+        #: ``auto`` decides on the next block (enough products expected, not decided yet)
+        self.pending = False
+        self.trial_products = 0
+        if engine in ("functional", "compiled"):
+            self.runner = self._make(engine)
+
+    # -- which engine ---------------------------------------------------------------
+    @property
+    def active(self) -> str:
+        return self.runner.name
+
+    @property
+    def traced(self) -> bool:
+        """Whether products run through a traced program (math attention, functional checks)."""
+        return self.runner.traced
+
+    def _make(self, name: str) -> ProductRunner:
+        if name == "autograd":
+            return self.autograd
+        if not self.functional:
+            raise unsupported(name, self.owner, self.unsupported_reason)
+        cls = CompiledRunner if name == "compiled" else FunctionalRunner
+        return cls(self.model, self.params, self.product, self.batch_of)
+
+    def _switch(self, name: str, on_switch: Callable[[], None]) -> None:
+        if name == self.active:
+            return
+        old, new = self.runner, self._make(name)
+        if isinstance(new, FunctionalRunner) and isinstance(old, FunctionalRunner):
+            new.adopt(old)  # traced programs carry over: no second trace
+        self.runner = new
+        on_switch()  # kept states belong to one engine
+
+    def expect(self, n: int) -> None:
+        self.expected_products = max(1, int(n))
+        self.pending = not self.decided and self.expected_products >= AUTO_MIN_PRODUCTS
+
+    def before_block(
+        self,
+        V: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        product: BlockProduct,
+        keeps_states: bool,
+        on_switch: Callable[[], None],
+        counts: ProductCounts,
+    ) -> bool:
+        """``auto``: decide on this block if the run is long enough (NOTE [auto engine]), timing
+        ``product`` (``on_switch`` drops the operator's kept states when the runner changes;
+        ``keeps_states``: whether its batches are kept between products). Returns True when
+        ``out`` already holds ``A V`` (the decision's last product)."""
+        if not self.pending:
+            return False  # few products: autograd, undecided (a later budget may change that)
+        self.decided, self.pending = True, False
+        a = self.auto
+        a.expected_products = self.expected_products
+        reason = self._refusal(keeps_states)
+        if reason is not None:
+            a.chosen, a.reason = "autograd", reason
+            return False
+        # the first product is the run's own (counted) and sizes the run
+        self._switch("autograd", on_switch)
+        _, first = timed(self.device, lambda: product(V, out))
+        a.timings_ms["autograd_first"] = first / V.shape[0]
+        if first / V.shape[0] * self.expected_products < AUTO_MIN_RUN_MS:
+            a.chosen, a.reason = (
+                "autograd",
+                f"short run: expected products x product time under {AUTO_MIN_RUN_MS / 1e3:.0f} s",
+            )
+            return True
+        # the trial runs single products (a few per engine, whatever the block width) into a
+        # scratch row; they are reported (trial_products), not counted as the run's
+        passes, forwards = counts.passes, counts.forwards
+        try:
+            _Trial(self, product, on_switch).run(V[:1], out[:1].clone(), out[:1].clone())
+        finally:
+            counts.passes, counts.forwards = passes, forwards
+        return True
+
+    def _refusal(self, keeps_states: bool) -> str | None:
+        """Why ``auto`` keeps autograd without a trial, if it does."""
+        if not self.functional:
+            return f"functional engines unavailable ({self.unsupported_reason})"
+        if not self.auto_trials:
+            return "ranks must agree: distributed operators take engine= explicitly"
+        if not keeps_states:
+            return "batches are not kept between products (no state for a traced engine to reuse)"
+        try:
+            check_functional_model(self.model, "functional")
+        except EngineUnsupportedError as exc:
+            return str(exc).split(";")[1].strip() if ";" in str(exc) else str(exc)
+        return None
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"requested": self.requested, "active": self.active}
+        if self.requested == "auto":
+            out["auto"] = self.auto.as_dict()
+            out["trial_products"] = self.trial_products
+        out.update(self.runner.describe())
+        return out
+
+
+class _Trial:
+    """``auto``'s timing of the engines on single products (NOTE [auto engine])."""
+
+    def __init__(
+        self, selector: EngineSelector, product: BlockProduct, on_switch: Callable[[], None]
+    ) -> None:
+        self.sel = selector
+        self.product = product
+        self.on_switch = on_switch
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        self.sel.trial_products += V.shape[0]
+        self.product(V, out)
+
+    def _time(self, name: str, V: torch.Tensor, out: torch.Tensor, warm: bool) -> float:
+        """Best of two timed passes on ``name`` (after one untimed pass that builds its state,
+        unless ``warm``)."""
+        self.sel._switch(name, self.on_switch)
+        if not warm:
+            self._pass(V, out)
+        best = float("inf")
+        for _ in range(2):
+            _, ms = timed(self.sel.device, lambda: self._pass(V, out))
+            best = min(best, ms)
+        return best
+
+    def run(self, V: torch.Tensor, out: torch.Tensor, reference: torch.Tensor) -> None:
+        sel = self.sel
+        a = sel.auto
+        a.timings_ms["autograd"] = self._time("autograd", V, out, warm=True)
+        try:
+            a.timings_ms["functional"] = self._time("functional", V, out, warm=False)
+        except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
+            sel._switch("autograd", self.on_switch)
+            a.chosen, a.reason = (
+                "autograd",
+                f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
+            )
+            return
+        diff = float(
+            torch.linalg.vector_norm(out - reference)
+            / torch.linalg.vector_norm(reference).clamp_min(1e-30)
+        )
+        if not diff <= MISMATCH_TOL.get(out.dtype, 5e-2):
+            sel._switch("autograd", self.on_switch)
+            a.chosen, a.reason = (
+                "autograd",
+                f"the functional product differed from autograd's by {diff:.1e} (relative)",
+            )
+            warnings.warn(
+                f"{sel.owner}: engine='auto' compared the traced product with autograd's and they "
+                f"differ by {diff:.1e} (relative); keeping engine='autograd'. A loss or model that writes into "
+                "preallocated buffers or reads global state can do this; please report it",
+                EngineMismatchWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
+        best = min(("autograd", "functional"), key=lambda name: a.timings_ms[name])
+        runner = sel.runner
+        assert isinstance(runner, FunctionalRunner)
+        progs = list(runner._programs.values())
+        k = V.shape[0]
+        remaining = max(0, sel.expected_products - 7 * k) / k  # passes left after the trial
+        if progs and _torch_compat.compile_supported():
+            est = sum(compile_estimate(p, k) for p in progs)
+            a.compile_estimate_s = est
+            saving_ms = a.timings_ms[best] - (1 - COMPILED_SAVING) * a.timings_ms["functional"]
+            if remaining * saving_ms / 1e3 > est:
+                a.timings_ms["compiled"] = self._time("compiled", V, out, warm=False)
+                if a.timings_ms["compiled"] < a.timings_ms[best]:
+                    a.chosen, a.reason = "compiled", "expected saving exceeds the compile time"
+                    return
+        a.chosen = best
+        a.reason = "measured faster" + (
+            "" if a.compile_estimate_s is None else "; compiling would not pay"
+        )
+        sel._switch(best, self.on_switch)
