@@ -223,16 +223,17 @@ class DataCurvatureOperator(DataOperatorSetup):
                         )
                 count += 1
                 total += size
-        if count == 0:
-            raise ValueError(
-                "the data has zero samples to average over (every batch is empty or has no weight)"
-            )
         self._finish_pass(out, count, total)
 
     def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
         """Normalize the weighted sum. ``out`` holds ``P₁`` when ``count == 1``, else
         ``Σ wᵢ·Pᵢ``; ``total = Σ wᵢ`` (``wᵢ = bᵢ`` unless NOTE [batch weighting]). Distributed
-        wrappers override this to reduce across ranks before dividing."""
+        wrappers override this to reduce across ranks before dividing; curvatures that count
+        their own samples override it to say why none counted."""
+        if count == 0:
+            raise ValueError(
+                "the data has zero samples to average over (every batch is empty or has no weight)"
+            )
         if count > 1:
             out.mul_(1.0 / total)
 
