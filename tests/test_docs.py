@@ -39,6 +39,7 @@ def _pages() -> list[Path]:
 # DESIGN.md section 2 (the 1.0 surface) and section 3 (the 0.x surface).
 PUBLIC_1_0 = [
     "CurvatureOperator",
+    "KroneckerOperator",
     "LambdaOperator",
     "HessianOperator",
     "GGNOperator",

@@ -30,14 +30,14 @@ from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, HvpMethod, LossFn
 from hessian_eigenthings.operators.jacobian import JacobianOperator, TransposedJacobianOperator
-from hessian_eigenthings.operators.kfac import (
-    EKFACOperator,
-    KFACOperator,
+from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator
+from hessian_eigenthings.operators.kfoc import KFOCOperator
+from hessian_eigenthings.operators.kronecker import (
     KroneckerBlock,
     KroneckerEigen,
     KroneckerEigenBlock,
+    KroneckerOperator,
 )
-from hessian_eigenthings.operators.kfoc import KFOCOperator
 
 __all__ = [
     "CompileFallbackWarning",
@@ -63,6 +63,7 @@ __all__ = [
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",
+    "KroneckerOperator",
     "LambdaOperator",
     "LinearCombinationOperator",
     "LossFn",
