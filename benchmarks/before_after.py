@@ -48,7 +48,14 @@ def main() -> None:
                         capture_output=True,
                         text=True,
                         timeout=args.timeout,
-                        env={**os.environ, "PYTHONPATH": os.path.abspath(tree)},
+                        env={
+                            **os.environ,
+                            "PYTHONPATH": os.pathsep.join(
+                                p
+                                for p in (os.path.abspath(tree), os.environ.get("PYTHONPATH"))
+                                if p
+                            ),
+                        },
                     )
                     lines, err, rc = proc.stdout.splitlines(), proc.stderr[-1500:], proc.returncode
                 except subprocess.TimeoutExpired:
