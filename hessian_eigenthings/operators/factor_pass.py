@@ -4,7 +4,7 @@ For each batch: a forward with hooks on the covered layers (``nn.Linear``; ``nn.
 HuggingFace's ``Conv1D``, recognized without importing ``transformers``) that keeps each layer's
 input ``a`` and output ``z``; then, for the columns ``s_c`` of a factorization of the batch
 loss's output Hessian (``fisher_type``: the exact square root, Monte-Carlo gradients, or the
-empirical gradient; see :func:`loss_hessian_columns`), batched backwards of ``s_c`` from the
+empirical gradient: the strategies of ``loss_fns.output_curvature``), batched backwards of ``s_c`` from the
 model output to the layer outputs, giving ``g_c = ∂z`` per layer. A caller's ``visit(layer, a,
 g, weight)`` reduces them into factors; this module never decides what a factor is, so KFAC's
 moments, EKFAC's corrected eigenvalues and KFOC's rearranged products share one pass.
@@ -39,6 +39,14 @@ from hessian_eigenthings.batching import (
     to_device,
 )
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
+from hessian_eigenthings.loss_fns.output_curvature import (
+    Columns,
+    DrawKeys,
+    Empirical,
+    ExactLossHessian,
+    MonteCarlo,
+    OutputCurvature,
+)
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import (
     BCEWithLogitsOutputLoss,
@@ -58,16 +66,14 @@ __all__ = [
     "Layer",
     "Retry",
     "WeightedSum",
+    "factor_curvature",
     "input_moment",
-    "loss_hessian_columns",
 ]
 
 FisherType = Literal["type2", "mc", "empirical"]
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 #: a layer whose inputs were not kept (the factors take them as they come)
 NO_INPUT = torch.empty(0)
-#: columns ``(stop - start, *output.shape)`` of the loss Hessian's factorization
-Columns = Callable[[int, int], torch.Tensor]
 #: the losses whose output Hessian the pass factors
 FactoredLoss = CrossEntropyOutputLoss | MSEOutputLoss | BCEWithLogitsOutputLoss
 
@@ -302,85 +308,13 @@ def input_moment(
     return S, rows
 
 
-def loss_hessian_columns(
-    loss: FactoredLoss,
-    fisher_type: FisherType,
-    output: torch.Tensor,
-    batch: Batch,
-    *,
-    dtype: torch.dtype,
-    key: int,
-    mc_samples: int,
-) -> tuple[int, Columns]:
-    """``k`` and ``columns(start, stop) -> (stop - start, *output.shape)``: the columns ``s_c``
-    of the batch loss's output Hessian ``H = Σ_c s_c s_cᵀ`` (type-2), of its Monte-Carlo
-    estimate (``mc_samples`` draws seeded by ``key``) or the scaled empirical gradient, made a
-    chunk at a time (NOTE [column chunks]); ``dtype`` is the factors'."""
-    out = output.detach()
-    if isinstance(loss, CrossEntropyOutputLoss):
-        if out.dim() < 2:
-            raise ValueError(
-                f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(out.shape)}"
-            )
-        y = batch[1] if isinstance(batch, (tuple, list)) else None
-        if not isinstance(y, torch.Tensor):
-            raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
-        valid = None if y.is_floating_point() else (y != loss.ignore_index)
-        rows = out.numel() // out.shape[1]
-        count = (
-            torch.tensor(float(rows), dtype=torch.float64)
-            if valid is None
-            else valid.sum().clamp_min(1)
-        )
-        w = 1.0 / count.to(dtype) if loss.reduction == "mean" else torch.ones(())
-        mask = None if valid is None else valid.unsqueeze(1).to(out.dtype)
-    else:
-        w = torch.tensor(
-            1.0 / out.numel() if loss.reduction == "mean" else 1.0, dtype=torch.float64
-        )
-        mask = None
-    w = w.to(dtype)  # 0-dim: the reduction's weight per loss term
+def factor_curvature(loss: FactoredLoss, fisher_type: FisherType, mc_samples: int) -> OutputCurvature:
+    """The output curvature that ``fisher_type=`` spells (``mc_samples`` draws for ``"mc"``)."""
     if fisher_type == "empirical":
-        leaf = out.requires_grad_(True)
-        with torch.enable_grad():
-            (grad,) = torch.autograd.grad(loss(leaf, batch), leaf)
-        empirical = (grad / w.sqrt()).unsqueeze(0).to(out.dtype)
-        return 1, lambda a, b: empirical[a:b]
+        return Empirical(loss)
     if fisher_type == "mc":
-        generator = torch.Generator(device=out.device)
-        generator.manual_seed(key)
-        samples = loss.sample_grads(out, batch, mc_samples, generator)
-        sampled = (samples * (w / mc_samples).sqrt()).to(out.dtype)
-        return mc_samples, lambda a, b: sampled[a:b]
-    if isinstance(loss, CrossEntropyOutputLoss):
-        return _cross_entropy_columns(out, w, mask, dtype)
-    if isinstance(loss, MSEOutputLoss):
-        diag = torch.full_like(out, 2.0) * w
-    else:
-        s = torch.sigmoid(out)
-        diag = s * (1 - s) * w
-    base = diag.sqrt().unsqueeze(0)
-    if out.dim() <= 1:
-        return 1, lambda a, b: base[a:b]
-    C = out.shape[-1]
-    eye = torch.eye(C, dtype=out.dtype, device=out.device).reshape(C, *([1] * (out.dim() - 1)), C)
-    return C, lambda a, b: base * eye[a:b]
-
-
-def _cross_entropy_columns(
-    out: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[int, Columns]:
-    """``diag(p) - ppᵀ = S Sᵀ`` with ``S = (I - p 1ᵀ) diag(√p)``, one column per class."""
-    p = torch.softmax(out.to(dtype), dim=1).movedim(1, -1)  # (rows..., C)
-    C = p.shape[-1]
-    eye = torch.eye(C, dtype=p.dtype, device=p.device).reshape(C, *([1] * (p.dim() - 1)), C)
-    root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
-
-    def ce_columns(a: int, b: int) -> torch.Tensor:
-        cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(-1, 2)  # (b - a, *out.shape)
-        return (cols if mask is None else cols * mask).to(out.dtype)
-
-    return C, ce_columns
+        return MonteCarlo(loss, mc_samples)
+    return ExactLossHessian(loss)
 
 
 #: ``visit(layer, a_or_empty, g, weight)`` after a backward; ``on_input(layer, x, weight)`` in the forward
@@ -406,6 +340,7 @@ class FactorPass:
         param_filter: ParamFilter | str | Sequence[str] | None = None,
         mc_samples: int = 1,
         seed: int = 0,
+        curvature: OutputCurvature | None = None,
         num_batches: int | None = None,
         separate_bias: bool = True,
         exclude_unsupported: bool = False,
@@ -426,6 +361,11 @@ class FactorPass:
         self.forward_fn = forward_fn
         self.loss_of_output_fn = loss_of_output_fn
         self.fisher_type: FisherType = fisher_type
+        #: ``H`` of the output, factored into columns (``loss_fns.output_curvature``)
+        self.curvature = curvature or factor_curvature(
+            cast(FactoredLoss, loss_of_output_fn), fisher_type, self.mc_samples  # checked above
+        )
+        self._keys = DrawKeys(self.seed)
         self.precision = check_precision(precision)
         self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
         check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
@@ -493,15 +433,10 @@ class FactorPass:
     def _columns(self, output: torch.Tensor, batch: Batch, position: int) -> tuple[int, Columns]:
         if self.check_output is not None:
             self.check_output(output)
-        return loss_hessian_columns(
-            cast(FactoredLoss, self.loss_of_output_fn),  # checked in the constructor
-            self.fisher_type,
-            output,
-            batch,
-            dtype=self.factor_dtype,
-            key=self.seed * 1_000_003 + position,
-            mc_samples=self.mc_samples,
-        )
+        # the key of the GGN's draws at this position: one seed, one set of targets
+        key = self._keys(position, 0, output.device) if self.curvature.keyed else None
+        state = self.curvature.prepare(output, batch, key)
+        return self.curvature.columns(state, self.factor_dtype)
 
     def run(self, visit: Visit, on_input: OnInput | None) -> float:
         """One pass: for each batch, ``on_input(layer, x, weight)`` in the forward (``x`` the

@@ -36,9 +36,10 @@ from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMBatchLoss
+from hessian_eigenthings.loss_fns.output_curvature import EmpiricalOfLosses
 from hessian_eigenthings.loss_fns.protocols import CountedPerSampleLoss, PerSampleLossFn
 from hessian_eigenthings.operators.base import DataOptions
-from hessian_eigenthings.operators.sandwich import JvpMethod, OutputSandwichOperator, OutputState
+from hessian_eigenthings.operators.sandwich import JvpMethod, OutputSandwichOperator
 from hessian_eigenthings.param_utils import ParamFilter
 
 
@@ -110,6 +111,7 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             model,
             dataloader,
             self._per_sample_losses,
+            curvature=EmpiricalOfLosses(self._count, counted=self._counted is not None, name=repr(per_sample_loss_fn)),
             jvp=jvp,
             fd_eps=fd_eps,
             param_filter=param_filter,
@@ -208,15 +210,6 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             )
         super()._finish_pass(out, count, total)
 
-    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        return u / self._count(batch, output)
-
-    def _loss_state(self, state: OutputState) -> None:
-        if self._counted is not None:
-            n = self._count(state.batch, state.output)
-            assert isinstance(n, torch.Tensor)
-            state.n = n
-
     def _vmapped(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Per-sample losses of an un-batched ``per_sample_loss_fn``; see NOTE [un-batched per-sample functions]."""
         try:
@@ -235,21 +228,6 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 "Return one loss per sample, shape (N,), with reduction='none' "
                 f"({helper}), or write it for one un-batched sample"
             ) from exc
-
-    _exact_columns_scale_with_output = False  # one column per sample, whatever the loss's shape
-
-    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # the "loss" ‖ℓ‖²/2N of the per-sample losses has Hessian I/N: one column 1/√N per sample
-        if self._counted is not None:
-            raise ValueError(
-                f"the exact diagonal of the empirical Fisher needs one loss per row of the batch; {self.per_sample_loss_fn!r} "
-                "counts its own samples (tokens): use diagonal(op, method='xdiag') for an estimate"
-            )
-        return torch.full_like(output.detach(), output.shape[0] ** -0.5).unsqueeze(1)
-
-    def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
-        # the "loss" of the per-sample losses is ‖ℓ‖²/2N: its Hessian is I/N
-        return u / (state.n if state.n is not None else state.output.shape[0])
 
 
 _HF_HELPERS = (

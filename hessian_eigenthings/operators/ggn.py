@@ -44,16 +44,19 @@ from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
+from hessian_eigenthings.loss_fns.output_curvature import (
+    AutogradLossHessian,
+    ExactLossHessian,
+    MonteCarlo,
+    OutputCurvature,
+)
 from hessian_eigenthings.loss_fns.protocols import (
     ForwardFn,
     HiddenStatesForward,
-    KeyedSampledFisherLoss,
     LinearHeadLoss,
     LossOfOutputFn,
     OutputHessianLoss,
-    OutputHessianSqrtLoss,
     SampledFisherLoss,
-    SampledFisherSqrtLoss,
 )
 from hessian_eigenthings.operators.base import DataOptions
 from hessian_eigenthings.operators.lm_head import ChunkedHead, plain_head
@@ -91,9 +94,13 @@ class GGNOperator(OutputSandwichOperator):
       Hessian replaced by the mean of ``g gᵀ`` over k targets per sample drawn from the
       model's predictive distribution (``g`` the loss gradient at the output), for losses
       implementing :class:`~hessian_eigenthings.loss_fns.protocols.SampledFisherLoss`
-      (cross-entropy, MSE as a Gaussian with variance 1/2, BCE with logits). Draws are seeded
+      (cross-entropy, MSE as a Gaussian with variance 1/2, BCE with logits). Draws are keyed
       by ``seed`` and the chunk's position in a pass: one fixed matrix per operator, the global
-      random state untouched. Runs on the autograd engine.
+      random state untouched, the same targets as ``KFACOperator(fisher_type="mc", seed=seed)``.
+    - ``curvature``: the output curvature as a strategy of
+      :mod:`hessian_eigenthings.loss_fns.output_curvature` (``ExactLossHessian``,
+      ``AutogradLossHessian``, ``MonteCarlo``, ``Empirical`` or your own), in place of
+      ``loss_hvp`` and ``mc_samples`` (which spell the first three).
     """
 
     def __init__(
@@ -114,6 +121,7 @@ class GGNOperator(OutputSandwichOperator):
         lm_head_chunk_rows: int | None = None,
         mc_samples: int = 0,
         seed: int = 0,
+        curvature: OutputCurvature | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
         **options: Unpack[DataOptions],
@@ -131,30 +139,18 @@ class GGNOperator(OutputSandwichOperator):
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
         self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)  # type: ignore[assignment]
-        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
-        self._mc_keys: dict[int, torch.Tensor] = {}
-        self._mc_keyed = isinstance(loss_of_output_fn, KeyedSampledFisherLoss)
-        self._traced_key: torch.Tensor | None = None
-        if self.mc_samples and not isinstance(loss_of_output_fn, SampledFisherLoss):
-            raise ValueError(
-                f"mc_samples={mc_samples} samples targets from the model's predictive distribution; "
-                f"{loss_of_output_fn!r} cannot (no .sample_grads, see loss_fns.SampledFisherLoss). Use "
-                "supervised_loss_of_output(...) of nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(), "
-                "or mc_samples=0 for the exact GGN"
-            )
+        if curvature is None:
+            curvature = ggn_curvature(loss_of_output_fn, loss_hvp, self.mc_samples)
+        elif mc_samples or loss_hvp != "analytical":
+            raise ValueError("curvature= replaces loss_hvp= and mc_samples=; pass one or the other")
         if self.mc_samples:
             loss_hvp = "analytical"  # the sampled outer products replace the loss Hessian
-        elif loss_hvp == "analytical" and not isinstance(loss_of_output_fn, OutputHessianLoss):
-            raise ValueError(
-                f"loss_hvp='analytical' needs a loss with a closed-form output Hessian (an .hvp(output, "
-                f"batch, u) method, see loss_fns.OutputHessianLoss); {loss_of_output_fn!r} has none. Pass "
-                "loss_hvp='autograd' to differentiate it twice, or use a closed-form helper such as "
-                "loss_fns.supervised_loss_of_output(nn.CrossEntropyLoss()) or hf_lm_loss_of_output()"
-            )
         super().__init__(
             model,
             dataloader,
             forward_fn,
+            curvature=curvature,
+            seed=seed,
             jvp=jvp,
             fd_eps=fd_eps,
             param_filter=param_filter,
@@ -179,7 +175,7 @@ class GGNOperator(OutputSandwichOperator):
                 f"chunked_lm_head=True runs on engine='autograd'; engine={self._engine_name!r} sandwiches the "
                 "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
             )
-        plain = chunked_lm_head is not False and not traced and loss_hvp == "analytical" and not self.mc_samples
+        plain = chunked_lm_head is not False and not traced and type(self.curvature) is ExactLossHessian
         head = None if not plain else plain_head(
             model, forward_fn, loss_of_output_fn
         )
@@ -211,146 +207,41 @@ class GGNOperator(OutputSandwichOperator):
             self._head = None
             self._set_forward(self._logits_fn)
             return super()._prepare(batch)
-        head.prepare(state)
+        state.curvature = head.prepare(state.batch)
         return state
 
     def _apply(
         self, state: OutputState, vecs: list[torch.Tensor], retain: bool
     ) -> Sequence[torch.Tensor | None]:
-        if state.valid is None or self._head is None:
+        if self._head is None:
             return super()._apply(state, vecs, retain)
         return self._head.apply(self, state, vecs, retain)
 
-    def _mc_key(self) -> torch.Tensor:
-        """The counter key of the current chunk's draws (one tensor per chunk position, reused:
-        a program traced for one batch sees the same input object again)."""
-        rank = int(getattr(self, "rank", 0))
-        value = ((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position) % 2**62
-        key = self._mc_keys.get(value)
-        if key is None or key.device != self.device:
-            key = torch.tensor(value, dtype=torch.int64, device=self.device)
-            self._mc_keys[value] = key
-        return key
 
-    def _engine_batch(self, batch: Batch) -> Batch:
-        # NOTE [sampled targets as data]
-        return (batch, self._mc_key()) if self.mc_samples else batch
-
-    def functional_product(
-        self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        if self.mc_samples:
-            batch, self._traced_key = batch
-        return super().functional_product(state, batch, tangent)
-
-    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_of_output_fn
-        if self.mc_samples:
-            assert isinstance(loss, KeyedSampledFisherLoss)
-            grads = loss.keyed_sample_grads(output.detach(), batch, self.mc_samples, self._traced_key)
-            return loss.sampled_hvp(output, batch, grads, u.unsqueeze(0))[0]
-        if self.loss_hvp == "analytical":
-            return loss.hvp(output, batch, u.unsqueeze(0))[0]  # type: ignore[union-attr]
-
-        def scalar(o: torch.Tensor) -> torch.Tensor:
-            value = loss(o, batch)
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise ValueError("loss_of_output_fn must return a scalar (the mean loss of the batch)")
-            return value.reshape(())
-
-        hu: torch.Tensor = torch.func.jvp(torch.func.grad(scalar), (output,), (u,))[1]
-        return hu
-
-    def _functional_blocker(self) -> str | None:
-        if self.mc_samples and not self._mc_keyed:
-            return (
-                f"mc_samples={self.mc_samples} with a loss whose draws are not a function of a key "
-                "(no .keyed_sample_grads, see loss_fns.KeyedSampledFisherLoss) runs on engine='autograd'"
-            )
-        return super()._functional_blocker()
-
-    def _loss_state(self, state: OutputState) -> None:
-        if self.mc_samples:
-            # NOTE [sampled targets]: one draw per chunk of a pass, seeded by (seed, rank, chunk
-            # position), so every product of the operator uses the same draws (a fixed matrix,
-            # kept state or not) and nothing reads or moves the global random state
-            state.samples = self._sample_grads(state.output.detach(), state.batch)
-            return
-        if self.loss_hvp == "analytical":
-            return
-        leaf = state.output.detach().requires_grad_(True)
-        loss = self.loss_of_output_fn(leaf, state.batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+def ggn_curvature(
+    loss: LossOfOutputFn | OutputHessianLoss, loss_hvp: str, mc_samples: int
+) -> OutputCurvature:
+    """The output curvature that ``loss_hvp=`` and ``mc_samples=`` spell."""
+    if mc_samples:
+        if not isinstance(loss, SampledFisherLoss):
             raise ValueError(
-                f"loss_of_output_fn must return a scalar (the mean loss of the batch), got {shape}"
+                f"mc_samples={mc_samples} samples targets from the model's predictive distribution; "
+                f"{loss!r} cannot (no .sample_grads, see loss_fns.SampledFisherLoss). Use "
+                "supervised_loss_of_output(...) of nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(), "
+                "or mc_samples=0 for the exact GGN"
             )
-        (grad,) = torch.autograd.grad(loss.reshape(()), leaf, create_graph=True)
-        state.output_leaf = leaf
-        state.loss_grad = grad
-
-    def _sample_grads(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The loss gradients at this chunk's sampled targets (NOTE [sampled targets])."""
-        sampler = self.loss_of_output_fn
-        if isinstance(sampler, KeyedSampledFisherLoss):  # the traced engines' draws exactly
-            return sampler.keyed_sample_grads(output, batch, self.mc_samples, self._mc_key())
-        generator = torch.Generator(device=output.device)
-        rank = int(getattr(self, "rank", 0))
-        generator.manual_seed((self.seed * 1_000_003 + rank) * 1_000_033 + self.chunk_position)
-        sampler = self.loss_of_output_fn
-        assert isinstance(sampler, SampledFisherLoss)
-        return sampler.sample_grads(output, batch, self.mc_samples, generator)
-
-    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        loss = self.loss_of_output_fn
-        if self.mc_samples:
-            if not isinstance(loss, SampledFisherSqrtLoss):
-                raise TypeError(
-                    f"the exact diagonal of the Monte-Carlo Fisher needs {loss!r} to give the square root of "
-                    "its sampled Hessian (.sampled_hessian_sqrt, see loss_fns.protocols.SampledFisherSqrtLoss)"
-                )
-            return loss.sampled_hessian_sqrt(output, batch, self._sample_grads(output, batch))
-        if not isinstance(loss, OutputHessianSqrtLoss):
-            raise TypeError(
-                f"the exact GGN diagonal needs a square root of the loss Hessian, and {loss!r} has none "
-                "(.hessian_sqrt, see loss_fns.protocols.OutputHessianSqrtLoss); use supervised_loss_of_output("
-                "nn.CrossEntropyLoss() / nn.MSELoss() / nn.BCEWithLogitsLoss()), mc_samples=k, or "
-                "diagonal(op, method='xdiag') for an estimate"
-            )
-        S = loss.hessian_sqrt(output, batch)
-        if S.dim() != output.dim() + 1 or S.shape[0] != output.shape[0] or S.shape[2:] != output.shape[1:]:
-            raise ValueError(
-                f"{loss!r}.hessian_sqrt returned shape {tuple(S.shape)} for an output of shape "
-                f"{tuple(output.shape)}; it must be (N, K, *output.shape[1:])"
-            )
-        return S
-
-    def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
-        if state.samples is not None:
-            sampler = self.loss_of_output_fn
-            assert isinstance(sampler, SampledFisherLoss)
-            return sampler.sampled_hvp(state.output.detach(), state.batch, state.samples, u)
-        if self.loss_hvp == "analytical":
-            hu = self.loss_of_output_fn.hvp(state.output.detach(), state.batch, u)  # type: ignore[union-attr]
-            if not isinstance(hu, torch.Tensor) or hu.shape != u.shape:
-                got = tuple(hu.shape) if isinstance(hu, torch.Tensor) else type(hu).__name__
-                raise ValueError(
-                    f"{self.loss_of_output_fn!r}.hvp returned {got} for u of shape {tuple(u.shape)}; it must keep u's shape"
-                )
-            return hu
-        grad, leaf = state.loss_grad, state.output_leaf
-        assert grad is not None and leaf is not None
-        if not grad.requires_grad:  # the loss is linear in the output: H_L = 0
-            return torch.zeros_like(u)
-        # the loss graph is small and belongs to this state: keep it for graph reuse
-        k = u.shape[0]
-        if k == 1:
-            (hu,) = torch.autograd.grad(grad, leaf, u[0], retain_graph=True, allow_unused=True)
-            return torch.zeros_like(u) if hu is None else hu.unsqueeze(0)
-        (hu,) = torch.autograd.grad(
-            grad, leaf, u, is_grads_batched=True, retain_graph=True, allow_unused=True
+        return MonteCarlo(loss, mc_samples)
+    if loss_hvp == "autograd":
+        return AutogradLossHessian(loss)
+    if not isinstance(loss, OutputHessianLoss):
+        raise ValueError(
+            f"loss_hvp='analytical' needs a loss with a closed-form output Hessian (an .hvp(output, "
+            f"batch, u) method, see loss_fns.OutputHessianLoss); {loss!r} has none. Pass "
+            "loss_hvp='autograd' to differentiate it twice, or use a closed-form helper such as "
+            "loss_fns.supervised_loss_of_output(nn.CrossEntropyLoss()) or hf_lm_loss_of_output()"
         )
-        return torch.zeros_like(u) if hu is None else hu
+    return ExactLossHessian(loss)
+
 
 #: the 1.0 alpha's name for the ``loss_hvp`` values
 LossHvpMethod = Literal["analytical", "autograd"]
@@ -362,8 +253,11 @@ LossHvpMethod = Literal["analytical", "autograd"]
 # Monte-Carlo Fisher's draws are instead a pure function of a key: counter-based random
 # numbers (loss_fns.counter_rng: splitmix64 of key and position, in int64 tensor arithmetic)
 # turned into targets by inverse CDF (cross-entropy), comparison (BCE) or Box-Muller (MSE).
-# The key of a chunk, (seed, rank, chunk position), is handed to the traced product as an
-# input beside the batch (`_engine_batch`), one tensor object per chunk position so that a
+# One draw per chunk of a pass, so every product of the operator uses the same draws (a fixed
+# matrix, kept state or not) and nothing reads or moves the global random state. The key of a
+# chunk is `loss_fns.output_curvature.draw_key(seed, position, rank)`, the one derivation that
+# KFAC's factor pass uses too (one seed, one set of targets). It is handed to the traced product
+# as an input beside the batch (`_engine_batch` in `sandwich`), one tensor object per chunk position so that a
 # program traced for one batch serves it again; the draws depend only on primal values, so
 # the tangent split keeps the sampled gradients with the kept state and products run the
 # tangent work only. The autograd engine draws with the same function and key: every engine

@@ -28,8 +28,9 @@ The columns ``s_c`` (``fisher_type``) are:
   reduction's weight (``1/count`` for a mean). One column covers every row (and
   position) of the batch at once, so a backward pass per class, batched;
 - ``"mc"``: ``√(w/k) ∇ℓ(f, y_s)`` for ``k = mc_samples`` targets ``y_s`` drawn from
-  the model's predictive distribution (the loss's ``sample_grads``), seeded by
-  ``seed`` and the batch's position: the global random state is untouched;
+  the model's predictive distribution (counter-based draws keyed by ``seed`` and the
+  batch's position, ``loss_fns.output_curvature.draw_key``: the GGN's draws for one
+  seed; the global random state is untouched);
 - ``"empirical"``: ``√w ∇ℓ(f, y)`` at the observed targets.
 
 Biases: ``separate_bias=True`` (default) gives a bias its own block ``G ⊗ [1]``;
@@ -69,6 +70,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.operators.factor_pass import (
     FactorPass,
@@ -188,6 +190,7 @@ class _KFACFactors(LayerKroneckerOperator):
         param_filter: ParamFilter | str | Sequence[str] | None = None,
         mc_samples: int = 1,
         seed: int = 0,
+        curvature: OutputCurvature | None = None,
         num_batches: int | None = None,
         separate_bias: bool = True,
         exclude_unsupported: bool = False,
@@ -205,6 +208,7 @@ class _KFACFactors(LayerKroneckerOperator):
             param_filter=param_filter,
             mc_samples=mc_samples,
             seed=seed,
+            curvature=curvature,
             num_batches=num_batches,
             separate_bias=separate_bias,
             exclude_unsupported=exclude_unsupported,
@@ -275,7 +279,9 @@ class KFACOperator(_KFACFactors):
 
     - ``fisher_type``: ``"type2"`` (exact loss-Hessian square root: KFAC of the GGN),
       ``"mc"`` (``mc_samples`` sampled targets per sample, seeded; the global random state is
-      untouched), ``"empirical"`` (gradients at the observed targets).
+      untouched; the same draws as ``GGNOperator(mc_samples=k, seed=seed)``), ``"empirical"``
+      (gradients at the observed targets). ``curvature``: any output-curvature strategy with
+      columns (``loss_fns.output_curvature``), in place of ``fisher_type``.
     - ``kfac_approx``: ``"expand"`` or ``"reduce"`` for layers with weight sharing (Conv2d,
       Linear on ``(N, T, d)``); the same thing without sharing.
     - ``separate_bias``: a bias in its own block ``G ⊗ [1]`` (default) or joined to its weight

@@ -84,8 +84,10 @@ class ChunkedHead:
             )
         return bool(ok)
 
-    def prepare(self, state: OutputState) -> None:
-        state.valid, state.n = self.loss.head_targets(state.batch)
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's targets that count (the loss's layout) and their number: the state the
+        chunked product uses in place of the output curvature's."""
+        return self.loss.head_targets(batch)
 
     def apply(
         self, op: OutputSandwichOperator, state: OutputState, vecs: list[torch.Tensor], retain: bool
@@ -93,14 +95,14 @@ class ChunkedHead:
         """``G v`` for the block ``vecs``: the body's tangent, the head's pull-backs from the
         loss, one backward through the body; the head's parameters add their own part."""
         head = self.head
-        assert state.valid is not None and state.n is not None
+        valid, n = state.curvature
         index = {id(p): i for i, p in enumerate(op.params)}
         iw, ib = index.get(id(head.weight)), None if head.bias is None else index.get(id(head.bias))
         dh = op._jvp(state.batch, vecs)  # body Jacobian times the direction: (k, B, T, d)
         g_h, g_w, g_b = self.loss.head_ggn(
             state.output.detach(), head.weight.detach(), None if head.bias is None else head.bias.detach(),
             dh, None if iw is None else vecs[iw], None if ib is None else vecs[ib],
-            state.valid, state.n, chunk_rows=self.chunk_rows,
+            valid, n, chunk_rows=self.chunk_rows,
         )
         out = list(op._vjp(state.output, g_h, retain))  # the body's part
         for i, extra in ((iw, g_w), (ib, g_b)):

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch, batch_size
+from hessian_eigenthings.loss_fns.output_curvature import DrawKey, DrawKeys, OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
@@ -67,18 +69,14 @@ JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
 class OutputState:
     batch: Batch
     output: torch.Tensor  # f(θ) with its graph to the parameters
-    loss_grad: torch.Tensor | None = None  # ∇_f ℓ built with create_graph (autograd loss Hessian)
-    output_leaf: torch.Tensor | None = None  # the detached output ∇_f ℓ is taken at
-    valid: torch.Tensor | None = None  # chunked LM head: target positions that count (B, T-1)
-    n: torch.Tensor | None = None  # chunked LM head: their number (the mean's denominator)
-    samples: torch.Tensor | None = None  # MC Fisher: loss gradients at sampled targets (k, *output.shape)
+    curvature: Any = None  # the output curvature's prepared state (the chunked LM head's targets)
 
 
 class OutputSandwichOperator(DataCurvatureOperator):
     """``Σ Jᵀ H J`` over the data for a model output ``f`` and an output-space Hessian ``H``.
 
-    Subclasses define the output (``_output``) and the product with ``H``
-    (``_loss_hvp``, optionally preparing state in ``_loss_state``).
+    Subclasses define the output (``_output``); ``H`` is the ``curvature`` strategy
+    (:mod:`hessian_eigenthings.loss_fns.output_curvature`), its draws keyed by ``seed``.
     """
 
     supports_graph_reuse = True
@@ -92,6 +90,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
         dataloader: Iterable[Batch],
         forward_fn: ForwardFn,
         *,
+        curvature: OutputCurvature,
+        seed: int = 0,
         jvp: JvpMethod = "auto",
         fd_eps: float | None = None,
         **base: Any,
@@ -106,6 +106,14 @@ class OutputSandwichOperator(DataCurvatureOperator):
             )
         if fd_eps is not None and not fd_eps > 0:
             raise ValueError(f"fd_eps must be positive, got {fd_eps}")
+        if not isinstance(curvature, OutputCurvature):
+            raise TypeError(
+                "curvature must be an output-curvature strategy (loss_fns.output_curvature: ExactLossHessian, "
+                f"AutogradLossHessian, MonteCarlo, Empirical), got {type(curvature).__name__}"
+            )
+        self.curvature = curvature
+        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        self._keys = DrawKeys(self.seed)
         super().__init__(model, dataloader, **base)
         self.jvp = jvp
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
@@ -128,7 +136,20 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
     def _functional_blocker(self) -> str | None:
         """Why this operator's products cannot be traced, or ``None``."""
-        return "jvp='finite_difference' is not a traced product" if self.jvp == "finite_difference" else None
+        if self.jvp == "finite_difference":
+            return "jvp='finite_difference' is not a traced product"
+        return self.curvature.traced_blocker()
+
+    def _draw_key(self) -> DrawKey | None:
+        """The key of the current chunk's draws (NOTE [sampled targets as data] in ``ggn``)."""
+        if not self.curvature.keyed:
+            return None
+        return self._keys(self.chunk_position, int(getattr(self, "rank", 0)), self.device)
+
+    def _engine_batch(self, batch: Batch) -> Batch:
+        # NOTE [sampled targets as data] in ``ggn``: the key travels beside the batch
+        key = self._draw_key()
+        return batch if key is None else (batch, key.tensor)
 
     def functional_unsupported_reason(self) -> str:
         return self._functional_blocker() or ""
@@ -137,6 +158,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """``Jᵀ H (J v)`` as a pure function: ``vjp(f)(H · jvp(f)(v))`` (see ``operators.engines``)."""
+        key = None
+        if self.curvature.keyed:
+            batch, key = batch
         call, primal = selected_function(self._functional_call, self.layout.names, state, batch)
 
         def f(*selected: torch.Tensor) -> torch.Tensor:
@@ -144,34 +168,14 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
         out, vjp_fn = torch.func.vjp(f, *primal)[:2]
         jv = torch.func.jvp(f, primal, tuple(tangent))[1]
-        return list(vjp_fn(self._functional_loss_hvp(out, batch, jv)))
+        return list(vjp_fn(self.curvature.traced_apply(out, batch, key, jv)))
 
-    def _functional_loss_hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        """``H u`` for one direction ``u`` shaped like ``output``, traceable."""
-        raise NotImplementedError
-
-    # -- hooks ------------------------------------------------------------------
     def _output(self, batch: Batch) -> torch.Tensor:
         return self.forward_fn(self.model, batch)
 
-    def _loss_state(self, state: OutputState) -> None:
-        """Prepare what ``_loss_hvp`` needs (e.g. a loss-gradient graph)."""
-
-    def _loss_hvp(self, state: OutputState, u: torch.Tensor) -> torch.Tensor:
-        """``H u`` for a block ``u`` of shape ``(k, *output.shape)``."""
-        raise NotImplementedError
-
-
     # -- the exact diagonal ------------------------------------------------------------
-    def _output_hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """``S (N, K, *output.shape[1:])`` with the output-space matrix of this chunk equal to
-        ``Σₙ Σₖ sₙₖ sₙₖᵀ`` (see ``loss_fns.protocols.OutputHessianSqrtLoss``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no exact diagonal")
-
     #: most entries of one sample's output the exact diagonal backpropagates (one column each)
     exact_diagonal_max_outputs: int = 4096
-    #: whether the square root has about one column per output entry (else a few per sample)
-    _exact_columns_scale_with_output: bool = True
     #: about how many columns (samples x K) one vmapped backward of the exact diagonal takes
     _exact_group_columns: int = 1024
 
@@ -182,33 +186,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
         K backward passes (batched with ``torch.func.vmap``), K columns of the output Hessian's
         square root per sample (the output size for the exact GGN).
         """
-        # NOTE [exact diagonal]
-        # With the output-space matrix of a chunk written as Σₙ Σₖ sₙₖ sₙₖᵀ (no terms between
-        # samples), diag(Σₙ Jₙᵀ Hₙ Jₙ) = Σₙ Σₖ (Jₙᵀ sₙₖ)² elementwise: a vector-Jacobian product
-        # per sample and column, squared. Samples cannot share a backward (the square of a sum
-        # is not the sum of squares), so each sample runs alone through torch.func.vmap of
-        # vjp over the model called on a batch of one (functional_call, the user's module
-        # untouched); the K columns of a sample go through one vmapped vjp. Samples are taken
-        # in groups of about 1024 / K to bound the memory of the vmapped backward. A model
-        # whose samples interact (BatchNorm in training mode) has no per-sample Jacobian and
-        # is refused. Chunks are weighted by size exactly as the products are, and the MC
-        # Fisher draws the same targets (seeded by chunk position) as its products.
-        if int(getattr(self, "world_size", 1)) > 1:
-            raise NotImplementedError(
-                "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
-                "data only); compute it on one process, or use diagonal(op, method='xdiag')"
-            )
-        self._follow_parameters()  # NOTE [replaced parameters]
-        random = self.guard.random_cause()
-        if random:
-            raise ValueError(f"the exact diagonal needs a deterministic forward, but {random}")
-        for name, m in self.model.named_modules():
-            if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
-                raise ValueError(
-                    f"the exact diagonal needs per-sample Jacobians, but {name or type(m).__name__} is a BatchNorm "
-                    "in training mode (samples interact through the batch statistics); call model.eval() or use "
-                    "diagonal(op, method='xdiag')"
-                )
+        _check_exact_diagonal(self)
         acc = self.layout.empty()
         acc.zero_()
         parts = self.layout.split(acc)
@@ -228,7 +206,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
                         f"dimension {N}), got shape {tuple(output.shape)}"
                     )
                 per_sample = output[0].numel() if N else 0
-                if self._exact_columns_scale_with_output and per_sample > self.exact_diagonal_max_outputs:
+                if self.curvature.columns_scale_with_output and per_sample > self.exact_diagonal_max_outputs:
                     # the square root has about one column per output entry of a sample
                     # (N · M² numbers, M backward columns per sample): LM-sized outputs cannot
                     raise ValueError(
@@ -236,50 +214,17 @@ class OutputSandwichOperator(DataCurvatureOperator):
                         f"sample has {per_sample} (more than exact_diagonal_max_outputs="
                         f"{self.exact_diagonal_max_outputs}); use diagonal(op, method='xdiag') for an estimate"
                     )
-                S = self._output_hessian_sqrt(output, chunk)
+                S = self.curvature.sample_columns(self.curvature.prepare(output, chunk, self._draw_key()))
                 weight = self._weight(self._samples(chunk), raw)
-                self._add_squared_vjps(parts, chunk, S, state, weight)
+                group = max(1, self._exact_group_columns // max(S.shape[1], 1))
+                call = _CheckedCall(self._functional_call, self._checked_output)
+                add_squared_vjps(parts, chunk, S, state, weight, call, self.layout.names, group)
                 total += weight
         if total == 0:
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
         # NOTE [padding rows]: the squared vector-Jacobian products are reverse mode (no
         # gradient for a padding row), zeroed all the same so the diagonal is that of P·A·P
         return project_rows_(acc.div_(total).unsqueeze(0), self._binding.constant_rows)[0]
-
-    def _add_squared_vjps(
-        self,
-        parts: list[torch.Tensor],
-        chunk: Batch,
-        S: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        weight: float,
-    ) -> None:
-        """``parts += weight · Σₙ Σₖ (Jₙᵀ S[n, k])²`` (NOTE [exact diagonal])."""
-        N, K = S.shape[0], S.shape[1]
-        names = self.layout.names
-        call = self._functional_call
-
-        def sample_dims(x: Any) -> int | None:
-            return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == N else None
-
-        dims = torch.utils._pytree.tree_map(sample_dims, chunk)
-
-        def one_sample(sample: Batch, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            alone = torch.utils._pytree.tree_map(
-                lambda x, d: x.unsqueeze(0) if d == 0 else x, sample, dims
-            )
-            f, primal = selected_function(call, names, state, alone)
-            vjp_fn = torch.func.vjp(lambda *v: self._checked_output(f(*v)), *primal)[1]
-            grads = torch.func.vmap(vjp_fn)(cols.unsqueeze(1))  # K columns, each (1, ...)
-            return tuple((g * g).sum(0) for g in grads)
-
-        group = max(1, self._exact_group_columns // max(K, 1))
-        mapped = torch.func.vmap(one_sample, in_dims=(dims, 0))
-        for start in range(0, N, group):
-            rows = slice(start, min(N, start + group))
-            piece = torch.utils._pytree.tree_map(lambda x, d, r=rows: x[r] if d == 0 else x, chunk, dims)
-            for acc, sq in zip(parts, mapped(piece, S[rows]), strict=True):
-                acc.add_(sq.sum(0), alpha=weight)
 
     # -- per-batch product ----------------------------------------------------------
     def _checked_output(self, out: Any) -> torch.Tensor:
@@ -298,9 +243,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 f"the output of {self._what_output} does not depend on the selected parameters (no autograd "
                 "graph); check that it calls the model and that the parameters require grad"
             )
-        state = OutputState(batch=batch, output=output)
-        self._loss_state(state)
-        return state
+        prepared = self.curvature.prepare(output, batch, self._draw_key())
+        return OutputState(batch=batch, output=output, curvature=prepared)
 
     def _apply(
         self, state: OutputState, vecs: list[torch.Tensor], retain: bool
@@ -311,7 +255,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 f"{self._what_output} returned shape {tuple(state.output.shape)} in the forward pass but "
                 f"{tuple(jv.shape[1:])} in the Jacobian-vector pass; it must be deterministic in shape"
             )
-        u = self._loss_hvp(state, jv)
+        u = self.curvature.apply(state.curvature, jv)
         return self._vjp(state.output, u, retain)
 
     # -- J v --------------------------------------------------------------------
@@ -409,41 +353,112 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def _vjp(
         self, output: torch.Tensor, u: torch.Tensor, retain: bool
     ) -> Sequence[torch.Tensor | None]:
-        k = u.shape[0]
-        if k == 1:
-            g = torch.autograd.grad(
-                output, self.params, u[0], retain_graph=retain, allow_unused=True
-            )
-            return [None if x is None else x.unsqueeze(0) for x in g]
-        if self._vjp_batched_ok is not False:
-            first = self._vjp_batched_ok is None
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error", UserWarning)
-                    g = torch.autograd.grad(
-                        output,
-                        self.params,
-                        u,
-                        is_grads_batched=True,
-                        retain_graph=retain or first,
-                        allow_unused=True,
-                    )
-            except (RuntimeError, NotImplementedError, UserWarning):
-                if not first:
-                    raise
-                self._vjp_batched_ok = False
-            else:
-                self._vjp_batched_ok = True
-                return list(g)
-        rows = [
-            torch.autograd.grad(
-                output, self.params, u[j], retain_graph=retain or j < k - 1, allow_unused=True
-            )
-            for j in range(k)
-        ]
-        return [
-            None if rows[0][i] is None else torch.stack([r[i] for r in rows])
-            for i in range(len(self.params))
-        ]
+        grads, self._vjp_batched_ok = vjp_block(output, self.params, u, retain, self._vjp_batched_ok)
+        return grads
 
 
+# NOTE [exact diagonal]
+# With the output-space matrix of a chunk written as Σₙ Σₖ sₙₖ sₙₖᵀ (no terms between
+# samples), diag(Σₙ Jₙᵀ Hₙ Jₙ) = Σₙ Σₖ (Jₙᵀ sₙₖ)² elementwise: a vector-Jacobian product
+# per sample and column, squared. Samples cannot share a backward (the square of a sum
+# is not the sum of squares), so each sample runs alone through torch.func.vmap of
+# vjp over the model called on a batch of one (functional_call, the user's module
+# untouched); the K columns of a sample go through one vmapped vjp. Samples are taken
+# in groups of about 1024 / K to bound the memory of the vmapped backward. A model
+# whose samples interact (BatchNorm in training mode) has no per-sample Jacobian and
+# is refused. Chunks are weighted by size exactly as the products are, and the MC
+# Fisher draws the same targets (seeded by chunk position) as its products.
+def _check_exact_diagonal(op: OutputSandwichOperator) -> None:
+    """Refuse what has no exact per-sample diagonal (NOTE [exact diagonal])."""
+    if int(getattr(op, "world_size", 1)) > 1:
+        raise NotImplementedError(
+            "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
+            "data only); compute it on one process, or use diagonal(op, method='xdiag')"
+        )
+    op._follow_parameters()  # NOTE [replaced parameters]
+    random = op.guard.random_cause()
+    if random:
+        raise ValueError(f"the exact diagonal needs a deterministic forward, but {random}")
+    for name, m in op.model.named_modules():
+        if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(
+                f"the exact diagonal needs per-sample Jacobians, but {name or type(m).__name__} is a BatchNorm "
+                "in training mode (samples interact through the batch statistics); call model.eval() or use "
+                "diagonal(op, method='xdiag')"
+            )
+
+
+@dataclass(frozen=True)
+class _CheckedCall:
+    """The functional call of the model with its output checked to be a tensor."""
+
+    call: CallWithModel
+    check: Callable[[Any], torch.Tensor]
+
+
+def add_squared_vjps(
+    parts: list[torch.Tensor],
+    chunk: Batch,
+    S: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    weight: float,
+    call: _CheckedCall,
+    names: Sequence[str],
+    group: int,
+) -> None:
+    """``parts += weight · Σₙ Σₖ (Jₙᵀ S[n, k])²`` (NOTE [exact diagonal]), ``group`` samples
+    per vmapped backward."""
+    N = S.shape[0]
+
+    def sample_dims(x: Any) -> int | None:
+        return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == N else None
+
+    dims = torch.utils._pytree.tree_map(sample_dims, chunk)
+
+    def one_sample(sample: Batch, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        alone = torch.utils._pytree.tree_map(
+            lambda x, d: x.unsqueeze(0) if d == 0 else x, sample, dims
+        )
+        f, primal = selected_function(call.call, names, state, alone)
+        vjp_fn = torch.func.vjp(lambda *v: call.check(f(*v)), *primal)[1]
+        grads = torch.func.vmap(vjp_fn)(cols.unsqueeze(1))  # K columns, each (1, ...)
+        return tuple((g * g).sum(0) for g in grads)
+
+    mapped = torch.func.vmap(one_sample, in_dims=(dims, 0))
+    for start in range(0, N, group):
+        rows = slice(start, min(N, start + group))
+        piece = torch.utils._pytree.tree_map(lambda x, d, r=rows: x[r] if d == 0 else x, chunk, dims)
+        for acc, sq in zip(parts, mapped(piece, S[rows]), strict=True):
+            acc.add_(sq.sum(0), alpha=weight)
+
+
+def vjp_block(
+    output: torch.Tensor, params: Sequence[torch.Tensor], u: torch.Tensor, retain: bool, batched_ok: bool | None
+) -> tuple[Sequence[torch.Tensor | None], bool | None]:
+    """``Jᵀ u`` for each of the k rows of ``u``: one batched backward (``is_grads_batched``)
+    where it works (``batched_ok``: known to, known not to, or ``None``: try once), else a loop.
+    Returns the gradients per parameter ``(k, *p.shape)`` and what is now known."""
+    k = u.shape[0]
+    if k == 1:
+        g = torch.autograd.grad(output, params, u[0], retain_graph=retain, allow_unused=True)
+        return [None if x is None else x.unsqueeze(0) for x in g], batched_ok
+    if batched_ok is not False:
+        first = batched_ok is None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                g = torch.autograd.grad(
+                    output, params, u, is_grads_batched=True, retain_graph=retain or first, allow_unused=True
+                )
+        except (RuntimeError, NotImplementedError, UserWarning):
+            if not first:
+                raise
+            batched_ok = False
+        else:
+            return list(g), True
+    rows = [
+        torch.autograd.grad(output, params, u[j], retain_graph=retain or j < k - 1, allow_unused=True)
+        for j in range(k)
+    ]
+    grads = [None if rows[0][i] is None else torch.stack([r[i] for r in rows]) for i in range(len(params))]
+    return grads, batched_ok
