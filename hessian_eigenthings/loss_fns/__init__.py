@@ -11,6 +11,14 @@ from hessian_eigenthings.loss_fns.huggingface import (
     hf_lm_per_token_loss,
     hf_seq2seq_loss,
 )
+from hessian_eigenthings.loss_fns.output_curvature import (
+    AutogradLossHessian,
+    Empirical,
+    ExactLossHessian,
+    MonteCarlo,
+    OutputCurvature,
+    draw_key,
+)
 from hessian_eigenthings.loss_fns.protocols import (
     CountedPerSampleLoss,
     ForwardFn,
@@ -44,9 +52,12 @@ from hessian_eigenthings.loss_fns.transformer_lens import (
 )
 
 __all__ = [
+    "AutogradLossHessian",
     "BCEWithLogitsOutputLoss",
     "CountedPerSampleLoss",
     "CrossEntropyOutputLoss",
+    "Empirical",
+    "ExactLossHessian",
     "ForwardFn",
     "HFCausalLMForward",
     "HFCausalLMLoss",
@@ -57,6 +68,8 @@ __all__ = [
     "LossFn",
     "LossOfOutputFn",
     "MSEOutputLoss",
+    "MonteCarlo",
+    "OutputCurvature",
     "OutputHessianLoss",
     "OutputHessianSqrtLoss",
     "PerSampleLossFn",
@@ -64,6 +77,7 @@ __all__ = [
     "SampledFisherSqrtLoss",
     "TLensLMLoss",
     "cross_entropy_loss_of_output",
+    "draw_key",
     "hf_lm_forward",
     "hf_lm_loss",
     "hf_lm_loss_of_output",
