@@ -22,6 +22,7 @@ from hessian_eigenthings.loss_fns.output_curvature import (
 from hessian_eigenthings.loss_fns.protocols import (
     CountedPerSampleLoss,
     ForwardFn,
+    HessianColumnsLoss,
     HiddenStatesForward,
     KeyedSampledFisherLoss,
     LinearHeadLoss,
@@ -62,6 +63,7 @@ __all__ = [
     "HFCausalLMForward",
     "HFCausalLMLoss",
     "HFCausalLMPerTokenLoss",
+    "HessianColumnsLoss",
     "HiddenStatesForward",
     "KeyedSampledFisherLoss",
     "LinearHeadLoss",

@@ -35,6 +35,7 @@ import torch
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import (
+    HessianColumnsLoss,
     KeyedSampledFisherLoss,
     LossOfOutputFn,
     OutputHessianLoss,
@@ -42,11 +43,7 @@ from hessian_eigenthings.loss_fns.protocols import (
     SampledFisherLoss,
     SampledFisherSqrtLoss,
 )
-from hessian_eigenthings.loss_fns.standard import (
-    BCEWithLogitsOutputLoss,
-    CrossEntropyOutputLoss,
-    MSEOutputLoss,
-)
+from hessian_eigenthings.loss_fns.standard import Columns
 
 __all__ = [
     "AutogradLossHessian",
@@ -59,9 +56,6 @@ __all__ = [
     "OutputCurvature",
     "draw_key",
 ]
-
-#: columns ``(stop - start, *output.shape)`` of a factorization ``H = Σ_c s_c s_cᵀ``
-Columns = Callable[[int, int], torch.Tensor]
 
 
 def draw_key(seed: int, position: int, rank: int = 0) -> int:
@@ -134,54 +128,19 @@ class OutputCurvature:
         return None
 
 
-def _reduction_weight(
-    loss: Any, out: torch.Tensor, batch: Batch, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The reduction's weight per loss term (0-dim, ``dtype``) and, for cross-entropy with
-    ignored targets, the rows that count ``(N, 1, ...)``."""
-    if isinstance(loss, CrossEntropyOutputLoss):
-        if out.dim() < 2:
-            raise ValueError(
-                f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(out.shape)}"
-            )
-        y = batch[1] if isinstance(batch, (tuple, list)) else None
-        if not isinstance(y, torch.Tensor):
-            raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
-        valid = None if y.is_floating_point() else (y != loss.ignore_index)
-        rows = out.numel() // out.shape[1]
-        count = (
-            torch.tensor(float(rows), dtype=torch.float64)
-            if valid is None
-            else valid.sum().clamp_min(1)
+def _term_weight(loss: object, out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> torch.Tensor:
+    """The reduction's weight per loss term (0-dim, ``dtype``), from the loss."""
+    return _columns_loss(loss).term_weight(out, batch, dtype)[0]
+
+
+def _columns_loss(loss: object) -> HessianColumnsLoss:
+    if not isinstance(loss, HessianColumnsLoss):
+        raise ValueError(
+            f"columns of the output curvature need a loss that factors its Hessian (.term_weight and "
+            "hessian_columns, see loss_fns.protocols.HessianColumnsLoss: cross_entropy_loss_of_output(), "
+            f"mse_loss_of_output(), supervised_loss_of_output(...)); got {loss!r}"
         )
-        w = 1.0 / count.to(dtype) if loss.reduction == "mean" else torch.ones(())
-        mask = None if valid is None else valid.unsqueeze(1).to(out.dtype)
-        return w.to(dtype), mask
-    if isinstance(loss, (MSEOutputLoss, BCEWithLogitsOutputLoss)):
-        w = torch.tensor(
-            1.0 / out.numel() if loss.reduction == "mean" else 1.0, dtype=torch.float64
-        )
-        return w.to(dtype), None
-    raise ValueError(
-        f"columns of the output curvature need the reduction of a known loss (cross_entropy_loss_of_output(), "
-        f"mse_loss_of_output(), supervised_loss_of_output(...)); got {loss!r}"
-    )
-
-
-def _cross_entropy_columns(
-    out: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[int, Columns]:
-    """``diag(p) - ppᵀ = S Sᵀ`` with ``S = (I - p 1ᵀ) diag(√p)``, one column per class."""
-    p = torch.softmax(out.to(dtype), dim=1).movedim(1, -1)  # (rows..., C)
-    C = p.shape[-1]
-    eye = torch.eye(C, dtype=p.dtype, device=p.device).reshape(C, *([1] * (p.dim() - 1)), C)
-    root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
-
-    def ce_columns(a: int, b: int) -> torch.Tensor:
-        cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(-1, 2)  # (b - a, *out.shape)
-        return (cols if mask is None else cols * mask).to(out.dtype)
-
-    return C, ce_columns
+    return loss
 
 
 def _hessian_sqrt(loss: object, output: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -238,23 +197,7 @@ class ExactLossHessian(OutputCurvature):
         return self.loss.hvp(output, batch, u.unsqueeze(0))[0]
 
     def columns(self, state: LossAt, dtype: torch.dtype) -> tuple[int, Columns]:
-        out = state.output
-        w, mask = _reduction_weight(self.loss, out, state.batch, dtype)
-        if isinstance(self.loss, CrossEntropyOutputLoss):
-            return _cross_entropy_columns(out, w, mask, dtype)
-        if isinstance(self.loss, MSEOutputLoss):
-            diag = torch.full_like(out, 2.0) * w
-        else:
-            s = torch.sigmoid(out)
-            diag = s * (1 - s) * w
-        base = diag.sqrt().unsqueeze(0)
-        if out.dim() <= 1:
-            return 1, lambda a, b: base[a:b]
-        C = out.shape[-1]
-        eye = torch.eye(C, dtype=out.dtype, device=out.device).reshape(
-            C, *([1] * (out.dim() - 1)), C
-        )
-        return C, lambda a, b: base * eye[a:b]
+        return _columns_loss(self.loss).hessian_columns(state.output, state.batch, dtype)
 
     def sample_columns(self, state: LossAt) -> torch.Tensor:
         return _hessian_sqrt(self.loss, state.output, state.batch)
@@ -380,7 +323,7 @@ class MonteCarlo(OutputCurvature):
         )
 
     def columns(self, state: Draws, dtype: torch.dtype) -> tuple[int, Columns]:
-        w, _ = _reduction_weight(self.loss, state.output, state.batch, dtype)
+        w = _term_weight(self.loss, state.output, state.batch, dtype)
         sampled = (state.grads * (w / self.samples).sqrt()).to(state.output.dtype)
         return self.samples, lambda a, b: sampled[a:b]
 
@@ -417,11 +360,11 @@ class Empirical(MonteCarlo):
         with torch.enable_grad():
             (grad,) = torch.autograd.grad(self.loss(leaf, batch), leaf)  # type: ignore[operator]
         # the mean loss's gradient is w times a term's: divide the reduction's weight out
-        w, _ = _reduction_weight(self.loss, leaf, batch, grad.dtype)
+        w = _term_weight(self.loss, leaf, batch, grad.dtype)
         return Observed(output.detach(), batch, (grad / w).unsqueeze(0), grad)
 
     def columns(self, state: Observed, dtype: torch.dtype) -> tuple[int, Columns]:  # type: ignore[override]
-        w, _ = _reduction_weight(self.loss, state.output, state.batch, dtype)
+        w = _term_weight(self.loss, state.output, state.batch, dtype)
         column = (state.mean_grad / w.sqrt()).unsqueeze(0).to(state.output.dtype)
         return 1, lambda a, b: column[a:b]
 

@@ -167,6 +167,28 @@ class OutputHessianSqrtLoss(Protocol):
 
 
 @runtime_checkable
+class HessianColumnsLoss(Protocol):
+    """A loss of the output that factors its Hessian into batch-wide columns, for the Kronecker
+    factor pass (``KFACOperator``; ``loss_fns.output_curvature``).
+
+    ``loss.term_weight(output, batch, dtype)`` is the reduction's weight per loss term ``w``
+    (0-dim, ``dtype``; ``1/count`` for a mean) and the rows that count (``None``: all), so that
+    the mean loss's Hessian is ``w`` times the sum of the terms'. ``loss.hessian_columns(output,
+    batch, dtype)`` returns ``k`` and ``columns(start, stop) -> (stop - start, *output.shape)``,
+    columns ``s_c`` each covering every row of the batch, with ``Σ_c s_c s_cᵀ`` equal to the loss
+    Hessian within each row (terms between rows are not used). No graph.
+    """
+
+    def term_weight(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def hessian_columns(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[int, Callable[[int, int], torch.Tensor]]: ...
+
+
+@runtime_checkable
 class SampledFisherSqrtLoss(Protocol):
     """A :class:`SampledFisherLoss` that also gives the square root of its sampled Hessian
     ``H̃`` (what ``sampled_hvp`` applies), in the layout of
