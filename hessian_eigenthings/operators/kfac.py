@@ -272,7 +272,7 @@ class KFACOperator(_KFACFactors):
     """Kronecker-factored approximate curvature (KFAC) of the GGN / Fisher of a mean loss.
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
-    kfac_approx="expand", param_filter=None, mc_samples=1, seed=0, num_batches=None,
+    kfac_approx="expand", param_filter=None, mc_samples=1, seed=0, curvature=None, num_batches=None,
     separate_bias=True, exclude_unsupported=False, precision="fp32", column_chunk=16)``; the calling conventions
     of :class:`~hessian_eigenthings.operators.GGNOperator` (``forward_fn(model, batch) ->
     output``, ``loss_of_output_fn(output, batch) -> mean loss``).

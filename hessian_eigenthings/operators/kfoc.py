@@ -68,6 +68,7 @@ from torch import nn
 
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
 from hessian_eigenthings.operators.factor_pass import FactorPass, FisherType, Layer
@@ -131,7 +132,7 @@ class KFOCOperator(LayerKroneckerOperator):
     """Kronecker-factored optimal curvature: per layer, the ``G ⊗ A`` nearest the GGN block.
 
     ``KFOCOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
-    param_filter=None, mc_samples=1, seed=0, num_batches=None, separate_bias=True,
+    param_filter=None, mc_samples=1, seed=0, curvature=None, num_batches=None, separate_bias=True,
     exclude_unsupported=False, precision="fp32", column_chunk=16, weight_sharing="sample",
     max_iter=10, tol=1e-4)``:
     the arguments and conventions of :class:`~hessian_eigenthings.operators.KFACOperator`
@@ -163,6 +164,7 @@ class KFOCOperator(LayerKroneckerOperator):
         param_filter: ParamFilter | str | Sequence[str] | None = None,
         mc_samples: int = 1,
         seed: int = 0,
+        curvature: OutputCurvature | None = None,
         num_batches: int | None = None,
         separate_bias: bool = True,
         exclude_unsupported: bool = False,
@@ -199,6 +201,7 @@ class KFOCOperator(LayerKroneckerOperator):
             param_filter=param_filter,
             mc_samples=mc_samples,
             seed=seed,
+            curvature=curvature,
             num_batches=num_batches,
             separate_bias=separate_bias,
             exclude_unsupported=exclude_unsupported,

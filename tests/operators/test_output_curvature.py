@@ -28,6 +28,7 @@ from hessian_eigenthings.operators import (
     EmpiricalFisherOperator,
     GGNOperator,
     KFACOperator,
+    KFOCOperator,
 )
 
 CE = cross_entropy_loss_of_output()
@@ -85,6 +86,8 @@ def test_toy_variant_in_ggn_and_kfac_matches_dense_oracle() -> None:
     # one Linear layer, one sample: KFAC's Kronecker product is exact
     kfac = KFACOperator(model, data, supervised_forward, CE, curvature=toy).to_dense()
     torch.testing.assert_close(kfac, expected, rtol=1e-12, atol=1e-14)
+    kfoc = KFOCOperator(model, data, supervised_forward, CE, curvature=toy).to_dense()
+    torch.testing.assert_close(kfoc, expected, rtol=1e-10, atol=1e-12)
     # and it is not the GGN: the variant changed the matrix
     exact = GGNOperator(model, data, supervised_forward, CE).to_dense()
     assert not torch.allclose(exact, expected)
