@@ -6,12 +6,12 @@ the package needs to know about it without importing it:
 - ``hessian_eigenthings.memory.estimate_memory(operator=name, method=...)``
   reads :attr:`Curvature.memory` (NOTE [memory factors] in ``memory``);
 - the command line offers every row as ``--operator name`` and builds it with
-  :attr:`Curvature.build` from ``(model, dataloader, criterion)``; ``--method``
-  offers the union of the rows' :attr:`Curvature.methods`;
-- the built-in rows' classes (and their distributed twins) are exported from
-  ``hessian_eigenthings.operators`` and the top level and documented in the
-  API reference; ``tests/operators/test_registry.py`` fails for a row that
-  is not.
+  :attr:`Curvature.build` from ``(model, dataloader, criterion)`` (a builder of
+  ``operators.builders``, one per kind of loss argument, for the built-in rows);
+  ``--method`` offers the union of the rows' :attr:`Curvature.methods`;
+- ``hessian_eigenthings.operators`` and the top level export every row's class
+  (and its distributed twins) by name, from the row (NOTE [exports from the
+  registry]); ``tests/operators/test_registry.py`` checks every row for them.
 
 A new curvature is one module with a :class:`DataCurvatureOperator` subclass
 plus one :func:`register` call (docs/howto/new-curvature.md). A row with
@@ -50,8 +50,9 @@ __all__ = [
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: ``build(cls, model, dataloader, criterion, options) -> operator``: how the command line makes
 #: the operator from a model, a dataloader of ``(inputs, targets)`` and a criterion
-#: ``criterion(model(inputs), targets) -> mean loss``. ``options`` holds ``num_batches``,
-#: ``microbatch_size`` and, for rows with :attr:`Curvature.methods`, ``method``.
+#: ``criterion(model(inputs), targets) -> mean loss`` (the 0.x contract). ``options`` holds
+#: ``num_batches``, ``microbatch_size`` and, for rows with :attr:`Curvature.methods`, ``method``.
+#: A ``ValueError`` it raises is shown by the command line as a usage error.
 CLIBuilder = Callable[[type, nn.Module, Iterable[Any], Criterion, Mapping[str, Any]], Any]
 
 
@@ -77,9 +78,9 @@ class Curvature:
     operator: str | type
     title: str  # how output names it, e.g. "generalized Gauss-Newton (GGN)"
     description: str  # one line: what it is, for --help and the docs
-    #: how the command line builds it (a :data:`CLIBuilder` or "package.module:function");
-    #: ``hessian_eigenthings.cli`` has builders for operators of a mean loss, of the output's
-    #: loss and of per-sample losses
+    #: how the command line builds it: a :data:`CLIBuilder` or the import path
+    #: "package.module:function" of one; ``hessian_eigenthings.operators.builders`` has one per
+    #: kind of loss argument (a mean loss, the output's loss, per-sample losses, Kronecker factors)
     build: str | CLIBuilder
     #: one entry per method when ``methods`` is given (same order), else exactly one
     memory: tuple[MemoryFactors, ...]
@@ -152,7 +153,7 @@ def _resolve(ref: Any) -> Any:
 # -- the table ----------------------------------------------------------------
 
 _OPS = "hessian_eigenthings.operators"
-_CLI = "hessian_eigenthings.cli"
+_BUILD = f"{_OPS}.builders"
 
 #: The curvatures shipped with the library, in the order the CLI lists them.
 #: Factors: NOTE [memory factors] in ``hessian_eigenthings.memory``.
@@ -162,7 +163,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.hessian:HessianOperator",
         title="Hessian",
         description="Hessian of the mean loss, by a double backward or finite differences of gradients",
-        build=f"{_CLI}:build_from_loss",
+        build=f"{_BUILD}:build_from_loss",
         methods=("autograd", "finite_difference"),
         memory=(
             MemoryFactors(first_pass=1.0, per_vector=1.5, extra_vectors=1, label="autograd"),
@@ -180,7 +181,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.ggn:GGNOperator",
         title="generalized Gauss-Newton (GGN)",
         description="generalized Gauss-Newton Jᵀ H_out J: the Hessian without the model's second derivatives",
-        build=f"{_CLI}:build_from_loss_of_output",
+        build=f"{_BUILD}:build_from_loss_of_output",
         memory=(
             MemoryFactors(
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="Jacobian products"
@@ -193,7 +194,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.fisher:EmpiricalFisherOperator",
         title="empirical Fisher",
         description="empirical Fisher (1/N) Σ ∇ℓᵢ ∇ℓᵢᵀ of the per-sample losses",
-        build=f"{_CLI}:build_from_per_sample_loss",
+        build=f"{_BUILD}:build_from_per_sample_loss",
         memory=(
             MemoryFactors(
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="per-sample gradients"
@@ -206,7 +207,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.kfac:KFACOperator",
         title="KFAC (Kronecker-factored GGN)",
         description="KFAC: one Kronecker product G ⊗ A per Linear/Conv2d layer of the type-2 GGN",
-        build=f"{_CLI}:build_kronecker_factored",
+        build=f"{_BUILD}:build_kronecker_factored",
         memory=(
             MemoryFactors(
                 first_pass=17.0, per_vector=0.0, extra_vectors=8, label="Kronecker factors"
@@ -219,7 +220,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.kfac:EKFACOperator",
         title="EKFAC (eigenvalue-corrected KFAC)",
         description="EKFAC: KFAC's eigenbases with eigenvalues refit to the per-sample gradients",
-        build=f"{_CLI}:build_kronecker_factored",
+        build=f"{_BUILD}:build_kronecker_factored",
         memory=(
             MemoryFactors(
                 first_pass=39.0,
@@ -235,7 +236,7 @@ BUILTIN: tuple[Curvature, ...] = (
         operator=f"{_OPS}.kfoc:KFOCOperator",
         title="KFOC (nearest Kronecker product of the GGN blocks)",
         description="KFOC: the G ⊗ A nearest each Linear/Conv2d layer's type-2 GGN block",
-        build=f"{_CLI}:build_kronecker_factored",
+        build=f"{_BUILD}:build_kronecker_factored",
         memory=(
             MemoryFactors(
                 first_pass=31.0,

@@ -23,6 +23,7 @@ from torch import nn
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators import DataCurvatureOperator
+from hessian_eigenthings.operators.builders import build_from_loss
 from hessian_eigenthings.operators.registry import Curvature, MemoryFactors
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -105,7 +106,7 @@ ROW = Curvature(
     operator=BatchGradientOuterProduct,
     title="batch-gradient outer product",
     description="Σ n_b g_b g_bᵀ / N over the batches' mean-loss gradients (a test-only toy)",
-    build="hessian_eigenthings.cli:build_from_loss",
+    build=build_from_loss,
     memory=(
         MemoryFactors(first_pass=1.0, per_vector=0.0, extra_vectors=1, label="batch gradients"),
     ),
