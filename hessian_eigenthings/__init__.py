@@ -81,6 +81,7 @@ from hessian_eigenthings.operators import (
     RandomForwardWarning,
     TransposedJacobianOperator,
 )
+from hessian_eigenthings.operators import registry as _registry
 from hessian_eigenthings.param_utils import (
     ParamFilter,
     ParamFilterWarning,
@@ -180,10 +181,21 @@ __all__ = [
 ]
 
 
+# every registry row's classes, also those not imported above (NOTE [exports from the registry])
+_registry.export_into(__all__)
+
+
 def __getattr__(attr: str) -> object:
     # `he.testing` (dense oracles, check_operator) without importing it with the package
     if attr == "testing":
         import importlib
 
         return importlib.import_module("hessian_eigenthings.testing")
+    cls = _registry.exported_class(attr)
+    if cls is not None:
+        return cls
     raise AttributeError(f"module 'hessian_eigenthings' has no attribute {attr!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

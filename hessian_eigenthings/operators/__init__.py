@@ -2,6 +2,7 @@
 (KFAC, EKFAC, KFOC), and their algebra."""
 
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn, PerSampleLossFn
+from hessian_eigenthings.operators import registry
 from hessian_eigenthings.operators.algebra import (
     LinearCombinationOperator,
     RectangularSubmatrix,
@@ -74,3 +75,16 @@ __all__ = [
     "SubmatrixOperator",
     "TransposedJacobianOperator",
 ]
+# every registry row's classes, also those not imported above (NOTE [exports from the registry])
+registry.export_into(__all__)
+
+
+def __getattr__(name: str) -> type:
+    cls = registry.exported_class(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

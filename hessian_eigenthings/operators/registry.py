@@ -42,6 +42,9 @@ __all__ = [
     "MemoryFactors",
     "curvature",
     "curvatures",
+    "export_into",
+    "exported_class",
+    "exported_names",
     "names",
     "register",
     "unregister",
@@ -126,6 +129,10 @@ class Curvature:
     def distributed_classes(self) -> tuple[type, ...]:
         return tuple(_resolve(c) for c in self.distributed)
 
+    def class_names(self) -> tuple[str, ...]:
+        """The names its operator and distributed twins are exported under (nothing imported)."""
+        return tuple(_name_of(ref) for ref in (self.operator, *self.distributed))
+
     def memory_factors(self, method: str | None = None) -> MemoryFactors:
         """The factors of ``method`` (default: the first); rows without methods have one set."""
         if not self.methods or method is None:
@@ -148,6 +155,10 @@ def _resolve(ref: Any) -> Any:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _name_of(ref: str | type) -> str:
+    return ref.rpartition(":")[2].rpartition(".")[2] if isinstance(ref, str) else ref.__name__
 
 
 # -- the table ----------------------------------------------------------------
@@ -273,9 +284,57 @@ def curvature(name: str) -> Curvature:
     return row
 
 
+# NOTE [exports from the registry]: ``hessian_eigenthings.operators`` and the top level export
+# every row's classes from the row, so a curvature shipped with the library needs no line in
+# either ``__init__``: each hands its ``__all__`` to :func:`export_into`, which appends the rows'
+# class names (and keeps them in step with register/unregister), and its module ``__getattr__``
+# imports a row's class on first access through :func:`exported_class`. The shipped operators
+# are also imported explicitly there, for type checkers and IDEs (a module ``__getattr__`` is
+# invisible to them); the rows are the source of truth, which tests/operators/test_registry.py
+# checks. A name the package already exports otherwise is never taken over by a row.
+_SURFACES: list[tuple[list[str], set[str]]] = []  # (a package's __all__, the names rows added)
+
+
+def exported_names() -> tuple[str, ...]:
+    """The class names of every row's operator and distributed twins, in table order."""
+    return tuple(dict.fromkeys(n for row in _TABLE.values() for n in row.class_names()))
+
+
+def exported_class(name: str) -> type | None:
+    """The row class exported as ``name`` (imported on first use), or ``None``."""
+    for row in _TABLE.values():
+        for ref in (row.operator, *row.distributed):
+            if _name_of(ref) == name:
+                cls = _resolve(ref)
+                if not isinstance(cls, type):
+                    raise TypeError(f"curvature {row.name!r}: {ref!r} is not a class")
+                return cls
+    return None
+
+
+def export_into(names: list[str]) -> None:
+    """Keep ``names`` (a package's ``__all__``) listing every row's class names, now and after
+    each :func:`register` / :func:`unregister` (NOTE [exports from the registry])."""
+    _SURFACES.append((names, set()))
+    _sync_exports()
+
+
+def _sync_exports() -> None:
+    wanted = exported_names()
+    for names, added in _SURFACES:
+        for name in sorted(added - set(wanted)):
+            names.remove(name)
+            added.discard(name)
+        for name in wanted:
+            if name not in names:
+                names.append(name)
+                added.add(name)
+
+
 def register(row: Curvature, *, replace: bool = False) -> Curvature:
     """Add a curvature to the table, so that ``estimate_memory(operator=row.name)`` and the
-    command line's ``--operator row.name`` (for parsers built afterwards) know it.
+    command line's ``--operator row.name`` (for parsers built afterwards) know it, and
+    ``hessian_eigenthings.operators`` and the top level export its classes by name.
 
     ``replace=True`` overwrites an earlier registration of the same name; the built-in
     rows cannot be replaced. Returns ``row``.
@@ -288,7 +347,15 @@ def register(row: Curvature, *, replace: bool = False) -> Curvature:
         raise ValueError(
             f"curvature {row.name!r} is already registered; pass replace=True to overwrite it"
         )
+    taken = {n: r.name for r in _TABLE.values() if r.name != row.name for n in r.class_names()}
+    clashes = [f"{n} (curvature {taken[n]!r})" for n in row.class_names() if n in taken]
+    if clashes:
+        raise ValueError(
+            f"curvature {row.name!r}: its classes are exported by name, and these names are "
+            f"taken: {', '.join(clashes)}; rename the class"
+        )
     _TABLE[row.name] = row
+    _sync_exports()
     return row
 
 
@@ -299,3 +366,4 @@ def unregister(name: str) -> None:
     if name not in _TABLE:
         raise ValueError(f"curvature {name!r} is not registered")
     del _TABLE[name]
+    _sync_exports()

@@ -95,14 +95,34 @@ def toy() -> Iterator[Curvature]:
         registry.unregister(ROW.name)
 
 
-def test_a_row_without_exports_fails_the_wiring_check(toy: Curvature) -> None:
-    # the toy is registered (so the CLI offers it) but exported and documented nowhere
-    gaps = wiring_gaps(toy)
-    assert gaps == [
-        "BatchGradientOuterProduct not exported from hessian_eigenthings.operators",
-        "BatchGradientOuterProduct not exported from hessian_eigenthings",
+def test_a_registered_row_is_wired_by_its_row_alone(toy: Curvature) -> None:
+    # registered at test time, named nowhere else: exported, a CLI choice and built from the row
+    assert wiring_gaps(toy) == [
         "BatchGradientOuterProduct not in docs/reference/operators.md",
     ]
+    for package in (ops, he):
+        assert package.BatchGradientOuterProduct is BatchGradientOuterProduct
+        assert "BatchGradientOuterProduct" in package.__all__
+        assert "BatchGradientOuterProduct" in dir(package)
+        namespace: dict[str, object] = {}
+        exec(f"from {package.__name__} import *", namespace)
+        assert namespace["BatchGradientOuterProduct"] is BatchGradientOuterProduct
+    registry.unregister(toy.name)
+    try:
+        for package in (ops, he):
+            assert "BatchGradientOuterProduct" not in package.__all__
+            assert not hasattr(package, "BatchGradientOuterProduct")
+        assert "HessianOperator" in ops.__all__ and "HessianOperator" in he.__all__
+    finally:
+        registry.register(toy)
+
+
+def test_a_row_class_name_taken_by_another_row_is_refused(toy: Curvature) -> None:
+    twin = type("HessianOperator", (BatchGradientOuterProduct,), {})
+    with pytest.raises(ValueError, match=r"taken: HessianOperator \(curvature 'hessian'\)"):
+        registry.register(Curvature(**{**vars(toy), "name": "twin", "operator": twin}))
+    assert "twin" not in registry.names()
+    assert he.HessianOperator is registry.curvature("hessian").operator_class()
 
 
 def test_lookups_and_registration_errors(toy: Curvature) -> None:
