@@ -20,8 +20,8 @@ arguments and returns ``(model, dataloader, criterion)``:
   e.g. ``nn.CrossEntropyLoss()`` (the 0.x contract).
 
 The package: ``parser`` (the options), ``problems`` (the built-in problem, a user's
-``--model`` and its data), ``builders`` (operators from ``(model, dataloader, criterion)``,
-named by the curvature registry), ``run`` (the computation and ``main``), ``plots`` and
+``--model`` and its data), ``builders`` (the operator of ``--operator``, by its registry row's
+builder), ``run`` (the computation and ``main``), ``plots`` and
 ``output`` (figures, JSON and where they go).
 """
 
