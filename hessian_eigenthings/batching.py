@@ -64,6 +64,56 @@ def iter_tensors(batch: Batch) -> Iterator[torch.Tensor]:
             yield from iter_tensors(item)
 
 
+def batch_leaves(batch: Batch) -> list[Any]:
+    """The leaves of a batch in order (tensors, other values, and a mapping's keys)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        out: list[Any] = []
+        for k in batch.keys():
+            out.append(k)
+            out.extend(batch_leaves(batch[k]))
+        return out
+    if isinstance(batch, (tuple, list)):
+        out = []
+        for b in batch:
+            out.extend(batch_leaves(b))
+        return out
+    return [batch]
+
+
+def batch_key(batch: Batch) -> tuple[list[Any], tuple[int, ...]]:
+    """Leaves of a batch and the version counters of its tensors (NOTE [graph reuse] in
+    ``operators.graph_reuse``: what a kept state was built from)."""
+    leaves = batch_leaves(batch)
+    return leaves, tuple(x._version for x in leaves if isinstance(x, torch.Tensor))
+
+
+def same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
+    """Whether ``batch`` is the one ``kept`` (its ``batch_key``) was taken of: the same tensors at
+    the same versions, else equal contents (a device comparison only for tensors that are other
+    objects than the kept ones)."""
+    old_leaves, old_versions = kept
+    new_leaves = batch_leaves(batch)
+    if len(old_leaves) != len(new_leaves):
+        return False
+    versions = iter(old_versions)
+    for x, y in zip(old_leaves, new_leaves, strict=True):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            version = next(versions)
+            if x is y:
+                if x._version != version:
+                    return False  # modified in place since the graph was built
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+                return False
+            if x._version != version or not torch.equal(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            return False
+    return True
+
+
 def batch_size(batch: Batch) -> int:
     """Number of samples in a batch: leading dimension of its first tensor."""
     t = _first_tensor(batch)

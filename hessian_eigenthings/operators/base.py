@@ -18,9 +18,11 @@ and the runner that ``engines.EngineSelector`` chose (how products run:
 protocol itself (:class:`CurvatureOperator`, :class:`LambdaOperator`) is
 ``operators.protocol``, re-exported here.
 
-One product on a kept state: protocol (validation) → ``_matmat_rows`` (the
-binding check) → ``_pass`` (model guard in, one loop over the data: reuse key,
-runner, weighted copy into the buffer, model guard out).
+One product on a kept state, in four files of ``operators/``: protocol
+(validation) → ``_matmat_rows`` (the binding check) → ``_pass`` (model guard in,
+which reads the model's reuse key once; one loop over the data: the kept state's
+check, ``kept_state``, the runner (the curvature's module or its engine), the
+weighted copy into the buffer; model guard out).
 
 Cost per product: whatever the subclass's per-batch product costs, plus one
 copy of the result into a flat buffer; no ``torch.cat``, no host sync.
@@ -38,12 +40,14 @@ from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import (
     Batch,
     batch_size,
+    same_batch,
     split_batch,
     to_device,
 )
 from hessian_eigenthings.operators.cuda_graphs import RNG_RESTORABLE, FlatProduct, Product
 from hessian_eigenthings.operators.data_setup import DataOperatorSetup, DataOptions
 from hessian_eigenthings.operators.engines.runner import ProductRunner
+from hessian_eigenthings.operators.graph_reuse import KeptState, StateCache
 from hessian_eigenthings.operators.model_guard import (
     RandomForwardWarning,
     preserve_model,
@@ -188,6 +192,8 @@ class DataCurvatureOperator(DataOperatorSetup):
             and RNG_RESTORABLE
             and (runner.traced or self.supports_cuda_graphs)
         )
+        # the model's reuse key, read once per pass under its switches when a state is kept
+        key = bool(self._states.entries) and self._reuse_enabled()
         rows = RowBlock(self.layout, V)
         out_rows = RowBlock(self.layout, out)
         if graphs:
@@ -195,8 +201,8 @@ class DataCurvatureOperator(DataOperatorSetup):
         count = 0
         total = 0.0
         math_sdpa = self.needs_double_backward or runner.traced
-        with self.guard.product(self.precision, double_backward=math_sdpa):
-            for product, size in self._contributions(rows, runner, graphs):
+        with self.guard.product(self.precision, double_backward=math_sdpa, key=key) as model:
+            for product, size in self._contributions(rows, runner, graphs, model):
                 if size == 0:
                     continue  # no samples to average over (NOTE [empty batches])
                 if count == 1:
@@ -268,10 +274,11 @@ class DataCurvatureOperator(DataOperatorSetup):
         return prepare
 
     def _contributions(
-        self, rows: RowBlock, runner: ProductRunner, graphs: bool
+        self, rows: RowBlock, runner: ProductRunner, graphs: bool, model: tuple[Any, ...] | None
     ) -> Iterator[tuple[Product, float]]:
         """``(product, weight)`` of every chunk of one pass (weight: its samples, see ``_weight``).
-        A chunk whose state is kept costs its product and the reuse key's check (NOTE [reuse key])."""
+        A chunk whose state is kept costs its product and the reuse key's check (NOTE [reuse key];
+        ``model``: the model's part, read by the guard's scope, ``None`` when no state is kept)."""
         self.chunk_position = -1  # which chunk of the pass is being computed (0, 1, ...)
         counts = self.counts
         if not self._reuse_enabled():
@@ -287,7 +294,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             source.batches() if source.full_dataset else self._empty.filter(source)
         ):
             seen += 1
-            entry = states.get((position, 0), raw)
+            entry = kept_state(states, (position, 0), raw, model)
             if entry is None and batch_size(raw) == 0:
                 skipped += 1
                 continue
@@ -298,7 +305,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             for c in range(n_chunks):
                 self.chunk_position += 1
                 if c:
-                    entry = states.get((position, c), raw)
+                    entry = kept_state(states, (position, c), raw, model)
                 if entry is not None:
                     if graphs:
                         product = self.recorder.apply_kept(runner, entry, rows)
@@ -343,3 +350,16 @@ class DataCurvatureOperator(DataOperatorSetup):
     def _samples(self, chunk: Batch) -> int:
         """Samples in a chunk (the empirical Fisher counts tokens for a per-token loss)."""
         return batch_size(chunk)
+
+
+def kept_state(
+    states: StateCache, key: tuple[int, int], raw: Batch, model: tuple[Any, ...] | None
+) -> KeptState | None:
+    """The kept state of chunk ``key`` if it still answers for the model (``model``, its key) and
+    the batch ``raw`` (NOTE [reuse key]); a stale one is dropped. Checked here, in the data loop:
+    a product on a kept state enters no other collaborator than the guard."""
+    entry = states.entries.get(key)
+    if entry is None or (entry.versions == model and same_batch(entry.raw, raw)):
+        return entry
+    states.drop(key)
+    return None

@@ -21,15 +21,10 @@ from torch import nn
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
-from hessian_eigenthings.batching import Batch, map_tensors
+from hessian_eigenthings.batching import Batch, batch_leaves, map_tensors
 from hessian_eigenthings.operators.engines.runner import ProductCounts, ProductRunner
-from hessian_eigenthings.operators.graph_reuse import (
-    KeptState,
-    StateCache,
-    batch_leaves,
-    model_tensors,
-)
-from hessian_eigenthings.operators.model_guard import ModelGuard
+from hessian_eigenthings.operators.graph_reuse import KeptState, StateCache
+from hessian_eigenthings.operators.model_guard import ModelGuard, model_tensors
 from hessian_eigenthings.operators.protocol import same_device
 from hessian_eigenthings.param_utils import RowBlock
 

@@ -2,15 +2,17 @@
 program's primal values) kept across products while nothing it read changed.
 
 :class:`StateCache` holds the kept states of one operator, keyed by the
-position of their chunk in a pass, checks each against the reuse key on every
-product (NOTE [reuse key]: host integers only, no tensor reads), and bounds
-them by count and bytes (NOTE [graph reuse]).
+position of their chunk in a pass, and bounds them by count and bytes (NOTE
+[graph reuse]). Each is checked against the reuse key on every product (NOTE
+[reuse key]: host integers only, no tensor reads) by the data loop
+(``base.kept_state``), with the model's part that the model guard's scope reads
+once per pass (``model_guard.model_key``) and the batch's (``batching.same_batch``):
+a steady product does not enter this module.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +20,23 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
-from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.batching import Batch, batch_key, batch_leaves, same_batch
+from hessian_eigenthings.operators.model_guard import (
+    model_key,
+    model_tensors,
+    watch_optimizer_steps,
+)
+
+__all__ = [
+    "KeptState",
+    "StateCache",
+    "batch_key",
+    "batch_leaves",
+    "model_tensors",
+    "parameter_norms",
+    "same_batch",
+    "watch_optimizer_steps",
+]
 
 # NOTE [reuse key]
 # A kept state (any engine's) answers for the model only while nothing it read
@@ -47,23 +65,7 @@ from hessian_eigenthings.batching import Batch
 #   before its products — compares them with the current norms (one sync per
 #   algorithm call) and drops the states that no longer match. A `.data` write
 #   between two bare `op @ v` calls is not seen: call `op.clear_cache()` then.
-_optimizer_steps = 0
-_hook_registered = False
-
-
-def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def watch_optimizer_steps() -> None:
-    """Register the step counter of NOTE [updates that keep the version] (once per process)."""
-    global _hook_registered
-    if not _hook_registered:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        register_optimizer_step_post_hook(_count_step)
-        _hook_registered = True
+# (the counter and `watch_optimizer_steps` are model_guard's: the model's key reads it)
 
 
 def parameter_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -104,60 +106,6 @@ class KeptState:
     replays: dict[int, Any] = field(default_factory=dict)
 
 
-def model_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of ``modules`` (each module's own, in registration order):
-    what a product reads besides the batch."""
-    for m in modules:
-        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
-            if t is not None:
-                yield t
-
-
-def batch_leaves(batch: Batch) -> list[Any]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
-        out: list[Any] = []
-        for k in batch.keys():
-            out.append(k)
-            out.extend(batch_leaves(batch[k]))
-        return out
-    if isinstance(batch, (tuple, list)):
-        out = []
-        for b in batch:
-            out.extend(batch_leaves(b))
-        return out
-    return [batch]
-
-
-def batch_key(batch: Batch) -> tuple[list[Any], tuple[int, ...]]:
-    """Leaves of a batch and the version counters of its tensors, for NOTE [graph reuse]."""
-    leaves = batch_leaves(batch)
-    return leaves, tuple(x._version for x in leaves if isinstance(x, torch.Tensor))
-
-
-def same_batch(kept: tuple[list[Any], tuple[int, ...]], batch: Batch) -> bool:
-    old_leaves, old_versions = kept
-    new_leaves = batch_leaves(batch)
-    if len(old_leaves) != len(new_leaves):
-        return False
-    versions = iter(old_versions)
-    for x, y in zip(old_leaves, new_leaves, strict=True):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            version = next(versions)
-            if x is y:
-                if x._version != version:
-                    return False  # modified in place since the graph was built
-                continue
-            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-                return False
-            if x._version != version or not torch.equal(x, y):
-                return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
-            return False
-    return True
-
-
 class StateCache:
     """The kept states of one operator over ``modules`` (the model's) on ``device``: at most
     ``max_batches``, holding at most ``memory_budget`` bytes on CUDA (default a quarter of the
@@ -190,16 +138,9 @@ class StateCache:
         self.unkept_bytes = 0
 
     def versions(self) -> tuple[Any, ...]:
-        """The reuse key's model part, see NOTE [reuse key]."""
-        modules = self.modules
-        tensors = tuple((id(t), t._version) for t in model_tensors(modules))
-        # the global switches a product's numbers depend on (NOTE [product precision] in model_guard)
-        precision = (
-            bool(torch.backends.cuda.matmul.allow_tf32),
-            bool(torch.backends.cudnn.allow_tf32),
-            torch.get_float32_matmul_precision(),
-        )
-        return tensors, tuple(m.training for m in modules), precision, _optimizer_steps
+        """The reuse key's model part, see NOTE [reuse key] (``model_guard.model_key``; a pass
+        reads it once, entering the guard's scope)."""
+        return model_key(self.modules)
 
     def drop_changed(self) -> int:
         """Drop the kept states whose parameters' norms changed since they were built (writes
@@ -218,16 +159,10 @@ class StateCache:
         """Every parameter and floating-point buffer of the model (what a kept state read)."""
         return [t for t in model_tensors(self.modules) if t.is_floating_point()]
 
-    def get(self, key: tuple[int, int], raw: Batch) -> KeptState | None:
-        """The kept state of chunk ``key`` if it still answers for the model and ``raw``."""
-        entry = self.entries.get(key)
-        if entry is None:
-            return None
-        if entry.versions != self.versions() or not same_batch(entry.raw, raw):
-            self.nbytes -= entry.nbytes
-            del self.entries[key]
-            return None
-        return entry
+    def drop(self, key: tuple[int, int]) -> None:
+        """Forget the state of chunk ``key`` (it no longer answers for the model or its batch:
+        the data loop checks, NOTE [reuse key])."""
+        self.nbytes -= self.entries.pop(key).nbytes
 
     def budget(self) -> int | None:
         if self.memory_budget is not None or self.device.type != "cuda":

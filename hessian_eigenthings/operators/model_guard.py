@@ -13,10 +13,11 @@ Cost per pass of products: a few attribute reads and writes on the host, no devi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -84,6 +85,48 @@ def product_precision(precision: Precision) -> Iterator[None]:
             restore_precision(saved)
 
 
+# The optimizer step counter of NOTE [updates that keep the version] (graph_reuse): part of the
+# model's key below.
+_optimizer_steps = 0
+_hook_registered = False
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Register the step counter of NOTE [updates that keep the version] (once per process)."""
+    global _hook_registered
+    if not _hook_registered:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_count_step)
+        _hook_registered = True
+
+
+def model_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of ``modules`` (each module's own, in registration order):
+    what a product reads besides the batch."""
+    for m in modules:
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None:
+                yield t
+
+
+def model_key(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The model's part of the reuse key (NOTE [reuse key] in graph_reuse): host integers only."""
+    tensors = tuple((id(t), t._version) for t in model_tensors(modules))
+    # the global switches a product's numbers depend on (NOTE [product precision])
+    precision = (
+        bool(torch.backends.cuda.matmul.allow_tf32),
+        bool(torch.backends.cudnn.allow_tf32),
+        torch.get_float32_matmul_precision(),
+    )
+    return tensors, tuple(m.training for m in modules), precision, _optimizer_steps
+
+
 class RandomForwardWarning(UserWarning):
     """The model draws random numbers in its forward (dropout in training mode)."""
 
@@ -108,7 +151,7 @@ def preserve_model(
     *,
     double_backward: bool = False,
     modules: Sequence[nn.Module] | None = None,
-) -> contextlib.AbstractContextManager[None]:
+) -> _ProductScope:
     """Run a product and leave ``model`` exactly as it was.
 
     Enables ``requires_grad`` on selected frozen parameters for the duration
@@ -154,10 +197,14 @@ class ModelGuard:
         self.modules: list[nn.Module] = list(model.modules())
         self.random_said = False
 
-    def product(self, precision: Precision, *, double_backward: bool) -> _ProductScope:
+    def product(
+        self, precision: Precision, *, double_backward: bool, key: bool = False
+    ) -> _ProductScope:
         """One pass of products: the precision switches and the model restored afterwards
-        (``preserve_model`` and ``product_precision`` as one scope: one call in, one out)."""
-        return _ProductScope(self.params, self.modules, precision, double_backward)
+        (``preserve_model`` and ``product_precision`` as one scope: one call in, one out). With
+        ``key``, entering it gives the model's reuse key (:func:`model_key`) under the pass's
+        switches, read once for the pass's kept-state checks; else ``None``."""
+        return _ProductScope(self.params, self.modules, precision, double_backward, key)
 
     def private_buffers(self) -> contextlib.AbstractContextManager[None]:
         """One forward with private copies of the training modules' buffers."""
@@ -206,20 +253,24 @@ class _ProductScope:
         modules: Sequence[nn.Module],
         precision: Precision | None,
         double_backward: bool,
+        key: bool = False,
     ) -> None:
         self.params = params
         self.modules = modules
         self.precision = precision
+        self.key = key
         self.sdpa = _torch_compat.math_sdpa() if double_backward else None
         self.saved: tuple[str | None, bool] | None = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> tuple[Any, ...] | None:
         self.frozen = [p for p in self.params if not p.requires_grad]
         self.modes = [m.training for m in self.modules]
         if self.precision is not None:
             self.saved = switch_precision(self.precision)
         for p in self.frozen:
             p.requires_grad_(True)
+        # read before the SDPA switch, whose context calls out of this module
+        key = model_key(self.modules) if self.key else None
         try:
             if self.sdpa is not None:
                 self.sdpa.__enter__()
@@ -227,6 +278,7 @@ class _ProductScope:
             self.sdpa = None
             self.__exit__(None, None, None)
             raise
+        return key
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
