@@ -40,7 +40,8 @@ def hops(op: Any, v: torch.Tensor) -> tuple[int, list[str], int]:
     return changes, files, len(trail)
 
 
-def main() -> None:
+def measure(engine: str) -> dict[str, Any]:
+    """The module changes, calls and modules of one steady product on ``engine``."""
     import hessian_eigenthings as he
 
     torch.manual_seed(0)
@@ -49,25 +50,24 @@ def main() -> None:
     ).double()
     data = [(torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 3, (32,)))]
     loss = he.supervised_loss(nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        op = he.HessianOperator(model, data, loss, engine=engine)
+        v = torch.randn(op.size, dtype=torch.float64)
+        changes, files, calls = hops(op, v)
+    operators_files = [f for f in files if f.startswith("hessian_eigenthings.operators")]
+    return {
+        "engine": engine,
+        "module_changes": changes,
+        "calls": calls,
+        "operators_modules": operators_files,
+        "modules": files,
+    }
+
+
+def main() -> None:
     for engine in ("auto", "autograd", "functional", "compiled"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            op = he.HessianOperator(model, data, loss, engine=engine)
-            v = torch.randn(op.size, dtype=torch.float64)
-            changes, files, calls = hops(op, v)
-        operators_files = [f for f in files if f.startswith("hessian_eigenthings.operators")]
-        print(
-            json.dumps(
-                {
-                    "engine": engine,
-                    "module_changes": changes,
-                    "calls": calls,
-                    "operators_modules": operators_files,
-                    "modules": files,
-                }
-            ),
-            flush=True,
-        )
+        print(json.dumps(measure(engine)), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.operators.engines.functional import FunctionalRunner
-from hessian_eigenthings.operators.engines.tracing import SplitProgram
+from hessian_eigenthings.operators.engines.tracing import SplitProgram, SplitState
 
 
 class CompileFallbackWarning(RuntimeWarning):
@@ -63,17 +63,27 @@ class CompiledRunner(FunctionalRunner):
         self.num_compilations = 0
         self.num_fallbacks = 0
 
+    def apply(
+        self, state: SplitState, vecs: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
+        """One direction on a program compiled for it: the compiled tangent part, called here;
+        else (a block, not compiled yet, or fallen back) ``FunctionalRunner.apply``, which calls
+        :meth:`run`. The same call either way, one module fewer on the steady product."""
+        prog = state.program
+        fn = prog.compiled.get(1) if vecs[0].shape[0] == 1 else None
+        if fn is None:
+            return super().apply(state, vecs, retain)
+        with torch.no_grad():
+            out = fn(*laid_out(prog, (*state.kept, *(v[0] for v in vecs))))
+        return [o.unsqueeze(0) for o in out]  # (1, *shape) each
+
     def run(
         self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]
     ) -> Sequence[torch.Tensor]:
         fn = prog.compiled.get(k, ...)
         if fn is None:
             return super().run(prog, k, args)
-        # The compiled code assumes the layouts it was compiled for. Kept values come out of the
-        # same primal graph every time (same layouts, passed as they are: no copy per product);
-        # directions are views of the caller's block, made contiguous (a copy only for k > 1).
-        m = prog.num_kept
-        args = args[:m] + tuple(a if a.is_contiguous() else a.contiguous() for a in args[m:])
+        args = laid_out(prog, args)
         if fn is not ...:
             return fn(*args)
         if self.num_compilations >= MAX_COMPILATIONS:
@@ -130,6 +140,14 @@ class CompiledRunner(FunctionalRunner):
             fallbacks=self.num_fallbacks,
         )
         return out
+
+
+def laid_out(prog: SplitProgram, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``args`` in the layouts the compiled code assumes. Kept values come out of the same primal
+    graph every time (same layouts, passed as they are: no copy per product); directions are
+    views of the caller's block, made contiguous (a copy only for k > 1)."""
+    m = prog.num_kept
+    return args[:m] + tuple(a if a.is_contiguous() else a.contiguous() for a in args[m:])
 
 
 # NOTE [views the compiler may not keep]
