@@ -870,3 +870,35 @@ def test_kronecker_factored_operators_use_their_exact_eigh_and_trace(
     assert res["trace"]["estimate"] == pytest.approx(float(dense.trace()), rel=1e-10)
     assert res["total_matvecs"] == 0
     assert "exact eigendecomposition" in text and "trace (exact" in text
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_kronecker_factored_landscape_uses_exact_eigenvectors(
+    tmp_path: Path, user_module: Path, which: str
+) -> None:
+    """--operator kfac --landscape: the directions are the factors' exact eigenvectors (no
+    product at all), each an eigenvector of the dense operator for the reported eigenvalue."""
+    args = ["--model", f"{user_module}:make", "--dtype", "float64", "--operator", "kfac", "-q"]
+    args += ["--no-plot", "-o", str(tmp_path), "-k", "2", "--which", which, "--trace-matvecs", "0"]
+    args += ["--slq-runs", "0", "--landscape", "2d", "--landscape-steps", "3"]
+    assert cli.main(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["eigenvectors"] == {"method": "eigh", "matvecs": 0} and res["total_matvecs"] == 0
+    model, data, criterion = _load(user_module)
+    model = model.double()
+    data = [(x.double(), y) for x, y in data]
+    op = he.KFACOperator(model, data, he.supervised_forward, he.supervised_loss_of_output(criterion))
+    dense = op.to_dense()
+    values = torch.linalg.eigvalsh(dense)
+    wanted = values.flip(0)[:2] if which == "LA" else values[:2]
+    from hessian_eigenthings.cli.run import _exact_eigenpairs
+
+    eig = _exact_eigenpairs(op, 2, which)
+    torch.testing.assert_close(eig.eigenvalues, wanted, rtol=1e-10, atol=1e-13)
+    for lam, u in zip(eig.eigenvalues, eig.eigenvectors, strict=True):
+        assert float(u.norm()) == pytest.approx(1.0, rel=1e-12)
+        torch.testing.assert_close(dense @ u, lam * u, rtol=0, atol=1e-10 * float(values.abs().max()))
+    ref = he.loss_landscape(
+        model, data, he.supervised_loss(criterion), directions=eig, dims=2, span=1.0, steps=3
+    )
+    np.testing.assert_allclose(np.array(res["landscape"]["losses"]), ref.losses.numpy(), rtol=1e-10)

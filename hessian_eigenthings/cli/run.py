@@ -101,14 +101,36 @@ def _memory_estimate(
     )
 
 
+def _wanted_positions(values: torch.Tensor, k: int, which: str) -> torch.Tensor:
+    """Positions in ``values`` (ascending) of the ``k`` wanted eigenvalues, most wanted first."""
+    n = values.shape[0]
+    if which == "LA":
+        return torch.arange(n - 1, n - 1 - min(k, n), -1)
+    if which == "SA":
+        return torch.arange(min(k, n))
+    return values.abs().argsort(descending=True, stable=True)[:k]
+
+
 def _exact_eigenvalues(op: Any, k: int, which: str) -> torch.Tensor:
     """The ``k`` wanted eigenvalues of the operator's own eigendecomposition, most wanted first."""
     values = op.eigh().eigenvalues.detach().to("cpu", torch.float64)  # (n,) ascending
-    if which == "LA":
-        return values.flip(0)[:k]
-    if which == "SA":
-        return values[:k]
-    return values[values.abs().argsort(descending=True, stable=True)[:k]]
+    return values[_wanted_positions(values, k, which)]
+
+
+def _exact_eigenpairs(op: Any, k: int, which: str) -> EigenResult:
+    """The ``k`` wanted eigenpairs of a Kronecker-factored operator from its factors'
+    eigendecompositions (``eigh().locate`` and ``eigenvector``): exact, no product."""
+    eigen = op.eigh()
+    values = eigen.eigenvalues.detach().to("cpu", torch.float64)  # (n,) ascending
+    positions = _wanted_positions(values, k, which)
+    vectors = torch.stack([op.eigenvector(*eigen.locate(int(p))) for p in positions])
+    return EigenResult(
+        eigenvalues=values[positions],
+        eigenvectors=vectors,
+        residuals=torch.zeros(len(positions), dtype=torch.float64),
+        iterations=0,
+        converged=torch.ones(len(positions), dtype=torch.bool),
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,8 +291,8 @@ def _eigenvalues(s: _Steps) -> tuple[torch.Tensor, EigenResult | None, bool]:
     # (eigendecompositions of its small factors, computed once): its eigenvalues and trace are
     # exact and cost no product, where Lanczos spent 187 products for k = 50 and Hutch++ only
     # estimates. The spectral density stays SLQ (a smoothed histogram of all n eigenvalues
-    # would be the same picture, but SLQ is what the other operators show); a landscape needs
-    # eigenvectors, which Lanczos gives in the operator's flat layout.
+    # would be the same picture, but SLQ is what the other operators show); a landscape's
+    # eigenvectors come from the same decomposition (`eigenvector`, in the flat layout).
     exact = registry.curvature(args.operator).factored and callable(getattr(op, "eigh", None))
     eig: EigenResult | None = None
     if exact:
@@ -288,44 +310,38 @@ def _eigenvalues(s: _Steps) -> tuple[torch.Tensor, EigenResult | None, bool]:
             f"factors, 0 products) [{timings['eigenvalues']:.1f} s]",
         )
         _log(quiet, "\n".join(f"{i:5d}  {float(v): .6e}" for i, v in enumerate(values)))
-    if not exact or args.landscape != "none":
-        # an exact spectrum needs from Lanczos only the landscape's one or two directions
-        wanted_vectors = min(k, 1 if args.landscape == "1d" else 2) if exact else k
+    if exact and args.landscape != "none":
+        eig = _exact_eigenpairs(op, min(k, 1 if args.landscape == "1d" else 2), args.which)
+        results["eigenvectors"] = {"method": "eigh", "matvecs": 0}
+        _log(quiet, "eigenvectors for the landscape: exact, from the Kronecker factors (0 products)")
+    if not exact:
         eig = lanczos(
             op,
-            k=wanted_vectors,
+            k=k,
             which=args.which,
             tol=args.tol,
             max_iter=args.max_matvecs,
             seed=args.seed,
             progress=progress,
         )
-        if exact:
-            results["eigenvectors"] = {
-                "method": "lanczos",
-                "matvecs": eig.iterations,
-                "residuals": floats(eig.residuals),
-            }
-            _log(quiet, f"eigenvectors for the landscape: Lanczos, {eig.iterations} products")
-        else:
-            values = eig.eigenvalues
-            timings["eigenvalues"] = time.perf_counter() - t
-            results["eigenvalues"] = {
-                "which": args.which,
-                "method": "lanczos",
-                "values": floats(eig.eigenvalues),
-                "residuals": floats(eig.residuals),
-                "converged": [bool(c) for c in eig.converged.tolist()],
-                "tol": eig.tol,
-                "residual_floor": eig.residual_floor,
-                "converged_by_floor": [bool(c) for c in eig.floor_only().tolist()],
-                "matvecs": eig.iterations,
-            }
-            _log(
-                quiet,
-                f"\n{plots.WHICH_WORDS[args.which][0].format(k=k)} (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]",
-            )
-            _log(quiet, eig.summary())
+        values = eig.eigenvalues
+        timings["eigenvalues"] = time.perf_counter() - t
+        results["eigenvalues"] = {
+            "which": args.which,
+            "method": "lanczos",
+            "values": floats(eig.eigenvalues),
+            "residuals": floats(eig.residuals),
+            "converged": [bool(c) for c in eig.converged.tolist()],
+            "tol": eig.tol,
+            "residual_floor": eig.residual_floor,
+            "converged_by_floor": [bool(c) for c in eig.floor_only().tolist()],
+            "matvecs": eig.iterations,
+        }
+        _log(
+            quiet,
+            f"\n{plots.WHICH_WORDS[args.which][0].format(k=k)} (Lanczos, which={args.which}, {eig.iterations} products) [{timings['eigenvalues']:.1f} s]",
+        )
+        _log(quiet, eig.summary())
     return values, eig, exact
 
 
