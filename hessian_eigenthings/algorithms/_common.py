@@ -18,7 +18,7 @@ import torch
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.linalg import LinAlgBackend, SingleDeviceBackend, default_backend
 from hessian_eigenthings.memory import available_memory
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 _NON_FINITE_HINT = (
     "usual causes: a NaN/inf loss or gradient for some batch, fp16 overflow "

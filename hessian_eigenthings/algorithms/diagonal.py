@@ -49,7 +49,7 @@ from hessian_eigenthings.algorithms.trace import (
     sketch_range,
 )
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = ["diagonal"]
 

@@ -40,7 +40,7 @@ from hessian_eigenthings.algorithms._common import (
 )
 from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 Which = Literal["LM", "LA", "SA"]
 Residuals = Literal["recorded", "exact", "estimate"]

@@ -70,7 +70,7 @@ from hessian_eigenthings.algorithms._common import (
 from hessian_eigenthings.algorithms.krylov import KrylovState, LanczosPlan, Residuals, Which
 from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = ["LanczosTridiag", "Which", "check_symmetry", "lanczos", "lanczos_tridiagonal"]
 

@@ -46,7 +46,7 @@ from hessian_eigenthings.algorithms._common import (
 )
 from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = ["PowerIterationResult", "deflated_power_iteration", "power_iteration_one"]
 

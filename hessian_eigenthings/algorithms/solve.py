@@ -58,7 +58,7 @@ from hessian_eigenthings.algorithms._common import (
 )
 from hessian_eigenthings.algorithms.result import SolveResult, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator, same_device
+from hessian_eigenthings.operators.protocol import CurvatureOperator, same_device
 
 Method = Literal["cg", "minres", "neumann"]
 Preconditioner = CurvatureOperator | Callable[[torch.Tensor], torch.Tensor]

@@ -42,7 +42,7 @@ from hessian_eigenthings.algorithms._common import (
 from hessian_eigenthings.algorithms.lanczos import tridiagonal_runs
 from hessian_eigenthings.algorithms.result import LanczosTridiag, SpectralDensityResult
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = ["default_sigma", "density_on_grid", "gaussian_density", "spectral_density"]
 

@@ -53,7 +53,7 @@ from hessian_eigenthings.algorithms._common import (
 )
 from hessian_eigenthings.algorithms.result import TraceResult
 from hessian_eigenthings.linalg import LinAlgBackend
-from hessian_eigenthings.operators.base import CurvatureOperator
+from hessian_eigenthings.operators.protocol import CurvatureOperator
 
 __all__ = ["hutch_plus_plus", "hutchinson", "trace", "xtrace"]
 
