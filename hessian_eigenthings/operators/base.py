@@ -120,7 +120,9 @@ class DataCurvatureOperator(DataOperatorSetup):
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         # NOTE [replaced parameters]: each slot on the path to a selected parameter still holds what
-        # was bound (host work, one lookup and one `is` per slot; checked here, once per call)
+        # was bound (host work, one lookup and one `is` per slot; checked here, once per call).
+        # ParameterBinding.current() is the same test, written out here so that a steady product
+        # does not enter parameter_binding (tests/perf/test_module_hops.py)
         if not all(d.get(key) is value for d, key, value in self._binding.slots):
             self._follow_parameters()
         # NOTE [padding rows]: P·A·P, on a copy of the caller's V
