@@ -10,8 +10,7 @@ gives the same products on every engine: a handful of products, for models of an
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,25 +138,6 @@ class OperatorCheck:
         )
 
 
-@contextlib.contextmanager
-def _using_engine(op: DataCurvatureOperator, engine: str) -> Iterator[None]:
-    """Products of ``op`` on ``engine`` for the duration, then its own engine again with its state.
-    Kept states belong to one engine: dropped on the way in and out."""
-    from hessian_eigenthings.operators.engines import EngineSelector
-
-    own = op.__dict__.get("_engine_selector")
-    op.clear_cache()
-    op.__dict__["_engine_selector"] = EngineSelector(op, engine)
-    try:
-        yield
-    finally:
-        op.clear_cache()
-        if own is None:
-            op.__dict__.pop("_engine_selector", None)
-        else:
-            op.__dict__["_engine_selector"] = own
-
-
 #: default threshold by dtype: rounding of a product, with room (a wrong product is off by O(1))
 _CHECK_TOL = {torch.float64: 1e-8, torch.float32: 1e-3}
 
@@ -213,7 +193,7 @@ def check_operator(
     else:
         for name in engines:
             try:
-                with _using_engine(data_op, name):
+                with data_op.using_engine(name):  # type: ignore[arg-type]
                     products[name] = op @ U
             except (EngineUnsupportedError, NotImplementedError) as exc:
                 # an engine refusing the model, or torch lacking a rule it needs (e.g. no

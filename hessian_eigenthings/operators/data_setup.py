@@ -10,7 +10,8 @@ runner, ``functional_product`` for the traced ones). The data loop itself is ``b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, TypedDict
 
 import torch
@@ -216,6 +217,25 @@ class DataOperatorSetup(CurvatureOperator):
     def engine_report(self) -> dict[str, Any]:
         """The engine, ``auto``'s choice with its timings, traces and compilations."""
         return self._engines.report()
+
+    @contextlib.contextmanager
+    def using_engine(self, engine: EngineName) -> Iterator[None]:
+        """Products on ``engine`` inside the ``with`` block, then this operator's own engine again,
+        with what ``auto`` had decided. Kept states belong to one engine: they are dropped on the
+        way in and out. An engine the operator cannot run raises ``EngineUnsupportedError`` on entry."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        own = self.__dict__.get("_engine_selector")
+        self.clear_cache()
+        self.__dict__["_engine_selector"] = EngineSelector(self, engine)
+        try:
+            yield
+        finally:
+            self.clear_cache()
+            if own is None:
+                self.__dict__.pop("_engine_selector", None)
+            else:
+                self.__dict__["_engine_selector"] = own
 
     def expect_products(self, n: int) -> None:
         """Declare how many products are coming (algorithms pass their budget): ``engine="auto"``

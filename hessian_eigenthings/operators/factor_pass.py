@@ -191,6 +191,7 @@ def _check_options(
     fisher_type: str,
     kfac_approx: str,
     mc_samples: int,
+    curvature: OutputCurvature | None,
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -208,13 +209,15 @@ def _check_options(
     check_loss_argument(
         forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
     )
-    if not isinstance(
+    # a curvature= strategy brings its own columns: any loss goes with it
+    if curvature is None and not isinstance(
         loss_of_output_fn, (CrossEntropyOutputLoss, MSEOutputLoss, BCEWithLogitsOutputLoss)
     ):
         raise ValueError(
             f"{who} needs the loss's distribution to factor its Hessian; supported: "
             "cross_entropy_loss_of_output(), mse_loss_of_output() and supervised_loss_of_output(...) of "
-            f"nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(); got {loss_of_output_fn!r}"
+            f"nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(), or any loss with a "
+            f"curvature= strategy that gives columns; got {loss_of_output_fn!r}"
         )
     count = check_count("mc_samples", mc_samples)
     if fisher_type != "mc" and count != 1:
@@ -308,7 +311,9 @@ def input_moment(
     return S, rows
 
 
-def factor_curvature(loss: FactoredLoss, fisher_type: FisherType, mc_samples: int) -> OutputCurvature:
+def factor_curvature(
+    loss: FactoredLoss, fisher_type: FisherType, mc_samples: int
+) -> OutputCurvature:
     """The output curvature that ``fisher_type=`` spells (``mc_samples`` draws for ``"mc"``)."""
     if fisher_type == "empirical":
         return Empirical(loss)
@@ -348,7 +353,14 @@ class FactorPass:
         column_chunk: int = 16,
     ) -> None:
         _check_options(
-            who, model, forward_fn, loss_of_output_fn, fisher_type, kfac_approx, mc_samples
+            who,
+            model,
+            forward_fn,
+            loss_of_output_fn,
+            fisher_type,
+            kfac_approx,
+            mc_samples,
+            curvature,
         )
         self.mc_samples: int = check_count("mc_samples", mc_samples)  # type: ignore[assignment]
         self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
@@ -363,7 +375,9 @@ class FactorPass:
         self.fisher_type: FisherType = fisher_type
         #: ``H`` of the output, factored into columns (``loss_fns.output_curvature``)
         self.curvature = curvature or factor_curvature(
-            cast(FactoredLoss, loss_of_output_fn), fisher_type, self.mc_samples  # checked above
+            cast(FactoredLoss, loss_of_output_fn),
+            fisher_type,
+            self.mc_samples,  # checked above
         )
         self._keys = DrawKeys(self.seed)
         self.precision = check_precision(precision)

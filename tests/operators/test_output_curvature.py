@@ -131,3 +131,19 @@ def test_old_spellings_are_strategies() -> None:
         )
     with pytest.raises(TypeError, match="output-curvature strategy"):
         GGNOperator(model, data, supervised_forward, CE, curvature="mc")  # type: ignore[arg-type]
+
+
+def test_strategy_lets_kfac_take_any_loss() -> None:
+    # a loss the factor pass cannot factor on its own: with a curvature= strategy that gives
+    # columns, KFAC takes it; without, it is refused with the way out in the message
+    model, data = _problem()
+
+    def my_loss(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, batch[1])
+
+    toy = DiagonalLossHessian()
+    expected = _oracle(model, data, lambda out, batch: toy.prepare(out, batch, None))
+    kfac = KFACOperator(model, data, supervised_forward, my_loss, curvature=toy).to_dense()
+    torch.testing.assert_close(kfac, expected, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="curvature= strategy"):
+        KFACOperator(model, data, supervised_forward, my_loss)

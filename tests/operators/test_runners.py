@@ -100,3 +100,21 @@ def test_every_operators_module_has_a_layer() -> None:
         p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
     }
     assert modules - placed - {"__init__", "registry"} == set()
+
+
+def test_using_engine_switches_and_restores() -> None:
+    """``op.using_engine(name)``: products on that engine inside, the operator's own selector
+    (with what it had decided) restored after, errors on entry for a bad name."""
+    model, data = mlp(), classification_data(n=8, batch=8)
+    op = HessianOperator(model, data, SUP, engine="autograd")
+    v = torch.randn(op.size, dtype=torch.float64)
+    before = op @ v
+    own = op._engines
+    with op.using_engine("functional"):
+        assert op.engine == "functional"
+        inside = op @ v
+    assert op._engines is own and op.engine == "autograd"
+    torch.testing.assert_close(inside, before, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="engine must be one of"), op.using_engine("fast"):  # type: ignore[arg-type]
+        pass
+    assert op._engines is own
