@@ -74,7 +74,13 @@ def main() -> None:
     ap.add_argument("--curvatures", default="hessian,ggn,ef")
     ap.add_argument("--blocks", action="store_true")
     ap.add_argument("--algorithms", action="store_true")
-    ap.add_argument("--graph-budget-gib", type=float, default=None, help="graph_memory_budget of the operators")
+    ap.add_argument(
+        "--algo-engines", default="autograd,auto", help="engines of the --algorithms runs"
+    )
+    ap.add_argument("--algos", default="lanczos,hutch++,slq", help="which --algorithms runs")
+    ap.add_argument(
+        "--graph-budget-gib", type=float, default=None, help="graph_memory_budget of the operators"
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -111,10 +117,20 @@ def main() -> None:
     sup = he.supervised_loss(crit)
     budget = None if args.graph_budget_gib is None else int(args.graph_budget_gib * 2**30)
     makers: dict[str, Callable[[str], Any]] = {
-        "hessian": lambda e: he.HessianOperator(model, batches, sup, engine=e, graph_memory_budget=budget),
-        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e,
-                                        graph_memory_budget=budget),
-        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e, graph_memory_budget=budget),
+        "hessian": lambda e: he.HessianOperator(
+            model, batches, sup, engine=e, graph_memory_budget=budget
+        ),
+        "ggn": lambda e: he.GGNOperator(
+            model,
+            batches,
+            supervised_forward,
+            supervised_loss_of_output(crit),
+            engine=e,
+            graph_memory_budget=budget,
+        ),
+        "ef": lambda e: he.EmpiricalFisherOperator(
+            model, batches, w.per_sample_loss, engine=e, graph_memory_budget=budget
+        ),
     }
     engines = args.engines.split(",")
     for curv in args.curvatures.split(","):
@@ -125,7 +141,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
             try:
                 op = makers[curv](eng)
-                v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
+                v = torch.randn(
+                    op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0)
+                )
                 out, first = wall_s(lambda op=op, v=v: op @ v)
                 if ref is None:
                     ref = out
@@ -133,23 +151,37 @@ def main() -> None:
                 ms = median_ms(lambda op=op, v=v: op @ v, args.reps)
                 again = op @ v  # after the timed (possibly replayed) products: still the product?
                 err_after = float((again - ref).norm() / ref.norm())
-                row: dict[str, Any] = {"cell": f"{curv}_product", "engine": eng, "ms": ms, "first_s": first,
-                                       "rel_err_vs_autograd": err, "rel_err_after_timing": err_after,
-                                       "held_mib": op.held_bytes / 2**20,
-                                       "report": op.engine_report}
+                row: dict[str, Any] = {
+                    "cell": f"{curv}_product",
+                    "engine": eng,
+                    "ms": ms,
+                    "first_s": first,
+                    "rel_err_vs_autograd": err,
+                    "rel_err_after_timing": err_after,
+                    "held_mib": op.held_bytes / 2**20,
+                    "report": op.engine_report,
+                }
                 if args.blocks:
                     V = torch.randn(op.size, 8, device=op.device)
                     op @ V
-                    row["block8_ms_per_vector"] = median_ms(lambda op=op, V=V: op @ V, max(3, args.reps // 2), warm=1) / 8
+                    row["block8_ms_per_vector"] = (
+                        median_ms(lambda op=op, V=V: op @ V, max(3, args.reps // 2), warm=1) / 8
+                    )
                 emit(row)
                 del op, out
             except Exception as exc:
-                emit({"cell": f"{curv}_product", "engine": eng, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                emit(
+                    {
+                        "cell": f"{curv}_product",
+                        "engine": eng,
+                        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                    }
+                )
         ref = None
 
     if args.algorithms:
-        for eng in ("autograd", "auto"):
-            for algo in ("lanczos", "hutch++", "slq"):
+        for eng in args.algo_engines.split(","):
+            for algo in args.algos.split(","):
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -157,16 +189,30 @@ def main() -> None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if algo == "lanczos":
-                        res, s = wall_s(lambda op=op: he.lanczos(op, k=10, max_iter=100, tol=1e-12, seed=0))
+                        res, s = wall_s(
+                            lambda op=op: he.lanczos(op, k=10, max_iter=100, tol=1e-12, seed=0)
+                        )
                         value = [float(t) for t in res.eigenvalues[:3]]
                     elif algo == "hutch++":
                         res, s = wall_s(lambda op=op: he.trace(op, num_matvecs=99, seed=0))
                         value = float(res.estimate)
                     else:
-                        res, s = wall_s(lambda op=op: he.spectral_density(op, num_runs=3, lanczos_steps=30, seed=0))
+                        res, s = wall_s(
+                            lambda op=op: he.spectral_density(
+                                op, num_runs=3, lanczos_steps=30, seed=0
+                            )
+                        )
                         value = float(res.grid[res.density.argmax()])
-                emit({"cell": f"hessian_{algo}", "engine": eng, "s": s, "products": op.num_matvecs,
-                      "value": value, "report": op.engine_report})
+                emit(
+                    {
+                        "cell": f"hessian_{algo}",
+                        "engine": eng,
+                        "s": s,
+                        "products": op.num_matvecs,
+                        "value": value,
+                        "report": op.engine_report,
+                    }
+                )
                 del op
 
 
