@@ -86,7 +86,7 @@ class DataCurvatureOperator(DataOperatorSetup):
       is sized from the measured cost of the first pass).
     - ``graph_reuse``: ``"auto"`` / ``True`` / ``False``, see NOTE [graph reuse].
       ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``:
-      bytes they may hold on CUDA (default a quarter of the device).
+      bytes they may hold on CUDA (default half the device, NOTE [memory budget]).
     - ``cuda_graphs``: record products as CUDA graphs and replay them
       (default ``True``; CUDA only, operators that support it): on a kept
       state its second backward (NOTE [CUDA graphs]), without one the whole

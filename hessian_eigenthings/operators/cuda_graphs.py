@@ -29,7 +29,9 @@ from hessian_eigenthings.operators.protocol import same_device
 from hessian_eigenthings.param_utils import RowBlock
 
 # a failed capture is undone by restoring the CUDA generator (torch >= 2.4 can)
-RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "clone_state")
+RNG_RESTORABLE = hasattr(torch.Generator, "graphsafe_set_state") and hasattr(
+    torch.Generator, "clone_state"
+)
 
 
 @dataclass
@@ -47,14 +49,20 @@ class Replay:
         # `record` leaves every output viewable so; an exact zero is a static block of zeros
         self.flat_inputs = [t.view(t.shape[0], -1) for t in self.inputs]
         k = self.inputs[0].shape[0]
-        self.flat_outputs = FlatProduct([
-            i.new_zeros(k, i[0].numel()) if o is None else o.view(k, -1)
-            for i, o in zip(self.inputs, self.outputs, strict=True)
-        ])
+        self.flat_outputs = FlatProduct(
+            [
+                i.new_zeros(k, i[0].numel()) if o is None else o.view(k, -1)
+                for i, o in zip(self.inputs, self.outputs, strict=True)
+            ]
+        )
 
     def run(
-        self, rows: RowBlock, before: Sequence[torch.Tensor] = (), into: Sequence[torch.Tensor] = (),
-        *, copied: bool = False,
+        self,
+        rows: RowBlock,
+        before: Sequence[torch.Tensor] = (),
+        into: Sequence[torch.Tensor] = (),
+        *,
+        copied: bool = False,
     ) -> FlatProduct:
         """Copy ``rows`` (and ``before`` into ``into``) into the static inputs, replay, and
         return the static outputs as column blocks. ``copied``: ``rows`` is in the static
@@ -142,8 +150,12 @@ class RecordedProduct:
 # - Memory cannot be returned to the device during a capture, and a capture
 #   that runs out of memory can leave torch's caching allocator broken (seen
 #   on a 12-layer GPT-2 with blocks of 8). So a width is recorded only when
-#   (k + 1) times the kept state fits the budget and the free device memory
-#   after emptying the cache; otherwise it stays eager.
+#   (k + 1) times the kept state (k times for a traced program, which reads
+#   the kept values in place) is free on the device after emptying the cache;
+#   otherwise it stays eager. The pool the capture took is then measured and
+#   the recording dropped if it does not fit the budget: the estimate is
+#   conservative (GPT-2 12L, compiled Hessian: a 20.8 GB state, a 3.6 GB
+#   pool), so it guards the capture, not the budget.
 
 # NOTE [recorded products]
 # A product without a kept state (graph_reuse=False, more batches than the
@@ -184,8 +196,15 @@ class GraphRecorder:
     """
 
     def __init__(
-        self, device: torch.device, params: Sequence[nn.Parameter], guard: ModelGuard, states: StateCache,
-        counts: ProductCounts, *, max_recorded: int, owner: str,
+        self,
+        device: torch.device,
+        params: Sequence[nn.Parameter],
+        guard: ModelGuard,
+        states: StateCache,
+        counts: ProductCounts,
+        *,
+        max_recorded: int,
+        owner: str,
     ) -> None:
         self.device = device
         self.params = params
@@ -223,7 +242,12 @@ class GraphRecorder:
         """Start copying a single direction into the recording it will most likely replay."""
         self.copied_ahead = None
         replay = self.last_replay() if self.last_replay is not None else None
-        if replay is None or replay.flat_input is None or rows.k != 1 or len(self.states.entries) != 1:
+        if (
+            replay is None
+            or replay.flat_input is None
+            or rows.k != 1
+            or len(self.states.entries) != 1
+        ):
             return  # (a product over several kept chunks replays several recordings)
         with self.own_stream():
             replay.flat_input.copy_(rows.block)
@@ -278,7 +302,12 @@ class GraphRecorder:
         """A product on a kept state: eager the first time per width, then replayed."""
         k = rows.k
         replay = entry.replays.get(k)
-        if replay is None and k in entry.warm and k not in entry.attempted and k not in self.failures:
+        if (
+            replay is None
+            and k in entry.warm
+            and k not in entry.attempted
+            and k not in self.failures
+        ):
             with self.own_stream():
                 replay = self.capture(runner, entry, rows)
         if replay is None:
@@ -298,7 +327,8 @@ class GraphRecorder:
         ``free`` bytes (default ``need``) are free on the device for its capture.
 
         Memory is never freed back to the device during a capture, and a capture that
-        runs out of memory can leave the caching allocator unusable: check first.
+        runs out of memory can leave the caching allocator unusable: check first. (The pool a
+        capture really took is checked against the budget again afterwards, in ``record``.)
         """
         budget = self.states.budget()
         if budget is not None and self.states.nbytes + need > budget:
@@ -322,7 +352,9 @@ class GraphRecorder:
             self.pool = torch.cuda.graph_pool_handle()
         before = _torch_compat.cuda_reserved(self.device)
         # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
-        rng = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        rng = torch.cuda.default_generators[
+            self.device.index if self.device.index is not None else torch.cuda.current_device()
+        ]
         rng_state = rng.clone_state()
         # NOTE [no collection during a capture]: an unreachable object that holds a CUDA graph
         # (an operator dropped by the user, still in a reference cycle) frees it when the
@@ -369,10 +401,14 @@ class GraphRecorder:
         # reads the kept values in place and its temporaries (tangents of kept values) are
         # about the kept state per vector
         factor = k if runner.traced else k + 1
-        if not self.room_for(factor * entry.nbytes):
+        # the budget is checked on the pool the capture really took (``record``), the estimate
+        # only guards the capture against running out of device memory (NOTE [CUDA graphs])
+        if not self.room_for(0, free=factor * entry.nbytes):
             return None
         inputs, flat = static_inputs(rows)
-        recorded = self.record("the kept backward", k, lambda: runner.apply(entry.state, inputs, True))
+        recorded = self.record(
+            "the kept backward", k, lambda: runner.apply(entry.state, inputs, True)
+        )
         if recorded is None:
             self.failures.add(k)
             return None
@@ -405,7 +441,9 @@ class GraphRecorder:
     def pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in model_tensors(self.guard.modules))
 
-    def fresh_product(self, runner: ProductRunner, chunk: Batch, rows: RowBlock, product: FreshProduct) -> Product:
+    def fresh_product(
+        self, runner: ProductRunner, chunk: Batch, rows: RowBlock, product: FreshProduct
+    ) -> Product:
         """A product without a kept state: eager (``product``), or replayed from a recording."""
         leaves = batch_leaves(chunk)
         sig = self.signature(leaves, rows.k) if leaves else None
@@ -421,7 +459,9 @@ class GraphRecorder:
         if rec is None and sig in self.warm_products and sig not in self.attempted_products:
             with self.own_stream():
                 rec = self.record_product(runner, sig, chunk, rows)
-        if rec is None:  # eager; the first product of a signature measures its state for the room check
+        if (
+            rec is None
+        ):  # eager; the first product of a signature measures its state for the room check
             measure = sig not in self.warm_products
             before = _torch_compat.cuda_allocated(self.device) if measure else 0
             with self.guard.private_buffers():

@@ -467,3 +467,31 @@ def test_direction_copied_ahead_is_the_one_replayed(engine: str) -> None:
     assert graphed.num_replays > 0
     rec = graphed.recorder
     assert rec.last_replay is not None and rec.last_replay() is not None
+
+
+@cuda
+def test_default_memory_budget_is_half_the_device_with_a_free_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [memory budget]: by default states may hold half the device, and none is kept while
+    less than a tenth of the device would stay free; an explicit budget skips the free check."""
+    from hessian_eigenthings.operators import graph_reuse
+
+    model, data = _problem("cuda")
+    loss = supervised_loss(nn.CrossEntropyLoss())
+    op = HessianOperator(model, data, loss)
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert op._states.budget() == int(0.5 * total)
+    v = torch.randn(op.size, device="cuda")
+    op @ v
+    assert op.held_bytes > 0 and len(op._states.entries) == 1
+    # a device nearly full (as the driver reports it): the default keeps nothing
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
+    monkeypatch.setattr(graph_reuse._torch_compat, "cuda_reserved", lambda device: 0)
+    full = HessianOperator(model, data, loss)
+    expected = full @ v
+    assert len(full._states.entries) == 0 and full._states.unkept_bytes > 0
+    torch.testing.assert_close(expected, op @ v, rtol=1e-5, atol=1e-6)
+    explicit = HessianOperator(model, data, loss, graph_memory_budget=2**34, cuda_graphs=False)
+    explicit @ v
+    assert len(explicit._states.entries) == 1
