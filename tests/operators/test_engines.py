@@ -37,12 +37,16 @@ SUP = supervised_loss(CE)
 CE_OUT = supervised_loss_of_output(CE)
 PER_SAMPLE = supervised_per_sample_loss(CE)
 TRACED = ["functional", "compiled"]
-compile_only = pytest.mark.skipif(not _torch_compat.compile_supported(), reason="torch.compile unsupported here")
+compile_only = pytest.mark.skipif(
+    not _torch_compat.compile_supported(), reason="torch.compile unsupported here"
+)
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(batch["input_ids"])
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1))
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
+    )
 
 
 # -- every engine against the dense oracle -------------------------------------------------
@@ -68,7 +72,9 @@ def test_hessian_param_filter_subset(engine: str) -> None:
 
 def test_hessian_cnn_batchnorm_eval() -> None:
     model = SmallCNN().double().eval()
-    data = [(torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (3,))) for _ in range(2)]
+    data = [
+        (torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (3,))) for _ in range(2)
+    ]
     op = HessianOperator(model, data, SUP, engine="functional")
     check_contract(op, dense_hessian(model, data, SUP, select_parameters(model)), model, rtol=1e-8)
 
@@ -79,13 +85,17 @@ def test_hessian_tiny_transformer_dict_batches() -> None:
     data = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
     flt = match_names("qkv.*", "head.bias")
     op = HessianOperator(model, data, lm_loss, param_filter=flt, engine="functional")
-    check_contract(op, dense_hessian(model, data, lm_loss, select_parameters(model, flt)), model, rtol=1e-8)
+    check_contract(
+        op, dense_hessian(model, data, lm_loss, select_parameters(model, flt)), model, rtol=1e-8
+    )
 
 
 @pytest.mark.parametrize("loss_hvp", ["analytical", "autograd"])
 def test_ggn_functional(loss_hvp: str) -> None:
     model, data = mlp(), classification_data(n=10, batch=4)
-    op = GGNOperator(model, data, supervised_forward, CE_OUT, loss_hvp=loss_hvp, engine="functional")  # type: ignore[arg-type]
+    op = GGNOperator(
+        model, data, supervised_forward, CE_OUT, loss_hvp=loss_hvp, engine="functional"
+    )  # type: ignore[arg-type]
     dense = dense_ggn(model, data, supervised_forward, CE_OUT, select_parameters(model))
     check_contract(op, dense, model)
 
@@ -170,7 +180,9 @@ def test_finite_differences_need_the_autograd_engine() -> None:
     with pytest.raises(EngineUnsupportedError, match="finite_difference"):
         HessianOperator(model, data, SUP, method="finite_difference", engine="functional")
     with pytest.raises(EngineUnsupportedError, match="finite_difference"):
-        GGNOperator(model, data, supervised_forward, CE_OUT, jvp="finite_difference", engine="compiled")
+        GGNOperator(
+            model, data, supervised_forward, CE_OUT, jvp="finite_difference", engine="compiled"
+        )
 
 
 def test_unknown_engine_and_precision_are_refused() -> None:
@@ -271,7 +283,9 @@ def test_auto_keeps_autograd_on_a_short_run(monkeypatch: pytest.MonkeyPatch) -> 
     H = dense_hessian(model, data, SUP, select_parameters(model))
     top = torch.linalg.eigvalsh(H)
     top = top[top.abs().argsort(descending=True)][:2]
-    torch.testing.assert_close(res.eigenvalues.abs().sort().values, top.abs().sort().values, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(
+        res.eigenvalues.abs().sort().values, top.abs().sort().values, rtol=1e-6, atol=1e-8
+    )
 
 
 def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,13 +299,23 @@ def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
     report = op.engine_report
     assert set(report["auto"]["timings_ms"]) == {"autograd_first", "autograd", "functional"}
-    assert report["auto"]["chosen"] == op.engine == min(("autograd", "functional"), key=report["auto"]["timings_ms"].get)
-    assert report["trial_products"] >= 5  # two more on autograd, three on functional: reported apart
-    assert op.num_passes == 2  # the run's own first product (two batches); the trial's are not counted
+    assert (
+        report["auto"]["chosen"]
+        == op.engine
+        == min(("autograd", "functional"), key=report["auto"]["timings_ms"].get)
+    )
+    assert (
+        report["trial_products"] >= 5
+    )  # two more on autograd, three on functional: reported apart
+    assert (
+        op.num_passes == 2
+    )  # the run's own first product (two batches); the trial's are not counted
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
 
 
-def test_auto_compiles_when_it_pays_and_falls_back_on_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_compiles_when_it_pays_and_falls_back_on_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def broken() -> object:
         def backend(gm: object, inputs: object) -> object:
             raise RuntimeError("injected inductor failure")
@@ -368,7 +392,8 @@ def test_no_warning_filter_is_left_behind() -> None:
 
 def _reads_a_parameter(model: nn.Module, batch: object) -> torch.Tensor:
     # Python reads a parameter's value: the program is traced per batch with it baked in
-    scale = 1.0 + abs(float(model[0].bias.sum()))  # type: ignore[index]
+    # (detached: torch 2.13 warns on float() of a tensor that requires grad, once per process)
+    scale = 1.0 + abs(float(model[0].bias.detach().sum()))  # type: ignore[index]
     return scale * SUP(model, batch)
 
 
@@ -429,11 +454,23 @@ def test_regression_losses_trace_without_forward_mode_rules(name: str) -> None:
     with warnings.catch_warnings():  # the oracle's batched backward: torch's batching-rule notice
         warnings.filterwarnings("ignore", message=".*batching rule", category=UserWarning)
         dense = dense_hessian(model, data, loss, select_parameters(model))
-        dense_g = dense_ggn(model, data, supervised_forward, supervised_loss_of_output(crit), select_parameters(model))
+        dense_g = dense_ggn(
+            model,
+            data,
+            supervised_forward,
+            supervised_loss_of_output(crit),
+            select_parameters(model),
+        )
     check_contract(op, dense, model)
     closed_form = isinstance(crit, nn.MSELoss)
-    ggn = GGNOperator(model, data, supervised_forward, supervised_loss_of_output(crit), engine="functional",
-                      loss_hvp="analytical" if closed_form else "autograd")
+    ggn = GGNOperator(
+        model,
+        data,
+        supervised_forward,
+        supervised_loss_of_output(crit),
+        engine="functional",
+        loss_hvp="analytical" if closed_form else "autograd",
+    )
     check_contract(ggn, dense_g, model)
     assert torch.overrides._get_current_function_mode() is None
     assert nn.functional.mse_loss(torch.ones(2), torch.zeros(2)).item() == 1.0
@@ -445,10 +482,14 @@ def test_legacy_loss_arguments_keep_torchs_own_loss() -> None:
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     with mode:
         torch.testing.assert_close(nn.functional.mse_loss(a, b), ((a - b) ** 2).mean())
-        torch.testing.assert_close(nn.functional.huber_loss(a, b, delta=0.3), nn.functional.huber_loss(a, b, delta=0.3))
+        torch.testing.assert_close(
+            nn.functional.huber_loss(a, b, delta=0.3), nn.functional.huber_loss(a, b, delta=0.3)
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's deprecation of size_average
-            torch.testing.assert_close(nn.functional.mse_loss(a, b, size_average=False), ((a - b) ** 2).sum())
+            torch.testing.assert_close(
+                nn.functional.mse_loss(a, b, size_average=False), ((a - b) ** 2).sum()
+            )
 
 
 def _reads_the_batch(model: nn.Module, batch: object) -> torch.Tensor:
@@ -475,3 +516,34 @@ def test_a_program_that_read_only_the_batch_survives_parameter_changes(reuse: bo
     H = dense_hessian(model, data, _reads_the_batch, select_parameters(model))
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
     assert op.engine_report["traces"] == 2
+
+
+class _ReadsAShape(nn.Module):
+    """Python reads a value built from the batch's shape alone (as HF GPT-2's mask code does
+    with positions from ``arange``): the program stays general."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[0])
+        if bool((positions[-1:] == 0).all()):  # a host read of a value no input feeds
+            x = x * 0
+        return self.body(x)
+
+
+def test_a_value_read_that_no_input_feeds_keeps_the_program_general() -> None:
+    """NOTE [tangent split]: one trace serves every batch of a signature when the values Python
+    read depend on no input; a read of the batch makes the program that batch's own."""
+    model = _ReadsAShape().double()
+    data = classification_data(n=12, batch=4)  # three batches, one signature
+    op = HessianOperator(model, data, SUP, engine="functional")
+    v = torch.randn(op.size, dtype=torch.float64)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-12)
+    assert op.engine_report["traces"] == 1
+    per_batch = HessianOperator(mlp(), data, _reads_the_batch, engine="functional")
+    H = dense_hessian(per_batch.model, data, _reads_the_batch, select_parameters(per_batch.model))
+    torch.testing.assert_close(per_batch @ v, H @ v, rtol=1e-10, atol=1e-12)
+    assert per_batch.engine_report["traces"] == 3
