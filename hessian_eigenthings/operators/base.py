@@ -139,6 +139,9 @@ class DataCurvatureOperator(DataOperatorSetup):
         # the flat output buffer: V is a (k, n) block in the layout's dtype and device
         out = torch.empty_like(V, memory_format=torch.contiguous_format)
         start = 0
+        sel.seen += k
+        if sel.seen >= sel.next_check:  # a loop that declared no budget (NOTE [auto engine])
+            sel.judge_loop()
         if sel.pending:  # engine="auto" decides on the first block (NOTE [auto engine])
             first = self._block_limit(k)
             keeps = self._reuse_enabled() and self._states.may_keep()

@@ -288,6 +288,43 @@ def test_auto_keeps_autograd_on_a_short_run(monkeypatch: pytest.MonkeyPatch) -> 
     )
 
 
+def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [auto engine]: a loop that declares no budget is judged after AUTO_MIN_PRODUCTS
+    products and at each doubling; "short run" verdicts are not final, a trial's is."""
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 1e12)  # every run short: no trial
+    monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 1e9)  # never compile here
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    op = HessianOperator(model, data, SUP)
+    v = torch.randn(op.size, dtype=torch.float64)
+    judged = []
+    real = engines_mod.EngineSelector.before_block
+    monkeypatch.setattr(
+        engines_mod.EngineSelector,
+        "before_block",
+        lambda self, *a, **kw: judged.append(self.seen) or real(self, *a, **kw),
+    )
+    for _ in range(40):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert judged == [8, 16, 32]
+    assert op.engine == "autograd" and op.engine_report["auto"]["reason"].startswith("short run")
+    assert op.engine_report["auto"]["expected_products"] == 32
+    # the loop has gone on long enough: the next check runs the trial, whose verdict is final
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
+    for _ in range(40):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert judged == [8, 16, 32, 64]
+    report = op.engine_report["auto"]
+    assert report["reason"].startswith("measured faster")
+    assert set(report["timings_ms"]) == {"autograd_first", "autograd", "functional"}
+    assert op.engine == report["chosen"]
+    # an engine given explicitly is never judged
+    fixed = HessianOperator(model, data, SUP, engine="autograd")
+    for _ in range(20):
+        fixed @ v
+    assert fixed._engines.next_check == float("inf") and judged == [8, 16, 32, 64]
+
+
 def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
     monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 1e9)  # never compile here

@@ -87,6 +87,16 @@ class Curvature(Protocol):
 #   at 1857, 36 s at 3922), and a saving of COMPILED_SAVING of the eager
 #   tangent time (measured 0-36%, median ~22%).
 # The choice and its figures are on `op.engine_report`.
+# A run that declares nothing (a bare `op @ v` loop) is judged as it goes: after
+# AUTO_MIN_PRODUCTS products, and again each time their number doubles, `auto`
+# assumes as many more are coming as were made (a loop that has run n products
+# is as likely to stop before n more as after) and decides as above. A "short
+# run" verdict is not final, so a loop that keeps going reaches the trial once
+# its products so far have taken AUTO_MIN_RUN_MS; a trial's verdict is final.
+# Each check costs one synchronised product; the loop pays at most about
+# AUTO_MIN_RUN_MS on the slower engine before the trial (ski rental: never
+# more than twice what knowing its length would have cost, trace included,
+# when a trace costs about AUTO_MIN_RUN_MS or less).
 
 AUTO_MIN_PRODUCTS = 8
 COMPILE_PRIOR_S = 8.0
@@ -172,6 +182,10 @@ class EngineSelector:
         #: ``auto`` decides on the next block (enough products expected, not decided yet)
         self.pending = False
         self.trial_products = 0
+        #: products (single directions) seen while ``auto`` is undecided, and the count at which
+        #: a bare loop is judged next (NOTE [auto engine]); the operator's data loop counts
+        self.seen = 0
+        self.next_check: float = AUTO_MIN_PRODUCTS if engine == "auto" else float("inf")
         if engine in ("functional", "compiled"):
             self.runner = self._make(engine)
 
@@ -206,6 +220,16 @@ class EngineSelector:
         self.expected_products = max(1, int(n))
         self.pending = not self.decided and self.expected_products >= AUTO_MIN_PRODUCTS
 
+    def judge_loop(self) -> None:
+        """A loop of ``seen`` products so far: expect as many more, decide on the next block, and
+        judge again when the count doubles (NOTE [auto engine])."""
+        if self.decided:
+            self.next_check = float("inf")
+            return
+        self.next_check = 2 * self.seen
+        if self.seen > self.expected_products:
+            self.expect(self.seen)
+
     def before_block(
         self,
         V: torch.Tensor,
@@ -228,6 +252,7 @@ class EngineSelector:
         reason = self._refusal(keeps_states)
         if reason is not None:
             a.chosen, a.reason = "autograd", reason
+            self.next_check = float("inf")
             return False
         # the first product is the run's own (counted) and sizes the run
         self._switch("autograd", on_switch)
@@ -238,7 +263,9 @@ class EngineSelector:
                 "autograd",
                 f"short run: expected products x product time under {AUTO_MIN_RUN_MS / 1e3:.0f} s",
             )
+            self.decided = False  # judged again if the run goes on (NOTE [auto engine])
             return True
+        self.next_check = float("inf")
         # the trial runs single products (a few per engine, whatever the block width) into a
         # scratch row; they are reported (trial_products), not counted as the run's
         passes, forwards = counts.passes, counts.forwards
