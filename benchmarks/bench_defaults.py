@@ -1,0 +1,134 @@
+"""The default engine against each fixed engine, at every run length (issue 27's first target).
+
+    python -m benchmarks.bench_defaults WORKLOAD [--curvatures hessian,ggn,ef]
+        [--engines auto,autograd,functional,compiled] [--lengths 1,20,100,1000]
+        [--lanczos-lengths 20,100] > rows.jsonl
+
+Per curvature and engine, from a fresh operator (trace and compile included):
+
+- ``loop``: a bare ``op @ v`` loop of max(lengths) products; the row gives the wall time after
+  each of ``lengths`` products (a loop declares no length, so the cumulative times of one loop
+  are the times of loops of those lengths; ``auto`` judges the loop as it goes);
+- ``lanczos``: one ``lanczos(op, k=min(10, n // 3), max_iter=n, tol=1e-12)`` per ``n`` of
+  ``--lanczos-lengths`` (its budget is declared, so ``auto`` may choose differently per n).
+
+Then, per curvature, mode and length, ``default_vs_best`` = auto's time / the best fixed
+engine's. The gradient and a 0.x-style Hessian product are timed first, in the same process.
+A compiled engine reuses inductor's on-disk cache from earlier processes (and from its own
+earlier cells): clear ``TORCHINDUCTOR_CACHE_DIR`` for cold figures. TF32 off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.bench_engines import median_ms
+from benchmarks.workloads import build_parity
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    import hessian_eigenthings as he
+    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workload")
+    ap.add_argument("--curvatures", default="hessian,ggn,ef")
+    ap.add_argument("--engines", default="auto,autograd,functional,compiled")
+    ap.add_argument("--lengths", default="1,20,100,1000")
+    ap.add_argument("--lanczos-lengths", default="20,100")
+    ap.add_argument("--scale", type=float, default=1.0)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    w = build_parity(args.workload, device, scale=args.scale)
+    model, batches, crit = w.model, w.batches, w.criterion
+    params = [p for p in model.parameters() if p.requires_grad]
+    x, y = batches[0]
+
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps({"workload": args.workload, **row}), flush=True)
+
+    emit({"cell": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+          "torch": torch.__version__, "tf32": False, "params": sum(p.numel() for p in params)})
+    v_list = [torch.randn_like(p) for p in params]
+
+    def hvp_0x() -> Any:
+        g = torch.autograd.grad(crit(model(x), y), params, create_graph=True)
+        return torch.autograd.grad(g, params, v_list)
+
+    emit({"cell": "gradient", "ms": median_ms(lambda: torch.autograd.grad(crit(model(x), y), params), 10)})
+    emit({"cell": "hvp_0x_style", "ms": median_ms(hvp_0x, 10)})
+
+    makers: dict[str, Callable[[str], Any]] = {
+        "hessian": lambda e: he.HessianOperator(model, batches, he.supervised_loss(crit), engine=e),
+        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e),
+        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e),
+    }
+    lengths = sorted(int(n) for n in args.lengths.split(","))
+    lanczos_lengths = [int(n) for n in args.lanczos_lengths.split(",") if n]
+    engines = args.engines.split(",")
+
+    def fresh(curv: str, eng: str) -> Any:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return makers[curv](eng)
+
+    for curv in args.curvatures.split(","):
+        times: dict[tuple[str, int], dict[str, float]] = {}
+        for eng in engines:
+            try:
+                op = fresh(curv, eng)
+                v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
+                at: dict[int, float] = {}
+                _sync()
+                t0 = time.perf_counter()
+                for i in range(1, lengths[-1] + 1):
+                    op @ v
+                    if i in lengths:
+                        _sync()
+                        at[i] = time.perf_counter() - t0
+                emit({"cell": f"{curv}_loop", "engine": eng, "s_at": at, "report": op.engine_report})
+                for n, s in at.items():
+                    times.setdefault(("loop", n), {})[eng] = s
+                del op
+                for n in lanczos_lengths:
+                    op = fresh(curv, eng)
+                    _sync()
+                    t0 = time.perf_counter()
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        res = he.lanczos(op, k=max(1, min(10, n // 3)), max_iter=n, tol=1e-12, seed=0)
+                    _sync()
+                    s = time.perf_counter() - t0
+                    emit({"cell": f"{curv}_lanczos", "engine": eng, "budget": n, "s": s,
+                          "products": op.num_matvecs, "top": float(res.eigenvalues[0]),
+                          "report": op.engine_report})
+                    times.setdefault(("lanczos", n), {})[eng] = s
+                    del op
+            except Exception as exc:
+                emit({"cell": curv, "engine": eng, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        for (mode, n), by_engine in sorted(times.items()):
+            fixed = {e: s for e, s in by_engine.items() if e != "auto"}
+            if "auto" in by_engine and fixed:
+                best = min(fixed, key=fixed.__getitem__)
+                emit({"cell": f"{curv}_default_vs_best", "mode": mode, "length": n, "auto_s": by_engine["auto"],
+                      "best": best, "best_s": fixed[best], "ratio": by_engine["auto"] / fixed[best]})
+
+
+if __name__ == "__main__":
+    main()
