@@ -1,0 +1,326 @@
+"""Exact Hessian products by walking a model's layers one at a time (NOTE [layer walk]).
+
+:class:`LayerWalk` splits ``loss_fn(model, batch)`` at a list of layers the user names (the
+blocks of a transformer: ``"transformer.h"``, ``"model.layers"``) into a head (everything
+before the first layer), the layers, and a tail (everything after the last, the loss
+included), and computes ``H v`` stage by stage: a forward walk that carries each layer's input
+and its tangent, then a backward walk that differentiates each stage's pullback along the
+direction. Only the layers' boundary activations (and their tangents) are held; the graph of
+one stage at a time is built and freed. The products are exact (no finite differences); they
+equal the whole-graph Hessian product to rounding.
+
+This is the single-device form of the walk that sharded products run with each layer's
+parameters gathered in turn (issue 28). It needs a stack: each layer's first positional
+argument is the previous layer's output (its first element, if a tuple), the first layer's
+input comes from the head, and nothing after the layers reads an intermediate layer's output
+(checked on the first batch where it can be: the chaining of inputs to outputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.operators.autodiff import CallWithModel
+from hessian_eigenthings.param_utils import call_with_values
+
+# NOTE [layer walk]
+# With the head h₀ = f₀(θ), the layers hᵢ₊₁ = fᵢ(hᵢ, θᵢ) and the tail L = g(h_L, θ),
+# the gradient is the pullback chain aᵢ = ∂ₕfᵢᵀ aᵢ₊₁ (a_L = ∂ₕg), collecting
+# ∂_θfᵢᵀ aᵢ₊₁, ∂_θg and ∂_θf₀ᵀ a₀. H v is that gradient's derivative along v:
+# 1. forward walk: (hᵢ₊₁, ḣᵢ₊₁) = jvp(fᵢ, (hᵢ, θᵢ), (ḣᵢ, vᵢ)), keeping every hᵢ, ḣᵢ;
+# 2. tail: (a_L, g_θ), their tangents = jvp(grad g, (h_L, θ), (ḣ_L, v));
+# 3. backward walk: ((aᵢ, gᵢ), (ȧᵢ, ġᵢ)) = jvp(pullback of fᵢ, (hᵢ, θᵢ, aᵢ₊₁),
+#    (ḣᵢ, vᵢ, ȧᵢ₊₁)); ġᵢ is the layer's block of H v;
+# 4. head: ġ₀ from jvp(pullback of f₀, (θ, a₀), (v, ȧ₀)), added to the tail's ġ_θ
+#    (tied weights, e.g. an embedding and the LM head, get both uses).
+# Each stage's forward runs twice (walk 1 and 3); memory is the boundary
+# activations twice over plus one stage's graph. The head and the tail run the
+# whole loss_fn with the layers replaced by stubs (the head stops at the first
+# layer's input; in the tail the layers return their recorded outputs and the
+# last returns h_L), so any model code outside the layers runs as written.
+# Layer parameters must belong to one layer only: a parameter shared between a
+# layer and anything else is refused (its cross terms would be dropped).
+
+
+class LayerWalkError(ValueError):
+    """The model, its layers or the loss cannot be walked layer by layer (the message says why)."""
+
+
+def _primary(out: Any) -> torch.Tensor:
+    """The hidden state in a layer's output: the tensor, or the first element of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise LayerWalkError(
+        f"a layer returned {type(out).__name__}; the walk needs a tensor or a tuple whose first "
+        "element is the hidden state"
+    )
+
+
+def _with_primary(out: Any, h: torch.Tensor) -> Any:
+    if isinstance(out, torch.Tensor):
+        return h
+    return type(out)([h, *out[1:]]) if isinstance(out, tuple) else [h, *out[1:]]
+
+
+@dataclass
+class LayerCall:
+    """One layer's call on a batch: its arguments after the hidden state, and its output."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+
+@dataclass
+class WalkState:
+    """A batch and its layers' recorded calls (what the stages close over)."""
+
+    batch: Batch
+    calls: list[LayerCall]
+
+
+class _Stop(Exception):
+    def __init__(self, h: torch.Tensor) -> None:
+        super().__init__()
+        self.h = h
+
+
+def _jvp(
+    f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...]
+) -> tuple[Any, Any]:
+    """``torch.func.jvp`` without auxiliary outputs: (outputs, their tangents)."""
+    out = torch.func.jvp(f, primals, tangents)
+    return out[0], out[1]
+
+
+def _vjp(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
+    """``torch.func.vjp`` without auxiliary outputs: (outputs, the pullback)."""
+    out = torch.func.vjp(f, *primals)
+    return out[0], out[1]
+
+
+def find_layers(model: nn.Module, layers: str | Sequence[nn.Module]) -> list[nn.Module]:
+    """The layers named by a dotted path to a module list (``"transformer.h"``) or given."""
+    if isinstance(layers, str):
+        try:
+            found = model.get_submodule(layers)
+        except AttributeError as exc:
+            raise LayerWalkError(f"layers={layers!r}: no such submodule of the model") from exc
+        mods = list(found.children()) if isinstance(found, (nn.ModuleList, nn.Sequential)) else None
+        if not mods:
+            raise LayerWalkError(
+                f"layers={layers!r} is a {type(found).__name__}; name an nn.ModuleList or "
+                "nn.Sequential of the layers"
+            )
+        return mods
+    mods = list(layers)
+    if not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise LayerWalkError("layers must name a module list or be a sequence of modules")
+    return mods
+
+
+class LayerWalk:
+    """``H v`` of ``loss_fn(model, batch)`` with respect to the parameters ``names`` (the
+    model's registered names), one layer at a time (module docstring, NOTE [layer walk])."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+        names: Sequence[str],
+        layers: str | Sequence[nn.Module],
+    ) -> None:
+        self.model = model
+        self.call = CallWithModel(model, loss_fn)
+        self.layers = find_layers(model, layers)
+        self.names = list(names)
+        prefix = {id(m): n for n, m in model.named_modules()}
+        self.prefixes = []
+        for layer in self.layers:
+            if id(layer) not in prefix:
+                raise LayerWalkError("every layer must be a submodule of the model")
+            self.prefixes.append(prefix[id(layer)] + ".")
+        self._partition()
+
+    def _partition(self) -> None:
+        """Which selected parameters each layer owns (local names), and those outside them."""
+        owner: dict[int, set[int]] = {}  # parameter -> the stages holding it (-1: outside)
+        for slot, p in self.model.named_parameters(remove_duplicate=False):
+            stage = next((i for i, pre in enumerate(self.prefixes) if slot.startswith(pre)), -1)
+            owner.setdefault(id(p), set()).add(stage)
+        params = dict(self.model.named_parameters())
+        self.local: list[dict[str, str]] = [{} for _ in self.layers]
+        self.outside: list[str] = []
+        for name in self.names:
+            stages = owner[id(params[name])]
+            if len(stages) > 1 and stages != {-1}:
+                raise LayerWalkError(
+                    f"parameter {name!r} is shared between a layer and other parts of the model; "
+                    "the layer walk cannot take its cross terms (use the whole-graph product)"
+                )
+            (stage,) = stages
+            if stage == -1:
+                self.outside.append(name)
+            else:
+                self.local[stage][name[len(self.prefixes[stage]) :]] = name
+
+    # -- the batch's layer calls ------------------------------------------------
+    def capture(self, batch: Batch) -> WalkState:
+        """Run the loss once without a graph, recording each layer's call; check the stack."""
+        calls: list[LayerCall] = []
+        inputs: list[Any] = []
+
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+        ) -> None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise LayerWalkError(
+                    f"layer {type(module).__name__} was called without its hidden state as first "
+                    "positional argument"
+                )
+            inputs.append(args[0])
+            calls.append(LayerCall(args[1:], dict(kwargs), out))
+
+        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.layers]
+        try:
+            with torch.no_grad():
+                self.call(batch)
+        finally:
+            for h in handles:
+                h.remove()
+        if len(calls) != len(self.layers):
+            raise LayerWalkError(
+                f"the loss called the layers {len(calls)} times for {len(self.layers)} layers; the "
+                "walk needs each layer called once per batch, in order"
+            )
+        for i in range(1, len(calls)):
+            if inputs[i] is not _primary(calls[i - 1].output):
+                raise LayerWalkError(
+                    f"layer {i}'s input is not layer {i - 1}'s output: the walk needs a stack of "
+                    "layers, each fed by the one before"
+                )
+        for c in calls:
+            for t in [*c.args, *c.kwargs.values()]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    raise LayerWalkError(
+                        "a layer received a tensor argument besides its hidden state that depends on "
+                        "the parameters; the walk treats such arguments as constants"
+                    )
+        return WalkState(batch, calls)
+
+    # -- the stages --------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stubbed(self, stub: Callable[[int, tuple[Any, ...]], Any]) -> Iterator[None]:
+        """The layers' forwards replaced by ``stub(i, args)`` for the duration."""
+        own = [layer.__dict__.get("forward") for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            layer.forward = lambda *a, _i=i, **kw: stub(_i, a)
+        try:
+            yield
+        finally:
+            for layer, fwd in zip(self.layers, own, strict=True):
+                del layer.forward
+                if fwd is not None:
+                    layer.forward = fwd
+
+    def _outside_values(self, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"model.{n}": t for n, t in theta.items()}
+
+    def head(self, state: WalkState, theta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """h₀: the first layer's input, as a function of the parameters outside the layers."""
+
+        def stub(i: int, args: tuple[Any, ...]) -> Any:
+            raise _Stop(args[0])
+
+        with self._stubbed(stub):
+            try:
+                call_with_values(self.call, self._outside_values(theta), (state.batch,))
+            except _Stop as stop:
+                return stop.h
+        raise LayerWalkError("the loss never called the first layer")
+
+    def layer(
+        self, state: WalkState, i: int, h: torch.Tensor, theta: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        c = state.calls[i]
+        out = torch.func.functional_call(self.layers[i], theta, (h, *c.args), c.kwargs)
+        return _primary(out)
+
+    def tail(
+        self, state: WalkState, h: torch.Tensor, theta: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The loss as a function of the last layer's output and the parameters outside."""
+        last = len(self.layers) - 1
+
+        def stub(i: int, args: tuple[Any, ...]) -> Any:
+            out = state.calls[i].output
+            return _with_primary(out, h) if i == last else out
+
+        with self._stubbed(stub):
+            loss = call_with_values(self.call, self._outside_values(theta), (state.batch,))
+        return loss.reshape(())
+
+    # -- the product ---------------------------------------------------------------
+    def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name."""
+        params = dict(self.model.named_parameters())
+        out_theta = {n: params[n].detach() for n in self.outside}
+        out_v = {n: v[n] for n in self.outside}
+        thetas = [{loc: params[n].detach() for loc, n in m.items()} for m in self.local]
+        vs = [{loc: v[n] for loc, n in m.items()} for m in self.local]
+        result: dict[str, torch.Tensor] = {}
+
+        # 1. forward walk
+        if out_theta:
+            h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
+        else:  # the layers' input does not depend on the parameters
+            h = self.head(state, {})
+            hd = torch.zeros_like(h)
+        hs, hds = [h], [hd]
+        for i in range(len(self.layers)):
+            h, hd = _jvp(
+                lambda x, th, _i=i: self.layer(state, _i, x, th),
+                (hs[-1], thetas[i]),
+                (hds[-1], vs[i]),
+            )
+            hs.append(h)
+            hds.append(hd)
+        # 2. tail
+        grad_tail = torch.func.grad(lambda x, th: self.tail(state, x, th), argnums=(0, 1))
+        (a, _), (ad, g_tail) = _jvp(grad_tail, (hs[-1], out_theta), (hds[-1], out_v))
+        for n, t in g_tail.items():
+            result[n] = t
+        # 3. backward walk
+        for i in reversed(range(len(self.layers))):
+
+            def pull(
+                x: torch.Tensor, th: dict[str, torch.Tensor], cot: torch.Tensor, _i: int = i
+            ) -> Any:
+                _, fn = _vjp(lambda y, t: self.layer(state, _i, y, t), x, th)
+                return fn(cot)
+
+            (a_new, _), (ad_new, g) = _jvp(pull, (hs[i], thetas[i], a), (hds[i], vs[i], ad))
+            for loc, n in self.local[i].items():
+                result[n] = g[loc]
+            a, ad = a_new, ad_new
+            hs[i + 1] = hds[i + 1] = None  # freed as the walk goes
+        # 4. head
+        if self.outside:
+
+            def pull_head(th: dict[str, torch.Tensor], cot: torch.Tensor) -> Any:
+                _, fn = _vjp(lambda t: self.head(state, t), th)
+                return fn(cot)[0]
+
+            _, g_head = _jvp(pull_head, (out_theta, a), (out_v, ad))
+            for n, t in g_head.items():
+                result[n] = result[n] + t
+        return {n: result[n] for n in self.names}

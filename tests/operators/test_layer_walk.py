@@ -1,0 +1,161 @@
+"""The layer walk (NOTE [layer walk]): exact Hessian products one layer at a time, against dense
+float64 Hessians and the whole-graph products, on a stack of layers, HF GPT-2 (tied
+embeddings, padded rows) and HF Llama (tied and untied); and its refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hessian_eigenthings as he
+from hessian_eigenthings.loss_fns import supervised_loss
+from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkError
+from hessian_eigenthings.param_utils import select_parameters
+from hessian_eigenthings.testing import dense_hessian
+
+SUP = supervised_loss(nn.CrossEntropyLoss())
+
+
+def _walk_product(walk: LayerWalk, op: Any, batch: Any, v: torch.Tensor) -> torch.Tensor:
+    vs = dict(zip(op.layout.names, [t[0] for t in op.layout.split_rows(v[None])], strict=True))
+    out = walk.hvp(walk.capture(batch), vs)
+    return torch.cat([out[n].reshape(-1) for n in op.layout.names])
+
+
+def test_a_stack_of_layers_matches_the_dense_hessian() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).double()
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))]
+    op = he.HessianOperator(model, data, SUP)
+    walk = LayerWalk(model, SUP, op.layout.names, "")  # the Sequential's own children
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    for seed in range(3):
+        v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(
+            _walk_product(walk, op, data[0], v), H @ v, rtol=1e-12, atol=1e-14
+        )
+    # the model is as it was: no hooks, no instance forwards left behind
+    assert all("forward" not in m.__dict__ for m in model)
+    assert all(not m._forward_hooks and not m._forward_hooks_with_kwargs for m in model)
+
+
+def _lm(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), b["input_ids"][:, 1:].reshape(-1)
+    )
+
+
+def _lm_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=32,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    return (
+        transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").double().eval()
+    )
+
+
+def _llama(tied: bool) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return (
+        transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").double().eval()
+    )
+
+
+def test_hf_gpt2_with_tied_embeddings_and_padding_matches_the_whole_graph_product() -> None:
+    model, batch = _gpt2(), _lm_batch()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    op = he.HessianOperator(model, [batch], _lm, engine="autograd")
+    walk = LayerWalk(model, _lm, op.layout.names, "transformer.h")
+    v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref = op @ v
+    got = _walk_product(walk, op, batch, v)
+    assert float((got - ref).norm() / ref.norm()) <= 1e-10
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_llama_matches_the_forward_over_reverse_product(tied: bool) -> None:
+    # Llama's eager attention takes its softmax in float32 even for a float64 model: the
+    # reverse-over-reverse and forward-over-reverse products then differ by about 5e-8 (the
+    # rounding of that softmax, differentiated two ways). The walk is forward-over-reverse per
+    # layer: it is checked against the whole-graph forward-over-reverse product (the
+    # functional engine), and against autograd's within that rounding.
+    model, batch = _llama(tied), _lm_batch()
+    op = he.HessianOperator(model, [batch], _lm, engine="functional")
+    walk = LayerWalk(model, _lm, op.layout.names, "model.layers")
+    v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref = op @ v
+    got = _walk_product(walk, op, batch, v)
+    assert float((got - ref).norm() / ref.norm()) <= 1e-10
+    auto = he.HessianOperator(model, [batch], _lm, engine="autograd") @ v
+    assert float((got - auto).norm() / auto.norm()) <= 1e-6
+
+
+class _Skip(nn.Module):
+    """Not a stack: the second layer reads the model's input, not the first layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[0](x) + self.layers[1](x))
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+        self.head = nn.Linear(3, 3)
+        self.head.weight = self.layers[0].weight  # shared between a layer and the head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[1](self.layers[0](x)))
+
+
+def test_what_cannot_be_walked_is_refused() -> None:
+    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    model = _Skip()
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(LayerWalkError, match="not layer 0's output"):
+        LayerWalk(model, SUP, names, "layers").capture(data)
+    with pytest.raises(LayerWalkError, match=r"nn\.ModuleList or nn\.Sequential"):
+        LayerWalk(model, SUP, names, "head")
+    with pytest.raises(LayerWalkError, match="no such submodule"):
+        LayerWalk(model, SUP, names, "blocks")
+    shared = _Shared()
+    with pytest.raises(LayerWalkError, match="shared between a layer"):
+        LayerWalk(shared, SUP, [n for n, _ in shared.named_parameters()], "layers")
