@@ -148,7 +148,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             if sel.before_block(
                 V[:first],
                 out[:first],
-                product=self._pass,
+                product=self._rows,
                 keeps_states=keeps,
                 on_switch=self.clear_cache,
                 counts=self.counts,
@@ -157,6 +157,12 @@ class DataCurvatureOperator(DataOperatorSetup):
         while start < k:
             start = self._block_step(V, out, start)
         return out
+
+    def _rows(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = A V`` in as many passes as the block limit takes (``auto`` times this)."""
+        start = 0
+        while start < V.shape[0]:
+            start = self._block_step(V, out, start)
 
     def _block_step(self, V: torch.Tensor, out: torch.Tensor, start: int) -> int:
         """One pass for rows ``start:`` (as many as the block limit allows); returns the next start."""

@@ -256,7 +256,11 @@ class EngineSelector:
             return False
         # the first product is the run's own (counted) and sizes the run
         self._switch("autograd", on_switch)
-        _, first = timed(self.device, lambda: product(V, out))
+        try:
+            _, first = timed(self.device, lambda: product(V, out))
+        except BaseException:
+            self.decided = False  # judged again later (NOTE [auto engine])
+            raise
         a.timings_ms["autograd_first"] = first / V.shape[0]
         if first / V.shape[0] * self.expected_products < AUTO_MIN_RUN_MS:
             a.chosen, a.reason = (
