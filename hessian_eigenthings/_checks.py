@@ -7,7 +7,9 @@ from __future__ import annotations
 import operator
 
 
-def check_count(name: str, value: object, *, minimum: int | None = 1, allow_none: bool = False) -> int | None:
+def check_count(
+    name: str, value: object, *, minimum: int | None = 1, allow_none: bool = False
+) -> int | None:
     """``value`` as an int (anything with ``__index__`` but a bool), at least ``minimum``."""
     if value is None and allow_none:
         return None

@@ -91,7 +91,9 @@ def diagonal(
     products (``num_matvecs=0``, ``stderr`` zero); the probe arguments do not apply.
     """
     if method not in ("diag++", "xdiag", "hutchinson", "exact"):
-        raise ValueError(f"method must be 'diag++', 'xdiag', 'hutchinson' or 'exact', got {method!r}")
+        raise ValueError(
+            f"method must be 'diag++', 'xdiag', 'hutchinson' or 'exact', got {method!r}"
+        )
     if method == "exact":
         exact_fn = getattr(op, "exact_diagonal", None)
         if exact_fn is None:
@@ -106,7 +108,9 @@ def diagonal(
         s = check_exchangeable_budget(num_matvecs, "xdiag")
         num_matvecs = 2 * s
     else:
-        num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3 if method == "diag++" else 1)  # type: ignore[assignment]
+        num_matvecs = check_count(
+            "num_matvecs", num_matvecs, minimum=3 if method == "diag++" else 1
+        )  # type: ignore[assignment]
     block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_matvecs)

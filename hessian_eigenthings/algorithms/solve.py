@@ -147,9 +147,13 @@ def _check_rhs(op: CurvatureOperator, t: object, name: str) -> torch.Tensor:
             f"{name} must have shape ({op.size},) or ({op.size}, k), got {tuple(t.shape)}"
         )
     if t.dtype != op.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but the operator works in {op.dtype}; pass {name}.to({op.dtype})")
+        raise TypeError(
+            f"{name} has dtype {t.dtype} but the operator works in {op.dtype}; pass {name}.to({op.dtype})"
+        )
     if not same_device(t.device, op.device):
-        raise ValueError(f"{name} is on {t.device} but the operator is on {op.device}; pass {name}.to('{op.device}')")
+        raise ValueError(
+            f"{name} is on {t.device} but the operator is on {op.device}; pass {name}.to('{op.device}')"
+        )
     return t
 
 
@@ -232,7 +236,9 @@ def _cg_step(sys_: _System, state: State) -> tuple[torch.Tensor, torch.Tensor]:
     state["p"] = z + beta.unsqueeze(1) * p
     state["rz"] = rz_new
     res = sys_.norms(r)
-    code = torch.where(~positive, _NEGATIVE_CURVATURE, torch.where(rz_new <= 0, _PRECONDITIONER_NOT_PD, _OK))
+    code = torch.where(
+        ~positive, _NEGATIVE_CURVATURE, torch.where(rz_new <= 0, _PRECONDITIONER_NOT_PD, _OK)
+    )
     return res, code
 
 
@@ -285,7 +291,9 @@ def _minres_step(sys_: _System, state: State) -> tuple[torch.Tensor, torch.Tenso
     c1, s1, c2, s2, phibar = state["c1"], state["s1"], state["c2"], state["s2"], state["phibar"]
     Av = sys_.apply(v)
     alpha = sys_.dots(v, Av)
-    z = Av.addcmul_(alpha.unsqueeze(1), w, value=-1.0).addcmul_(beta.unsqueeze(1), state["w_old"], value=-1.0)
+    z = Av.addcmul_(alpha.unsqueeze(1), w, value=-1.0).addcmul_(
+        beta.unsqueeze(1), state["w_old"], value=-1.0
+    )
     q = sys_.precondition(z)
     beta2 = sys_.dots(z, q)
     beta_next = beta2.clamp_min(0).sqrt()
@@ -298,14 +306,25 @@ def _minres_step(sys_: _System, state: State) -> tuple[torch.Tensor, torch.Tenso
     gamma_safe = torch.where(gamma > 0, gamma, 1.0)
     c, s = gbar / gamma_safe, beta_next / gamma_safe
     tau = c * phibar
-    d = (v - delta.unsqueeze(1) * state["d1"] - eps.unsqueeze(1) * state["d2"]) / gamma_safe.unsqueeze(1)
+    d = (
+        v - delta.unsqueeze(1) * state["d1"] - eps.unsqueeze(1) * state["d2"]
+    ) / gamma_safe.unsqueeze(1)
     state["x"].addcmul_(tau.unsqueeze(1), d)
     r = state["r"]
     r.mul_((s * s).unsqueeze(1)).addcmul_((c * phibar / gamma_safe).unsqueeze(1), z, value=-1.0)
     inv = 1.0 / torch.where(beta_next > 0, beta_next, 1.0)
     state.update(
-        d2=state["d1"], d1=d, c2=c1, s2=s1, c1=c, s1=s, phibar=-s * phibar,
-        v_old=v, w_old=w, beta=beta_next, v=q * inv.unsqueeze(1),
+        d2=state["d1"],
+        d1=d,
+        c2=c1,
+        s2=s1,
+        c1=c,
+        s1=s,
+        phibar=-s * phibar,
+        v_old=v,
+        w_old=w,
+        beta=beta_next,
+        v=q * inv.unsqueeze(1),
     )
     state["w"] = state["v"] if sys_.pre is None else z * inv.unsqueeze(1)
     res = sys_.norms(r)
@@ -326,7 +345,9 @@ def _neumann_step(sys_: _System, state: State, scale: float) -> tuple[torch.Tens
     state["x"].add_(u)
     state["r"].sub_(Au)
     res = sys_.norms(state["r"])
-    code = torch.where(res > _DIVERGENCE_GROWTH * state["res0"], _DIVERGED, _OK)  # NOTE [neumann divergence]
+    code = torch.where(
+        res > _DIVERGENCE_GROWTH * state["res0"], _DIVERGED, _OK
+    )  # NOTE [neumann divergence]
     return res, code
 
 
@@ -428,7 +449,9 @@ def solve(
             else:
                 assert scale_f is not None
                 res, code = _neumann_step(sys_, state, scale_f)
-            cols, state = _freeze(cols, state, res, code, bnorm, tol_f, X_out, recursive, codes, iterations)
+            cols, state = _freeze(
+                cols, state, res, code, bnorm, tol_f, X_out, recursive, codes, iterations
+            )
             if cols:
                 bar.set_postfix(residual=f"{max(float(recursive[j]) for j in cols):.1e}")
         if cols:  # columns out of budget keep their last iterate
@@ -439,7 +462,9 @@ def solve(
             true = sys_.norms(R).to("cpu", torch.float64)
             if not bool(torch.isfinite(true).all()):
                 raise non_finite_error("final residual", iterations)
-            final = torch.where(bnorm > 0, true / bnorm.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+            final = torch.where(
+                bnorm > 0, true / bnorm.clamp_min(torch.finfo(torch.float64).tiny), 0.0
+            )
             products = sys_.products
         else:
             final = recursive
@@ -482,8 +507,13 @@ def _freeze(
 
 
 def _result(
-    X: torch.Tensor, vector: bool, residual_norms: torch.Tensor, iterations: int,
-    converged: torch.Tensor, products: int, codes: list[int],
+    X: torch.Tensor,
+    vector: bool,
+    residual_norms: torch.Tensor,
+    iterations: int,
+    converged: torch.Tensor,
+    products: int,
+    codes: list[int],
 ) -> SolveResult:
     return SolveResult(
         x=X[0] if vector else X.T,
@@ -491,7 +521,9 @@ def _result(
         iterations=iterations,
         converged=converged,
         num_matvecs=products,
-        negative_curvature=torch.tensor([c == _NEGATIVE_CURVATURE for c in codes], dtype=torch.bool),
+        negative_curvature=torch.tensor(
+            [c == _NEGATIVE_CURVATURE for c in codes], dtype=torch.bool
+        ),
     )
 
 
@@ -501,14 +533,24 @@ def _columns(js: list[int]) -> str:
 
 
 def _warn(
-    method: str, final: torch.Tensor, converged: torch.Tensor, recursive: torch.Tensor, codes: list[int],
-    tol: float, budget: int, exact: bool, wd: torch.dtype,
+    method: str,
+    final: torch.Tensor,
+    converged: torch.Tensor,
+    recursive: torch.Tensor,
+    codes: list[int],
+    tol: float,
+    budget: int,
+    exact: bool,
+    wd: torch.dtype,
 ) -> None:
     failed = [j for j in range(len(codes)) if not bool(converged[j])]
     if not failed:
         return
     k = len(codes)
-    by = {c: [j for j in failed if codes[j] == c] for c in (_NEGATIVE_CURVATURE, _PRECONDITIONER_NOT_PD, _EXHAUSTED, _DIVERGED)}
+    by = {
+        c: [j for j in failed if codes[j] == c]
+        for c in (_NEGATIVE_CURVATURE, _PRECONDITIONER_NOT_PD, _EXHAUSTED, _DIVERGED)
+    }
     stalled = [j for j in failed if codes[j] == _OK and float(recursive[j]) <= tol]
     budget_out = [j for j in failed if codes[j] == _OK and j not in stalled]
     parts = [
@@ -559,7 +601,9 @@ class InverseOperator(CurvatureOperator):
     pass a tight ``tol``. ``last_result`` holds the :class:`SolveResult` of the last product.
     """
 
-    def __init__(self, op: CurvatureOperator, damping: float, method: Method, solve_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, op: CurvatureOperator, damping: float, method: Method, solve_kwargs: dict[str, Any]
+    ) -> None:
         self.op = op
         self.damping = damping
         self.method = method
@@ -597,7 +641,9 @@ class InverseOperator(CurvatureOperator):
         return f"InverseOperator(({self.op!r} + {self.damping:g}·I)⁻¹, method={self.method!r})"
 
 
-def inverse(op: CurvatureOperator, damping: float, method: Method = "cg", **solve_kwargs: Any) -> InverseOperator:
+def inverse(
+    op: CurvatureOperator, damping: float, method: Method = "cg", **solve_kwargs: Any
+) -> InverseOperator:
     """``(A + damping·I)⁻¹`` as a :class:`CurvatureOperator`: each product runs :func:`solve`
     with ``method`` and ``solve_kwargs`` (``tol``, ``max_iter``, ``preconditioner``, ``scale``,
     ``residuals``, ``progress``; default ``progress=False``). Arguments are checked here, not
@@ -605,12 +651,25 @@ def inverse(op: CurvatureOperator, damping: float, method: Method = "cg", **solv
     op = check_operator(op)
     if "x0" in solve_kwargs:
         raise TypeError("inverse() takes no x0: every product starts from zero")
-    unknown = set(solve_kwargs) - {"tol", "max_iter", "preconditioner", "scale", "residuals", "progress"}
+    unknown = set(solve_kwargs) - {
+        "tol",
+        "max_iter",
+        "preconditioner",
+        "scale",
+        "residuals",
+        "progress",
+    }
     if unknown:
         raise TypeError(f"inverse() got unexpected keyword arguments {sorted(unknown)}")
     kwargs = {"progress": False, **solve_kwargs}
     damping_f, _, _, _ = _check_options(
-        op, damping, method, kwargs.get("tol", 1e-6), kwargs.get("max_iter"), kwargs.get("preconditioner"),
-        kwargs.get("scale"), kwargs.get("residuals", "exact"),
+        op,
+        damping,
+        method,
+        kwargs.get("tol", 1e-6),
+        kwargs.get("max_iter"),
+        kwargs.get("preconditioner"),
+        kwargs.get("scale"),
+        kwargs.get("residuals", "exact"),
     )
     return InverseOperator(op, damping_f, method, kwargs)

@@ -119,7 +119,9 @@ def sketch_range(
         # orthonormalize_rows sees both kinds of rows on one scale
         S[:r] = warm[:r].to(S.dtype) * math.sqrt(global_size(op))
     AS = apply_rows(op, S)
-    del S  # (count, n) each: at 124 M parameters and 33 probes, 15 GiB that the basis need not share
+    del (
+        S
+    )  # (count, n) each: at 124 M parameters and 33 probes, 15 GiB that the basis need not share
     bar.update(count)  # type: ignore[attr-defined]
     if not bool(torch.isfinite(AS).all()):
         raise non_finite_error("range sketch", 1)
@@ -461,6 +463,7 @@ def trace(
             progress=progress,
         )
     raise ValueError(f"method must be 'hutch++', 'xtrace' or 'hutchinson', got {method!r}")
+
 
 #: the 1.0 alpha's name for the ``method`` values of :func:`trace`
 Method = Literal["hutchinson", "hutch++"]

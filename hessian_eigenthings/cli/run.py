@@ -313,7 +313,9 @@ def _eigenvalues(s: _Steps) -> tuple[torch.Tensor, EigenResult | None, bool]:
     if exact and args.landscape != "none":
         eig = _exact_eigenpairs(op, min(k, 1 if args.landscape == "1d" else 2), args.which)
         results["eigenvectors"] = {"method": "eigh", "matvecs": 0}
-        _log(quiet, "eigenvectors for the landscape: exact, from the Kronecker factors (0 products)")
+        _log(
+            quiet, "eigenvectors for the landscape: exact, from the Kronecker factors (0 products)"
+        )
     if not exact:
         eig = lanczos(
             op,

@@ -43,7 +43,9 @@ def cross_entropy_hvp_block(
         raise ValueError(f"u must have shape (k, *{tuple(logits.shape)}), got {tuple(u.shape)}")
     if _torch_compat.tracing():
         # a traced product (operators.engines) records functional ops: no writes into a buffer
-        return torch.stack([cross_entropy_hvp(logits, u[j], valid, n, impl=impl) for j in range(u.shape[0])])
+        return torch.stack(
+            [cross_entropy_hvp(logits, u[j], valid, n, impl=impl) for j in range(u.shape[0])]
+        )
     out = torch.empty(u.shape, dtype=logits.dtype, device=logits.device)
     for j in range(u.shape[0]):
         cross_entropy_hvp(logits, u[j], valid, n, impl=impl, out=out[j])
@@ -102,7 +104,10 @@ class ShiftedCrossEntropy:
         rows = upcast(logits[:, :-1])
         masked = tgt.masked_fill(~valid, IGNORE_INDEX)
         losses = F.cross_entropy(
-            rows.reshape(-1, rows.shape[-1]), masked.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            rows.reshape(-1, rows.shape[-1]),
+            masked.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
         )
         return losses.view(valid.shape), valid
 

@@ -35,7 +35,11 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(
-    key: torch.Tensor, shape: tuple[int, ...], *, stream: int = 0, dtype: torch.dtype = torch.float64
+    key: torch.Tensor,
+    shape: tuple[int, ...],
+    *,
+    stream: int = 0,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Uniform numbers in ``(0, 1)`` of ``shape`` on ``key``'s device, a function of
     ``(key, stream, position)`` only. ``key``: a 0-d int64 tensor."""
@@ -47,7 +51,9 @@ def counter_uniform(
     return u.reshape(shape).to(dtype)
 
 
-def counter_normal(key: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def counter_normal(
+    key: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Standard normal numbers (Box-Muller on two counter streams)."""
     u1 = counter_uniform(key, shape, stream=0)
     u2 = counter_uniform(key, shape, stream=1)

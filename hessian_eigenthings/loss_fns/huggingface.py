@@ -149,7 +149,6 @@ class HFCausalLMLoss(ShiftedCrossEntropy):
             return tgt, batch["attention_mask"][:, 1:].bool()
         return tgt, torch.ones_like(tgt, dtype=torch.bool)
 
-
     # -- the chunked LM head (loss_fns.protocols.LinearHeadLoss) ---------------------
     def head_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions that count, ``(B, T - 1)`` (position t predicts token t + 1), and
@@ -180,8 +179,16 @@ class HFCausalLMLoss(ShiftedCrossEntropy):
         rows = h[:, :-1]
         for j in range(k):
             gh, gw, gb = lm_head_ce_ggn(
-                rows, W, b, dh[j, :, :-1], None if dW is None else dW[j], None if db is None else db[j],
-                valid, n, chunk_rows=chunk_rows, impl=self.fused,
+                rows,
+                W,
+                b,
+                dh[j, :, :-1],
+                None if dW is None else dW[j],
+                None if db is None else db[j],
+                valid,
+                n,
+                chunk_rows=chunk_rows,
+                impl=self.fused,
             )
             g_h[j, :, :-1] = gh
             if g_w is not None:
@@ -317,6 +324,7 @@ def hf_seq2seq_loss() -> LossFn:
         )
 
     return loss_fn
+
 
 # the 1.0 alpha's type names, kept importable: the ``fused=`` choices, and the signature of
 # an output-Hessian product ``(output, batch, u) -> H_loss u``

@@ -194,4 +194,6 @@ class SampledFisherSqrtLoss(Protocol):
     ``H̃`` (what ``sampled_hvp`` applies), in the layout of
     :meth:`OutputHessianSqrtLoss.hessian_sqrt`: ``(N, K, *output.shape[1:])``."""
 
-    def sampled_hessian_sqrt(self, output: torch.Tensor, batch: Batch, grads: torch.Tensor) -> torch.Tensor: ...
+    def sampled_hessian_sqrt(
+        self, output: torch.Tensor, batch: Batch, grads: torch.Tensor
+    ) -> torch.Tensor: ...

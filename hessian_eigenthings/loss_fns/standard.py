@@ -196,11 +196,15 @@ def _elementwise_columns(diag: torch.Tensor) -> tuple[int, Columns]:
     if diag.dim() <= 1:
         return 1, lambda a, b: base[a:b]
     C = diag.shape[-1]
-    eye = torch.eye(C, dtype=diag.dtype, device=diag.device).reshape(C, *([1] * (diag.dim() - 1)), C)
+    eye = torch.eye(C, dtype=diag.dtype, device=diag.device).reshape(
+        C, *([1] * (diag.dim() - 1)), C
+    )
     return C, lambda a, b: base * eye[a:b]
 
 
-def _numel_weight(loss_reduction: Reduction, output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _numel_weight(
+    loss_reduction: Reduction, output: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     w = torch.tensor(1.0 / output.numel() if loss_reduction == "mean" else 1.0, dtype=torch.float64)
     return w.to(dtype)
 
@@ -315,22 +319,32 @@ class CrossEntropyOutputLoss:
         return moved.reshape(t.shape[0], -1, t.shape[1])
 
     # -- batch-wide columns, for the Kronecker factor pass (loss_fns.protocols.HessianColumnsLoss)
-    def term_weight(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def term_weight(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduction's weight per loss term (0-dim, ``dtype``) and the rows that count
         ``(N, 1, ...)`` (``None``: all)."""
         if output.dim() < 2:
-            raise ValueError(f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(output.shape)}")
+            raise ValueError(
+                f"cross-entropy KFAC needs logits (N, C, ...), got shape {tuple(output.shape)}"
+            )
         y = batch[1] if isinstance(batch, (tuple, list)) else None
         if not isinstance(y, torch.Tensor):
             raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
         valid = None if y.is_floating_point() else (y != self.ignore_index)
         rows = output.numel() // output.shape[1]
-        count = torch.tensor(float(rows), dtype=torch.float64) if valid is None else valid.sum().clamp_min(1)
+        count = (
+            torch.tensor(float(rows), dtype=torch.float64)
+            if valid is None
+            else valid.sum().clamp_min(1)
+        )
         w = 1.0 / count.to(dtype) if self.reduction == "mean" else torch.ones(())
         mask = None if valid is None else valid.unsqueeze(1).to(output.dtype)
         return w.to(dtype), mask
 
-    def hessian_columns(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[int, Columns]:
+    def hessian_columns(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[int, Columns]:
         """``w (diag(p) - ppᵀ) = S Sᵀ`` with ``S = (I - p 1ᵀ) diag(√(w p))``, one column per
         class covering every row, zero on ignored rows; computed in ``dtype``."""
         w, mask = self.term_weight(output, batch, dtype)
@@ -340,7 +354,9 @@ class CrossEntropyOutputLoss:
         root = p.movedim(-1, 0).sqrt().unsqueeze(-1) * w.sqrt()  # (C, rows..., 1)
 
         def ce_columns(a: int, b: int) -> torch.Tensor:
-            cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(-1, 2)  # (b - a, *output.shape)
+            cols = ((eye[a:b] - p.unsqueeze(0)) * root[a:b]).movedim(
+                -1, 2
+            )  # (b - a, *output.shape)
             return (cols if mask is None else cols * mask).to(output.dtype)
 
         return C, ce_columns
@@ -424,13 +440,19 @@ class MSEOutputLoss:
         w = 1.0 / output.numel() if self.reduction == "mean" else 1.0
         return u * ((grads * grads).mean(0) * w)
 
-    def term_weight(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+    def term_weight(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, None]:
         """The reduction's weight per element (0-dim, ``dtype``); every element counts."""
         return _numel_weight(self.reduction, output, dtype), None
 
-    def hessian_columns(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[int, Columns]:
+    def hessian_columns(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[int, Columns]:
         """``√(2w) e_c`` along the last dimension, covering every other index."""
-        return _elementwise_columns(torch.full_like(output, 2.0) * self.term_weight(output, batch, dtype)[0])
+        return _elementwise_columns(
+            torch.full_like(output, 2.0) * self.term_weight(output, batch, dtype)[0]
+        )
 
     def hessian_sqrt(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         """``√(2w) I`` per sample (``w = 1/numel`` for the mean), ``(N, M, *output.shape[1:])``."""
@@ -488,11 +510,15 @@ class BCEWithLogitsOutputLoss:
     ) -> torch.Tensor:
         return u * ((grads * grads).mean(0) * self._weight(output))
 
-    def term_weight(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+    def term_weight(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, None]:
         """The reduction's weight per element (0-dim, ``dtype``); every element counts."""
         return _numel_weight(self.reduction, output, dtype), None
 
-    def hessian_columns(self, output: torch.Tensor, batch: Batch, dtype: torch.dtype) -> tuple[int, Columns]:
+    def hessian_columns(
+        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
+    ) -> tuple[int, Columns]:
         """``√(w σ(1-σ)) e_c`` along the last dimension, covering every other index."""
         s = torch.sigmoid(output)
         return _elementwise_columns(s * (1 - s) * self.term_weight(output, batch, dtype)[0])

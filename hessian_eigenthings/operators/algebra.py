@@ -58,7 +58,9 @@ def _scalar(c: object, what: str) -> float:
             raise TypeError(f"{what} needs a real scalar, got a complex tensor")
         c = c.item()
     if isinstance(c, bool) or not isinstance(c, numbers.Real):
-        raise TypeError(f"{what} needs a real scalar (int, float or 0-d tensor), got {type(c).__name__}")
+        raise TypeError(
+            f"{what} needs a real scalar (int, float or 0-d tensor), got {type(c).__name__}"
+        )
     value = float(c)
     if not math.isfinite(value):
         raise ValueError(f"{what} needs a finite scalar, got {value}")
@@ -90,7 +92,9 @@ def _check_compatible(ops: Sequence[CurvatureOperator]) -> None:
     # reduces through its DistributedBackend; adding it to a replicated operator of equal local
     # size would add unrelated coordinates. Parts must agree: all single-device, or one backend.
     backends = [getattr(op, "backend", None) for op in ops]
-    if not all(_is_single_device(b) for b in backends) and any(b is not backends[0] for b in backends):
+    if not all(_is_single_device(b) for b in backends) and any(
+        b is not backends[0] for b in backends
+    ):
         raise ValueError(
             "a sharded operator (with a distributed backend) can only be combined with operators "
             "sharded the same way (the same op.backend)"
@@ -112,7 +116,9 @@ class LinearCombinationOperator(CurvatureOperator):
             raise ValueError("a linear combination needs at least one operator")
         for _, op in terms:
             if not isinstance(op, CurvatureOperator):
-                raise TypeError(f"a linear combination needs CurvatureOperators, got {type(op).__name__}")
+                raise TypeError(
+                    f"a linear combination needs CurvatureOperators, got {type(op).__name__}"
+                )
         self.terms: tuple[tuple[float, CurvatureOperator], ...] = tuple(
             (_scalar(c, "a coefficient"), op) for c, op in terms
         )
@@ -128,7 +134,8 @@ class LinearCombinationOperator(CurvatureOperator):
         layouts = [getattr(op, "layout", None) for op in ops]
         first = layouts[0]
         if first is not None and all(
-            lay is not None and lay.names == first.names and lay.shapes == first.shapes for lay in layouts
+            lay is not None and lay.names == first.names and lay.shapes == first.shapes
+            for lay in layouts
         ):
             self.layout = first
 
@@ -192,7 +199,9 @@ def left_multiply(op: CurvatureOperator, x: object) -> torch.Tensor:
     if x.dim() == 1:
         return op.matvec(x)
     if x.dim() != 2 or x.shape[1] != op.size:
-        raise ValueError(f"X @ A needs X of shape (m, {op.size}) or ({op.size},), got {tuple(x.shape)}")
+        raise ValueError(
+            f"X @ A needs X of shape (m, {op.size}) or ({op.size},), got {tuple(x.shape)}"
+        )
     return op.matmat(x.T).T
 
 
@@ -226,7 +235,9 @@ def _indices(index: object, n: int, device: torch.device, what: str) -> torch.Te
         raise ValueError(f"{what} selects nothing; select at least one index")
     lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= n:
-        raise ValueError(f"{what} must be in [0, {n}) for an operator of size {n}; got values from {lo} to {hi}")
+        raise ValueError(
+            f"{what} must be in [0, {n}) for an operator of size {n}; got values from {lo} to {hi}"
+        )
     return t.to(device=device, dtype=torch.int64)
 
 
@@ -303,7 +314,14 @@ class RectangularSubmatrix:
         """The transpose ``A[cols][:, rows]``."""
         return RectangularSubmatrix(self.parent, self.cols, self.rows)
 
-    def _apply(self, X: object, src: torch.Tensor, dst: torch.Tensor, name: str, dims: tuple[int, ...] = (1, 2)) -> torch.Tensor:
+    def _apply(
+        self,
+        X: object,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        name: str,
+        dims: tuple[int, ...] = (1, 2),
+    ) -> torch.Tensor:
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"{name} needs a torch.Tensor, got {type(X).__name__}")
         p = int(src.numel())
@@ -355,7 +373,9 @@ class RectangularSubmatrix:
         def wrap(fn: Any, flat: bool) -> Any:
             def call(x: Any) -> Any:
                 arr = np.ascontiguousarray(x)
-                t = torch.as_tensor(arr.reshape(-1) if flat else arr, device=self.device).to(self.dtype)
+                t = torch.as_tensor(arr.reshape(-1) if flat else arr, device=self.device).to(
+                    self.dtype
+                )
                 return fn(t).detach().to("cpu", torch.float64).numpy()
 
             return call
@@ -372,7 +392,9 @@ class RectangularSubmatrix:
         return f"RectangularSubmatrix(shape={self.shape}, parent={self.parent!r})"
 
 
-def submatrix(op: CurvatureOperator, rows: object, cols: object = None) -> SubmatrixOperator | RectangularSubmatrix:
+def submatrix(
+    op: CurvatureOperator, rows: object, cols: object = None
+) -> SubmatrixOperator | RectangularSubmatrix:
     """``A[rows][:, cols]``; a :class:`SubmatrixOperator` when ``cols`` is ``None`` or selects the
     same indices in the same order as ``rows``, else a :class:`RectangularSubmatrix`."""
     if not _is_single_device(getattr(op, "backend", None)):
@@ -389,7 +411,9 @@ def submatrix(op: CurvatureOperator, rows: object, cols: object = None) -> Subma
     return RectangularSubmatrix(op, r, c)
 
 
-def block(op: CurvatureOperator, param_filter: ParamFilter | str | Sequence[str]) -> SubmatrixOperator:
+def block(
+    op: CurvatureOperator, param_filter: ParamFilter | str | Sequence[str]
+) -> SubmatrixOperator:
     """``A[θ_S][:, θ_S]`` for the parameters ``S`` that ``param_filter`` (a callable
     ``(name, param) -> bool``, a glob or a list of globs, as for the operators) selects among
     ``op``'s own parameters (``op.layout``), in ``op``'s order. The result is a
@@ -404,17 +428,25 @@ def block(op: CurvatureOperator, param_filter: ParamFilter | str | Sequence[str]
         )
     flt = as_param_filter(param_filter)
     if flt is None:
-        raise TypeError("param_filter must be a callable (name, param) -> bool, a glob string or a list of globs, got None")
+        raise TypeError(
+            "param_filter must be a callable (name, param) -> bool, a glob string or a list of globs, got None"
+        )
     tensors: dict[str, torch.nn.Parameter] = dict(getattr(op, "named_params", None) or [])
     chosen = []
     for i, (name, shape) in enumerate(zip(layout.names, layout.shapes, strict=True)):
         param = tensors.get(name)
-        if param is None:  # a combination's layout without its tensors: the shape is what a filter sees
-            param = torch.nn.Parameter(torch.empty(shape, dtype=layout.dtype, device="meta"), requires_grad=False)
+        if (
+            param is None
+        ):  # a combination's layout without its tensors: the shape is what a filter sees
+            param = torch.nn.Parameter(
+                torch.empty(shape, dtype=layout.dtype, device="meta"), requires_grad=False
+            )
         if flt(name, param):
             chosen.append(i)
     if not chosen:
-        shown = ", ".join(layout.names[:8]) + (f", ... ({len(layout.names)} in all)" if len(layout.names) > 8 else "")
+        shown = ", ".join(layout.names[:8]) + (
+            f", ... ({len(layout.names)} in all)" if len(layout.names) > 8 else ""
+        )
         raise ValueError(
             f"param_filter {getattr(flt, '__qualname__', flt)!r} selected none of the operator's parameters: {shown}"
         )

@@ -201,6 +201,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             self.cuda_graphs
             and self._device.type == "cuda"
             and RNG_RESTORABLE
+            and getattr(runner, "recordable", True)
             and (runner.traced or self.supports_cuda_graphs)
         )
         # the model's reuse key, read once per pass under its switches when a state is kept

@@ -252,7 +252,9 @@ def conv_input_moment(
     need_w = sw * (OW - 1) + dw * (kw - 1) + 1
     xp = F.pad(x, (pad_w, need_w - pad_w - x.shape[3], pad_h, need_h - pad_h - x.shape[2]))
     view = _patches(xp, box, stride, dilation, (rows, OW))  # (N, C, kh, kw, rows, OW)
-    if sums:  # Σ a: window sums of the input summed over samples (one pass over x, then N times smaller)
+    if (
+        sums
+    ):  # Σ a: window sums of the input summed over samples (one pass over x, then N times smaller)
         s_box = _patches(xp.sum(0, keepdim=True), box, stride, dilation, (OH, OW)).sum((0, -2, -1))
         s[:, h0:h1, w0:w1] = s_box.transpose(1, 2) if transpose else s_box
     if transpose:  # write through a view of S in the transposed axes

@@ -56,6 +56,7 @@ class DataOptions(TypedDict, total=False):
     cuda_graphs: bool
     engine: EngineName
     precision: Precision
+    layers: str | Sequence[nn.Module] | None
 
 
 class DataOperatorSetup(CurvatureOperator):
@@ -91,6 +92,7 @@ class DataOperatorSetup(CurvatureOperator):
         cuda_graphs: bool = True,
         engine: EngineName = "auto",
         precision: Precision = "fp32",
+        layers: str | Sequence[nn.Module] | None = None,
         backend: LinAlgBackend | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -129,6 +131,16 @@ class DataOperatorSetup(CurvatureOperator):
         self.precision = check_precision(precision)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if (engine == "layers") != (layers is not None):
+            raise ValueError(
+                "engine='layers' walks the layers that layers= names (a dotted path to the model's "
+                "module list, e.g. 'transformer.h', or the modules), and layers= applies to it only; "
+                f"got engine={engine!r}, layers={layers!r}"
+            )
+        if engine == "layers" and not hasattr(type(self), "layer_walk_runner"):
+            raise unsupported("layers", type(self).__name__, "it has no layer walk")
+        #: the layers ``engine="layers"`` walks (NOTE [layer walk])
+        self.layers = layers
         self._engine_name = engine
         #: passes over the data (one per batch chunk), forward passes, replayed products: cost checks
         self.counts = ProductCounts()

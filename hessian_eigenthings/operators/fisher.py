@@ -91,7 +91,9 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             raise TypeError(
                 "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
             )
-        check_loss_argument(per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss")
+        check_loss_argument(
+            per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss"
+        )
         if isinstance(per_sample_loss_fn, HFCausalLMBatchLoss):
             raise TypeError(
                 "per_sample_loss_fn got hf_lm_loss(), the mean loss of a batch; the empirical Fisher needs "
@@ -101,7 +103,9 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
         self.per_sample_loss_fn = per_sample_loss_fn
         self.sample_dim = sample_dim
         #: the loss when it counts its own samples (CountedPerSampleLoss), else None
-        self._counted = per_sample_loss_fn if isinstance(per_sample_loss_fn, CountedPerSampleLoss) else None
+        self._counted = (
+            per_sample_loss_fn if isinstance(per_sample_loss_fn, CountedPerSampleLoss) else None
+        )
         if self._counted is not None and sample_dim != 0:
             raise ValueError(
                 f"sample_dim={sample_dim} does not apply to {per_sample_loss_fn!r}: it counts its own samples "
@@ -111,7 +115,9 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             model,
             dataloader,
             self._per_sample_losses,
-            curvature=EmpiricalOfLosses(self._count, counted=self._counted is not None, name=repr(per_sample_loss_fn)),
+            curvature=EmpiricalOfLosses(
+                self._count, counted=self._counted is not None, name=repr(per_sample_loss_fn)
+            ),
             jvp=jvp,
             fd_eps=fd_eps,
             param_filter=param_filter,
@@ -154,7 +160,8 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 # the alpha's kind may fail on a whole batch (it indexes one sample's shape)
                 try:
                     losses = torch.func.vmap(
-                        lambda sample: self.per_sample_loss_fn(model, sample), in_dims=self.sample_dim
+                        lambda sample: self.per_sample_loss_fn(model, sample),
+                        in_dims=self.sample_dim,
                     )(batch)
                 except Exception:
                     pass

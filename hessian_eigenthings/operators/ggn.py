@@ -134,8 +134,12 @@ class GGNOperator(OutputSandwichOperator):
             raise TypeError(
                 "loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar"
             )
-        check_loss_argument(loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output")
-        check_loss_argument(forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output")
+        check_loss_argument(
+            loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output"
+        )
+        check_loss_argument(
+            forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
+        )
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
         self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)  # type: ignore[assignment]
@@ -175,10 +179,10 @@ class GGNOperator(OutputSandwichOperator):
                 f"chunked_lm_head=True runs on engine='autograd'; engine={self._engine_name!r} sandwiches the "
                 "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
             )
-        plain = chunked_lm_head is not False and not traced and type(self.curvature) is ExactLossHessian
-        head = None if not plain else plain_head(
-            model, forward_fn, loss_of_output_fn
+        plain = (
+            chunked_lm_head is not False and not traced and type(self.curvature) is ExactLossHessian
         )
+        head = None if not plain else plain_head(model, forward_fn, loss_of_output_fn)
         if head is None and chunked_lm_head is True:
             raise ValueError(
                 "chunked_lm_head=True needs forward_fn=hf_lm_forward(), loss_of_output_fn="
@@ -187,9 +191,15 @@ class GGNOperator(OutputSandwichOperator):
                 "get_output_embeddings() is a plain nn.Linear without hooks"
             )
         if head is not None:
-            assert isinstance(forward_fn, HiddenStatesForward) and isinstance(loss_of_output_fn, LinearHeadLoss)
+            assert isinstance(forward_fn, HiddenStatesForward) and isinstance(
+                loss_of_output_fn, LinearHeadLoss
+            )
             self._head = ChunkedHead(
-                head, forward_fn, loss_of_output_fn, chunk_rows=lm_head_chunk_rows, insist=chunked_lm_head is True
+                head,
+                forward_fn,
+                loss_of_output_fn,
+                chunk_rows=lm_head_chunk_rows,
+                insist=chunked_lm_head is True,
             )
             self._set_forward(forward_fn.hidden_states)
 

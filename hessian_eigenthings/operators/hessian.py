@@ -33,6 +33,8 @@ from hessian_eigenthings.operators.autodiff import (
     selected_function,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
+from hessian_eigenthings.operators.engines.runner import unsupported
+from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.param_utils import ParamFilter, call_with_values
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -46,6 +48,7 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 # The forward and first backward are still shared by the block. On
 # accelerators the vmapped backward is the faster one (GPU: 0.45-0.57x the
 # gradient per vector on the MLP and ResNet-18 against 0.8-0.9x for one).
+
 
 class _GradState(NamedTuple):
     """The first-order graph of one batch: ``∇L`` (``None`` where constant) and what it is taken with respect to."""
@@ -124,6 +127,14 @@ class HessianOperator(DataCurvatureOperator):
             )
         return causes
 
+    def layer_walk_runner(self) -> LayerWalkRunner:
+        """``engine="layers"``: products one layer at a time (NOTE [layer walk])."""
+        if self.method != "autograd":
+            raise unsupported("layers", type(self).__name__, f"method={self.method!r}")
+        assert self.layers is not None  # checked at construction
+        walk = LayerWalk(self.model, self.loss_fn, self.layout.names, self.layers)
+        return LayerWalkRunner(walk, self.counts)
+
     def functional_product(
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]
     ) -> list[torch.Tensor]:
@@ -166,8 +177,11 @@ class HessianOperator(DataCurvatureOperator):
         k = vecs[0].shape[0]
         if k == 1:
             hv = torch.autograd.grad(
-                grads, inputs, grad_outputs=[vecs[i][0] for i in live],
-                retain_graph=retain, allow_unused=True,
+                grads,
+                inputs,
+                grad_outputs=[vecs[i][0] for i in live],
+                retain_graph=retain,
+                allow_unused=True,
             )
             return [None if h is None else h.unsqueeze(0) for h in hv]
         if self._batched_ok is not False:
@@ -178,8 +192,11 @@ class HessianOperator(DataCurvatureOperator):
         for j in range(k):
             rows.append(
                 torch.autograd.grad(
-                    grads, inputs, grad_outputs=[vecs[i][j] for i in live],
-                    retain_graph=retain or j < k - 1, allow_unused=True,
+                    grads,
+                    inputs,
+                    grad_outputs=[vecs[i][j] for i in live],
+                    retain_graph=retain or j < k - 1,
+                    allow_unused=True,
                 )
             )
         return [
@@ -188,7 +205,11 @@ class HessianOperator(DataCurvatureOperator):
         ]
 
     def _try_batched(
-        self, grads: list[torch.Tensor], inputs: Sequence[torch.Tensor], vecs: list[torch.Tensor], retain: bool
+        self,
+        grads: list[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        vecs: list[torch.Tensor],
+        retain: bool,
     ) -> Sequence[torch.Tensor | None] | None:
         """k products in one vmapped backward; ``None`` when the model's ops lack batching rules."""
         first = self._batched_ok is None
@@ -197,8 +218,12 @@ class HessianOperator(DataCurvatureOperator):
                 # torch warns (and loops) when an op has no batching rule: treat as unsupported
                 warnings.simplefilter("error", UserWarning)
                 hv = torch.autograd.grad(
-                    grads, inputs, grad_outputs=vecs, is_grads_batched=True,
-                    retain_graph=retain or first, allow_unused=True,
+                    grads,
+                    inputs,
+                    grad_outputs=vecs,
+                    is_grads_batched=True,
+                    retain_graph=retain or first,
+                    allow_unused=True,
                 )
         except (RuntimeError, UserWarning, NotImplementedError):
             if not first:

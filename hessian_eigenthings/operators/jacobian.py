@@ -67,7 +67,9 @@ class _DataJacobian:
         self.named_params = list(select_parameters(model, param_filter).items())
         self.layout = ParamLayout.from_named(self.named_params)
         # NOTE [replaced parameters], NOTE [padding rows]
-        self._binding = ParameterBinding(model, self.named_params, self.layout.offsets, "JacobianOperator")
+        self._binding = ParameterBinding(
+            model, self.named_params, self.layout.offsets, "JacobianOperator"
+        )
         self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
         check_first_batch(model, self.source.first_batch(), forward_fn)
         self._call = CallWithModel(model, forward_fn)
@@ -166,7 +168,9 @@ class _DataJacobian:
         self._follow_parameters()
         k = V.shape[0]
         out = torch.empty(k, self.num_outputs, dtype=self.dtype, device=self.device)
-        if self._binding.constant_rows:  # NOTE [padding rows]: forward mode would move the padding row
+        if (
+            self._binding.constant_rows
+        ):  # NOTE [padding rows]: forward mode would move the padding row
             V = project_rows_(V.clone(), self._binding.constant_rows)
         tangents = self.layout.split_rows(V)
         offsets = [0]

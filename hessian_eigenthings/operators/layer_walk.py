@@ -28,6 +28,7 @@ from torch import nn
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import CallWithModel
+from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.param_utils import call_with_values
 
 # NOTE [layer walk]
@@ -324,3 +325,36 @@ class LayerWalk:
             for n, t in g_head.items():
                 result[n] = result[n] + t
         return {n: result[n] for n in self.names}
+
+
+class LayerWalkRunner:
+    """``engine="layers"``: a curvature's per-batch products by :class:`LayerWalk` (the runner
+    interface of ``engines.runner``). A batch's state is its layers' recorded calls (the boundary
+    activations); a product walks the layers once per direction. Not recorded as a CUDA graph."""
+
+    name = "layers"
+    traced = False
+    recordable = False
+
+    def __init__(self, walk: LayerWalk, counts: ProductCounts) -> None:
+        self.walk = walk
+        self.counts = counts
+
+    def prepare(self, batch: Batch, params: Sequence[torch.Tensor] | None = None) -> WalkState:
+        del params  # the walk reads the model's parameters at each product
+        self.counts.forwards += 1
+        return self.walk.capture(batch)
+
+    def apply(
+        self, state: WalkState, vectors: list[torch.Tensor], retain: bool
+    ) -> Sequence[torch.Tensor | None]:
+        del retain  # the state holds plain tensors
+        names = self.walk.names
+        rows = []
+        for j in range(vectors[0].shape[0]):
+            out = self.walk.hvp(state, {n: v[j] for n, v in zip(names, vectors, strict=True)})
+            rows.append([out[n] for n in names])
+        return [torch.stack([r[i] for r in rows]) for i in range(len(names))]
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "layers": len(self.walk.layers)}

@@ -55,8 +55,13 @@ class ChunkedHead:
     """Applies the head and the loss Hessian chunk by chunk for one GGN operator."""
 
     def __init__(
-        self, head: nn.Linear, forward_fn: HiddenStatesForward, loss: LinearHeadLoss,
-        *, chunk_rows: int | None, insist: bool,
+        self,
+        head: nn.Linear,
+        forward_fn: HiddenStatesForward,
+        loss: LinearHeadLoss,
+        *,
+        chunk_rows: int | None,
+        insist: bool,
     ) -> None:
         self.head = head
         self.forward_fn = forward_fn
@@ -100,9 +105,15 @@ class ChunkedHead:
         iw, ib = index.get(id(head.weight)), None if head.bias is None else index.get(id(head.bias))
         dh = op._jvp(state.batch, vecs)  # body Jacobian times the direction: (k, B, T, d)
         g_h, g_w, g_b = self.loss.head_ggn(
-            state.output.detach(), head.weight.detach(), None if head.bias is None else head.bias.detach(),
-            dh, None if iw is None else vecs[iw], None if ib is None else vecs[ib],
-            valid, n, chunk_rows=self.chunk_rows,
+            state.output.detach(),
+            head.weight.detach(),
+            None if head.bias is None else head.bias.detach(),
+            dh,
+            None if iw is None else vecs[iw],
+            None if ib is None else vecs[ib],
+            valid,
+            n,
+            chunk_rows=self.chunk_rows,
         )
         out = list(op._vjp(state.output, g_h, retain))  # the body's part
         for i, extra in ((iw, g_w), (ib, g_b)):

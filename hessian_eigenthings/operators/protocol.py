@@ -22,8 +22,12 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     if a.index is None or b.index is None:
-        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
-        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+        current = (
+            torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        )
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
     return a.index == b.index
 
 
@@ -57,12 +61,16 @@ class CurvatureOperator(ABC):
 
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
         if type(self)._matmat_rows is CurvatureOperator._matmat_rows:
-            raise NotImplementedError(f"{type(self).__name__} must implement _matvec or _matmat_rows")
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement _matvec or _matmat_rows"
+            )
         return self._matmat_rows(v.unsqueeze(0))[0]
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         if type(self)._matvec is CurvatureOperator._matvec:
-            raise NotImplementedError(f"{type(self).__name__} must implement _matvec or _matmat_rows")
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement _matvec or _matmat_rows"
+            )
         out = torch.empty_like(V)
         for i in range(V.shape[0]):
             out[i] = self._matvec(V[i])
@@ -90,7 +98,9 @@ class CurvatureOperator(ABC):
         """``A v`` for ``v`` of shape ``(n,)``."""
         self._check_input(v, "v")
         if v.dim() != 1 or v.shape[0] != self.size:
-            raise ValueError(f"matvec expects a vector of shape ({self.size},), got {tuple(v.shape)}")
+            raise ValueError(
+                f"matvec expects a vector of shape ({self.size},), got {tuple(v.shape)}"
+            )
         out = self._matvec(v)
         self.num_matvecs += 1
         return out
@@ -106,7 +116,9 @@ class CurvatureOperator(ABC):
         """
         self._check_input(V, "V")
         if V.dim() != 2 or V.shape[0] != self.size:
-            raise ValueError(f"matmat expects a block of shape ({self.size}, k), got {tuple(V.shape)}")
+            raise ValueError(
+                f"matmat expects a block of shape ({self.size}, k), got {tuple(V.shape)}"
+            )
         if V.shape[1] == 0:
             return torch.empty_like(V)
         out = self._matmat_rows(V.T.contiguous())
@@ -118,7 +130,9 @@ class CurvatureOperator(ABC):
         algorithms' messages); empty when nothing specific is known."""
         causes = []
         if self.dtype in (torch.float16, torch.bfloat16):
-            causes.append(f"{str(self.dtype).removeprefix('torch.')} products carry about 1e-3 (float16) to 1e-2 (bfloat16) relative error")
+            causes.append(
+                f"{str(self.dtype).removeprefix('torch.')} products carry about 1e-3 (float16) to 1e-2 (bfloat16) relative error"
+            )
         return causes
 
     def expect_products(self, n: int) -> None:  # noqa: B027 - optional hook, not abstract
@@ -148,7 +162,9 @@ class CurvatureOperator(ABC):
         from scipy.sparse.linalg import LinearOperator as ScipyLinearOperator
 
         def mv(x: Any) -> Any:
-            v = torch.as_tensor(np.ascontiguousarray(x).reshape(-1), device=self.device).to(self.dtype)
+            v = torch.as_tensor(np.ascontiguousarray(x).reshape(-1), device=self.device).to(
+                self.dtype
+            )
             return self.matvec(v).detach().to("cpu", torch.float64).numpy()
 
         def mm(X: Any) -> Any:
@@ -163,17 +179,31 @@ class CurvatureOperator(ABC):
         return f"{type(self).__name__}(size={self.size}, dtype={self.dtype}, device={self.device})"
 
     # -- algebra (A + B, A - B, c * A, A / c, -A, X @ A, submatrix): see operators/algebra.py
-    def __add__(self, other: object) -> CurvatureOperator: return _algebra().linear_combination(self, other, 1.0)
-    def __sub__(self, other: object) -> CurvatureOperator: return _algebra().linear_combination(self, other, -1.0)
-    def __mul__(self, c: object) -> CurvatureOperator: return _algebra().scale(self, c)
+    def __add__(self, other: object) -> CurvatureOperator:
+        return _algebra().linear_combination(self, other, 1.0)
+
+    def __sub__(self, other: object) -> CurvatureOperator:
+        return _algebra().linear_combination(self, other, -1.0)
+
+    def __mul__(self, c: object) -> CurvatureOperator:
+        return _algebra().scale(self, c)
+
     __rmul__ = __mul__
-    def __truediv__(self, c: object) -> CurvatureOperator: return _algebra().scale(self, c, divide=True)
-    def __neg__(self) -> CurvatureOperator: return _algebra().scale(self, -1.0)
-    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor: return _algebra().left_multiply(self, x)
+
+    def __truediv__(self, c: object) -> CurvatureOperator:
+        return _algebra().scale(self, c, divide=True)
+
+    def __neg__(self) -> CurvatureOperator:
+        return _algebra().scale(self, -1.0)
+
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        return _algebra().left_multiply(self, x)
+
     def submatrix(self, rows: Any, cols: Any = None) -> Any:
         """``A[rows][:, cols]`` (slices, int sequences or tensors, bool masks): a symmetric operator
         when ``cols`` is omitted or equal to ``rows``, else a rectangular one (``operators.algebra``)."""
         return _algebra().submatrix(self, rows, cols)
+
     def block(self, param_filter: Any) -> Any:
         """``A[θ_S][:, θ_S]`` for the parameters ``S`` that ``param_filter`` (callable, glob or globs)
         selects among the operator's own: a ``SubmatrixOperator`` with their layout (``operators.algebra``)."""
@@ -231,8 +261,14 @@ class LambdaOperator(CurvatureOperator):
     def inconsistency_causes(self) -> list[str]:
         causes = super().inconsistency_causes()
         if self.device.type == "cuda" and self.dtype == torch.float32:
-            tf32 = [n for n, on in (("matmul", torch.backends.cuda.matmul.allow_tf32),
-                                    ("cudnn", torch.backends.cudnn.allow_tf32)) if on]
+            tf32 = [
+                n
+                for n, on in (
+                    ("matmul", torch.backends.cuda.matmul.allow_tf32),
+                    ("cudnn", torch.backends.cudnn.allow_tf32),
+                )
+                if on
+            ]
             if tf32:
                 causes.append(
                     f"TF32 is on for {' and '.join(tf32)} (torch.backends.*.allow_tf32): float32 products of "

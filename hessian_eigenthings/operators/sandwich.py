@@ -65,6 +65,7 @@ JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
 # graph: call `model.eval()` (BatchNorm in training mode is consistent: both
 # passes use batch statistics, on private copies of the running statistics).
 
+
 @dataclass
 class OutputState:
     batch: Batch
@@ -206,7 +207,10 @@ class OutputSandwichOperator(DataCurvatureOperator):
                         f"dimension {N}), got shape {tuple(output.shape)}"
                     )
                 per_sample = output[0].numel() if N else 0
-                if self.curvature.columns_scale_with_output and per_sample > self.exact_diagonal_max_outputs:
+                if (
+                    self.curvature.columns_scale_with_output
+                    and per_sample > self.exact_diagonal_max_outputs
+                ):
                     # the square root has about one column per output entry of a sample
                     # (N · M² numbers, M backward columns per sample): LM-sized outputs cannot
                     raise ValueError(
@@ -214,7 +218,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
                         f"sample has {per_sample} (more than exact_diagonal_max_outputs="
                         f"{self.exact_diagonal_max_outputs}); use diagonal(op, method='xdiag') for an estimate"
                     )
-                S = self.curvature.sample_columns(self.curvature.prepare(output, chunk, self._draw_key()))
+                S = self.curvature.sample_columns(
+                    self.curvature.prepare(output, chunk, self._draw_key())
+                )
                 weight = self._weight(self._samples(chunk), raw)
                 group = max(1, self._exact_group_columns // max(S.shape[1], 1))
                 call = _CheckedCall(self._functional_call, self._checked_output)
@@ -353,7 +359,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def _vjp(
         self, output: torch.Tensor, u: torch.Tensor, retain: bool
     ) -> Sequence[torch.Tensor | None]:
-        grads, self._vjp_batched_ok = vjp_block(output, self.params, u, retain, self._vjp_batched_ok)
+        grads, self._vjp_batched_ok = vjp_block(
+            output, self.params, u, retain, self._vjp_batched_ok
+        )
         return grads
 
 
@@ -427,13 +435,19 @@ def add_squared_vjps(
     mapped = torch.func.vmap(one_sample, in_dims=(dims, 0))
     for start in range(0, N, group):
         rows = slice(start, min(N, start + group))
-        piece = torch.utils._pytree.tree_map(lambda x, d, r=rows: x[r] if d == 0 else x, chunk, dims)
+        piece = torch.utils._pytree.tree_map(
+            lambda x, d, r=rows: x[r] if d == 0 else x, chunk, dims
+        )
         for acc, sq in zip(parts, mapped(piece, S[rows]), strict=True):
             acc.add_(sq.sum(0), alpha=weight)
 
 
 def vjp_block(
-    output: torch.Tensor, params: Sequence[torch.Tensor], u: torch.Tensor, retain: bool, batched_ok: bool | None
+    output: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    u: torch.Tensor,
+    retain: bool,
+    batched_ok: bool | None,
 ) -> tuple[Sequence[torch.Tensor | None], bool | None]:
     """``Jᵀ u`` for each of the k rows of ``u``: one batched backward (``is_grads_batched``)
     where it works (``batched_ok``: known to, known not to, or ``None``: try once), else a loop.
@@ -448,7 +462,12 @@ def vjp_block(
             with warnings.catch_warnings():
                 warnings.simplefilter("error", UserWarning)
                 g = torch.autograd.grad(
-                    output, params, u, is_grads_batched=True, retain_graph=retain or first, allow_unused=True
+                    output,
+                    params,
+                    u,
+                    is_grads_batched=True,
+                    retain_graph=retain or first,
+                    allow_unused=True,
                 )
         except (RuntimeError, NotImplementedError, UserWarning):
             if not first:
@@ -457,8 +476,13 @@ def vjp_block(
         else:
             return list(g), True
     rows = [
-        torch.autograd.grad(output, params, u[j], retain_graph=retain or j < k - 1, allow_unused=True)
+        torch.autograd.grad(
+            output, params, u[j], retain_graph=retain or j < k - 1, allow_unused=True
+        )
         for j in range(k)
     ]
-    grads = [None if rows[0][i] is None else torch.stack([r[i] for r in rows]) for i in range(len(params))]
+    grads = [
+        None if rows[0][i] is None else torch.stack([r[i] for r in rows])
+        for i in range(len(params))
+    ]
     return grads, batched_ok

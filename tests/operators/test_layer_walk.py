@@ -159,3 +159,32 @@ def test_what_cannot_be_walked_is_refused() -> None:
     shared = _Shared()
     with pytest.raises(LayerWalkError, match="shared between a layer"):
         LayerWalk(shared, SUP, [n for n, _ in shared.named_parameters()], "layers")
+
+
+def test_engine_layers_on_the_hessian_operator() -> None:
+    """``HessianOperator(..., engine="layers", layers=...)``: the data loop, batch weighting,
+    blocks and kept states of any engine, the walk for each batch's products."""
+    model = _gpt2()
+    batches = [_lm_batch(), {k: t[:1] for k, t in _lm_batch().items()}]  # uneven batch sizes
+    walked = he.HessianOperator(model, batches, _lm, engine="layers", layers="transformer.h")
+    whole = he.HessianOperator(model, batches, _lm, engine="autograd")
+    V = torch.randn(walked.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref = whole @ V
+    got = walked @ V
+    assert float((got - ref).norm() / ref.norm()) <= 1e-10
+    assert walked.engine == "layers" and walked.engine_report["layers"] == 2
+    forwards = walked.num_forwards
+    walked @ V[:, 0]  # kept states: no new capture
+    assert walked.num_forwards == forwards
+    with pytest.raises(ValueError, match="layers= applies to it only"):
+        he.HessianOperator(model, batches, _lm, engine="layers")
+    with pytest.raises(ValueError, match="layers= applies to it only"):
+        he.HessianOperator(model, batches, _lm, layers="transformer.h")
+    with pytest.raises(ValueError, match="no layer walk"):
+        he.EmpiricalFisherOperator(
+            nn.Linear(3, 2),
+            [(torch.randn(4, 3), torch.randint(0, 2, (4,)))],
+            he.supervised_per_sample_loss(nn.CrossEntropyLoss(reduction="none")),
+            engine="layers",
+            layers="",
+        )

@@ -172,6 +172,10 @@ class EngineSelector:
         self.unsupported_reason = (
             "" if self.functional else curvature.functional_unsupported_reason()
         )
+        #: the curvature's layer-walk runner factory (``engine="layers"``), if it has one
+        self.layer_walk: Callable[[], ProductRunner] | None = getattr(
+            curvature, "layer_walk_runner", None
+        )
         prepare = curvature._prepare
         takes = "params" in inspect.signature(prepare).parameters
         self.autograd = AutogradRunner(prepare, curvature._apply, takes_params=takes)
@@ -186,7 +190,7 @@ class EngineSelector:
         #: a bare loop is judged next (NOTE [auto engine]); the operator's data loop counts
         self.seen = 0
         self.next_check: float = AUTO_MIN_PRODUCTS if engine == "auto" else float("inf")
-        if engine in ("functional", "compiled"):
+        if engine in ("functional", "compiled", "layers"):
             self.runner = self._make(engine)
 
     # -- which engine ---------------------------------------------------------------
@@ -202,6 +206,10 @@ class EngineSelector:
     def _make(self, name: str) -> ProductRunner:
         if name == "autograd":
             return self.autograd
+        if name == "layers":
+            if self.layer_walk is None:
+                raise unsupported(name, self.owner, "it has no layer walk")
+            return self.layer_walk()
         if not self.functional:
             raise unsupported(name, self.owner, self.unsupported_reason)
         cls = CompiledRunner if name == "compiled" else FunctionalRunner

@@ -19,8 +19,8 @@ import torch
 
 from hessian_eigenthings.batching import Batch
 
-EngineName = Literal["auto", "autograd", "functional", "compiled"]
-ENGINES: tuple[str, ...] = ("auto", "autograd", "functional", "compiled")
+EngineName = Literal["auto", "autograd", "functional", "compiled", "layers"]
+ENGINES: tuple[str, ...] = ("auto", "autograd", "functional", "compiled", "layers")
 
 #: ``apply(state, vectors, retain)`` of the runner interface
 Apply = Callable[[Any, list[torch.Tensor], bool], Sequence[torch.Tensor | None]]
