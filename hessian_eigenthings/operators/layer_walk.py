@@ -1,4 +1,4 @@
-"""Exact Hessian products by walking a model's layers one at a time (NOTE [layer walk]).
+"""Exact curvature products by walking a model's layers one at a time (NOTE [layer walk]).
 
 :class:`LayerWalk` splits ``loss_fn(model, batch)`` at a list of layers the user names (the
 blocks of a transformer: ``"transformer.h"``, ``"model.layers"``) into a head (everything
@@ -48,6 +48,8 @@ from hessian_eigenthings.param_utils import call_with_values
 # last returns h_L), so any model code outside the layers runs as written.
 # Layer parameters must belong to one layer only: a parameter shared between a
 # layer and anything else is refused (its cross terms would be dropped).
+# A sandwich Jᵀ H J v (GGN, Fisher) is the first walk to the output, H applied
+# there, and the pullbacks back (each stage's forward again, no tangents).
 
 
 class LayerWalkError(ValueError):
@@ -83,10 +85,12 @@ class LayerCall:
 
 @dataclass
 class WalkState:
-    """A batch and its layers' recorded calls (what the stages close over)."""
+    """A batch and its layers' recorded calls (what the stages close over); ``key``: the draw key
+    of a sampled output curvature."""
 
     batch: Batch
     calls: list[LayerCall]
+    key: Any = None
 
 
 class _Stop(Exception):
@@ -259,7 +263,8 @@ class LayerWalk:
     def tail(
         self, state: WalkState, h: torch.Tensor, theta: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """The loss as a function of the last layer's output and the parameters outside."""
+        """What the call returns (the loss, or the output a sandwich differentiates) as a function
+        of the last layer's output and the parameters outside the layers."""
         last = len(self.layers) - 1
 
         def stub(i: int, args: tuple[Any, ...]) -> Any:
@@ -267,8 +272,7 @@ class LayerWalk:
             return _with_primary(out, h) if i == last else out
 
         with self._stubbed(stub):
-            loss = call_with_values(self.call, self._outside_values(theta), (state.batch,))
-        return loss.reshape(())
+            return call_with_values(self.call, self._outside_values(theta), (state.batch,))
 
     # -- the product ---------------------------------------------------------------
     def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -296,7 +300,9 @@ class LayerWalk:
             hs.append(h)
             hds.append(hd)
         # 2. tail
-        grad_tail = torch.func.grad(lambda x, th: self.tail(state, x, th), argnums=(0, 1))
+        grad_tail = torch.func.grad(
+            lambda x, th: self.tail(state, x, th).reshape(()), argnums=(0, 1)
+        )
         (a, _), (ad, g_tail) = _jvp(grad_tail, (hs[-1], out_theta), (hds[-1], out_v))
         for n, t in g_tail.items():
             result[n] = t
@@ -326,6 +332,49 @@ class LayerWalk:
                 result[n] = result[n] + t
         return {n: result[n] for n in self.names}
 
+    def sandwich(
+        self,
+        state: WalkState,
+        v: dict[str, torch.Tensor],
+        output_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """``Jᵀ H J v`` of the call's output (``output_product(output, u) = H u``) by a forward walk
+        of ``J v`` and a backward walk of the pullbacks (NOTE [layer walk]); no second order term."""
+        params = dict(self.model.named_parameters())
+        out_theta = {n: params[n].detach() for n in self.outside}
+        out_v = {n: v[n] for n in self.outside}
+        thetas = [{loc: params[n].detach() for loc, n in m.items()} for m in self.local]
+        vs = [{loc: v[n] for loc, n in m.items()} for m in self.local]
+        if out_theta:
+            h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
+        else:
+            h = self.head(state, {})
+            hd = torch.zeros_like(h)
+        hs, hds = [h], [hd]
+        for i in range(len(self.layers)):
+            h, hd = _jvp(
+                lambda x, th, _i=i: self.layer(state, _i, x, th),
+                (hs[-1], thetas[i]),
+                (hds[-1], vs[i]),
+            )
+            hs.append(h)
+            hds.append(hd)
+        del hds
+        out, pull_tail = _vjp(lambda x, th: self.tail(state, x, th), hs[-1], out_theta)
+        jv = _jvp(lambda x, th: self.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
+        a, g_tail = pull_tail(output_product(out.detach(), jv))
+        result = dict(g_tail)
+        for i in reversed(range(len(self.layers))):
+            _, pull = _vjp(lambda y, t, _i=i: self.layer(state, _i, y, t), hs[i], thetas[i])
+            a, g = pull(a)
+            for loc, n in self.local[i].items():
+                result[n] = g[loc]
+        if self.outside:
+            _, pull_head = _vjp(lambda t: self.head(state, t), out_theta)
+            for n, t in pull_head(a)[0].items():
+                result[n] = result[n] + t
+        return {n: result[n] for n in self.names}
+
 
 class LayerWalkRunner:
     """``engine="layers"``: a curvature's per-batch products by :class:`LayerWalk` (the runner
@@ -336,14 +385,42 @@ class LayerWalkRunner:
     traced = False
     recordable = False
 
-    def __init__(self, walk: LayerWalk, counts: ProductCounts) -> None:
+    def __init__(
+        self,
+        walk: LayerWalk,
+        counts: ProductCounts,
+        *,
+        batch_of: Callable[[Batch], Batch] | None = None,
+        output_product: Callable[[torch.Tensor, Batch, Any, torch.Tensor], torch.Tensor]
+        | None = None,
+        keyed: bool = False,
+    ) -> None:
+        """``output_product(output, batch, key, u) = H u``: the products are the sandwich
+        ``Jᵀ H J v`` of the walk's call (else its Hessian); ``batch_of`` gives the batch with its
+        draw key beside it when ``keyed`` (the curvature's ``_engine_batch``)."""
         self.walk = walk
         self.counts = counts
+        self.batch_of = batch_of
+        self.output_product = output_product
+        self.keyed = keyed
 
     def prepare(self, batch: Batch, params: Sequence[torch.Tensor] | None = None) -> WalkState:
         del params  # the walk reads the model's parameters at each product
         self.counts.forwards += 1
-        return self.walk.capture(batch)
+        key = None
+        if self.batch_of is not None:
+            batch = self.batch_of(batch)
+            if self.keyed:
+                batch, key = batch
+        state = self.walk.capture(batch)
+        state.key = key
+        return state
+
+    def _product(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.output_product is None:
+            return self.walk.hvp(state, v)
+        op = self.output_product
+        return self.walk.sandwich(state, v, lambda out, u: op(out, state.batch, state.key, u))
 
     def apply(
         self, state: WalkState, vectors: list[torch.Tensor], retain: bool
@@ -352,7 +429,7 @@ class LayerWalkRunner:
         names = self.walk.names
         rows = []
         for j in range(vectors[0].shape[0]):
-            out = self.walk.hvp(state, {n: v[j] for n, v in zip(names, vectors, strict=True)})
+            out = self._product(state, {n: v[j] for n, v in zip(names, vectors, strict=True)})
             rows.append([out[n] for n in names])
         return [torch.stack([r[i] for r in rows]) for i in range(len(names))]
 

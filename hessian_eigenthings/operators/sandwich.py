@@ -31,6 +31,8 @@ from hessian_eigenthings.operators.autodiff import (
     selected_function,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.engines.runner import unsupported
+from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.operators.parameter_binding import project_rows_
 from hessian_eigenthings.param_utils import call_with_values
 
@@ -154,6 +156,21 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
     def functional_unsupported_reason(self) -> str:
         return self._functional_blocker() or ""
+
+    def layer_walk_runner(self) -> LayerWalkRunner:
+        """``engine="layers"``: ``Jᵀ H J v`` one layer at a time (NOTE [layer walk])."""
+        blocker = self._functional_blocker()
+        if blocker is not None:
+            raise unsupported("layers", type(self).__name__, blocker)
+        assert self.layers is not None  # checked at construction
+        walk = LayerWalk(self.model, self._functional_call.fn, self.layout.names, self.layers)
+        return LayerWalkRunner(
+            walk,
+            self.counts,
+            batch_of=self._engine_batch,
+            output_product=self.curvature.traced_apply,
+            keyed=self.curvature.keyed,
+        )
 
     def functional_product(
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]

@@ -180,11 +180,58 @@ def test_engine_layers_on_the_hessian_operator() -> None:
         he.HessianOperator(model, batches, _lm, engine="layers")
     with pytest.raises(ValueError, match="layers= applies to it only"):
         he.HessianOperator(model, batches, _lm, layers="transformer.h")
+    from tests.operators.toy_curvature import BatchGradientOuterProduct
+
     with pytest.raises(ValueError, match="no layer walk"):
-        he.EmpiricalFisherOperator(
-            nn.Linear(3, 2),
+        BatchGradientOuterProduct(
+            nn.Sequential(nn.Linear(3, 2)),
             [(torch.randn(4, 3), torch.randint(0, 2, (4,)))],
-            he.supervised_per_sample_loss(nn.CrossEntropyLoss(reduction="none")),
+            SUP,
             engine="layers",
             layers="",
         )
+
+
+def _lm_forward(m: nn.Module, b: Any) -> torch.Tensor:
+    batch = b[0]  # (the batch, its next-token targets)
+    logits = m(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits
+    return logits[:, :-1].reshape(-1, logits.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"mc_samples": 1, "seed": 3}, {"mc_samples": 2, "seed": 3}],
+    ids=["exact", "mc1", "mc2"],
+)
+def test_the_ggn_walk_matches_the_whole_graph_ggn(kwargs: dict[str, Any]) -> None:
+    """``Jᵀ H J v`` one layer at a time on HF GPT-2 (tied embeddings, padded rows), exact and
+    Monte-Carlo (the same draws for one seed on either engine)."""
+    from hessian_eigenthings.loss_fns import supervised_loss_of_output
+
+    model = _gpt2()
+    batches = [_lm_batch(), {k: t[:1] for k, t in _lm_batch().items()}]
+    data = [(b, b["input_ids"][:, 1:].reshape(-1)) for b in batches]
+    loss = supervised_loss_of_output(nn.CrossEntropyLoss())
+    walked = he.GGNOperator(
+        model, data, _lm_forward, loss, engine="layers", layers="transformer.h", **kwargs
+    )
+    whole = he.GGNOperator(model, data, _lm_forward, loss, engine="autograd", **kwargs)
+    V = torch.randn(walked.size, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref = whole @ V
+    got = walked @ V
+    assert float((got - ref).norm() / ref.norm()) <= 1e-10
+
+
+def test_the_empirical_fisher_walk_matches_autograd() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).double()
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))) for _ in range(2)]
+    per_sample = he.supervised_per_sample_loss(nn.CrossEntropyLoss(reduction="none"))
+    walked = he.EmpiricalFisherOperator(model, data, per_sample, engine="layers", layers="")
+    whole = he.EmpiricalFisherOperator(model, data, per_sample, engine="autograd")
+    V = torch.randn(walked.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(walked @ V, whole @ V, rtol=1e-10, atol=1e-12)
