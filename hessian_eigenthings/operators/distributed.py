@@ -63,6 +63,7 @@ from hessian_eigenthings.operators.engines.runner import ProductRunner
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
+from hessian_eigenthings.operators.sharded_walk import ShardedWalk
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock
 
 __all__ = [
@@ -415,18 +416,26 @@ class FSDPHessianOperator(HessianOperator):
         num_batches: int | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
-        method: Literal["autograd", "finite_difference"] = "finite_difference",
+        method: Literal["autograd", "finite_difference", "layers"] = "finite_difference",
         fd_eps: float | None = None,
         backend: LinAlgBackend | None = None,
         max_block_size: int | None = None,
         process_group: Any = None,
+        layers: str | Sequence[nn.Module] | None = None,
     ) -> None:
+        if (method == "layers") != (layers is not None):
+            raise ValueError(
+                "method='layers' walks the layers that layers= names (a dotted path to the model's "
+                "list of fully_shard'ed blocks, e.g. 'transformer.h'), and layers= applies to it only; "
+                f"got method={method!r}, layers={layers!r}"
+            )
         if method == "autograd":
             raise NotImplementedError(
                 "method='autograd' is not available for FSDP-sharded models: FSDP2 all-gathers the "
                 "parameters outside autograd, so no graph links the sharded parameters to the loss and "
-                "a double backward cannot reach them. Use method='finite_difference' (two ordinary "
-                "forward-backward passes per product), or DDPHessianOperator on a replicated model."
+                "a double backward cannot reach them. Use method='layers' with layers= (exact, one "
+                "layer at a time), method='finite_difference' (two ordinary forward-backward passes "
+                "per product), or DDPHessianOperator on a replicated model."
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -500,6 +509,13 @@ class FSDPHessianOperator(HessianOperator):
             self._device = self.layout.device
             if backend is None:
                 self.backend = DistributedBackend(ranks.group)
+            #: the exact walk of method="layers" (NOTE [sharded layer walk])
+            self._walk: ShardedWalk | None = None
+            if layers is not None:
+                self.method = "layers"  # type: ignore[assignment]
+                self._walk = ShardedWalk(
+                    model, loss_fn, [n for n, _ in self.named_params], layers, fsdp_cls, ranks.group
+                )
         except Exception as exc:
             failure = exc
         ranks.check_layout(failure, signature, "construction of FSDPHessianOperator")
@@ -517,6 +533,9 @@ class FSDPHessianOperator(HessianOperator):
         raise TypeError("fully_shard left no sharded parameter in the model")
 
     def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        if self._walk is not None:
+            super()._pass(V, out)
+            return
         # the step h·v/‖v‖ needs the norm of the whole vector: one all-reduce of k numbers
         sq = torch.linalg.vector_norm(V, dim=1).square()
         dist.all_reduce(sq, group=self._ranks.group)
@@ -566,7 +585,21 @@ class FSDPHessianOperator(HessianOperator):
         self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
     ) -> tuple[Product, float]:
         with self.guard.private_buffers():
+            if self._walk is not None:
+                return self._walked_product(chunk, self._chunk_weight, rows.views)
             return self._sharded_product(chunk, self._chunk_weight, rows.views)
+
+    def _walked_product(
+        self, chunk: Batch, weight: float, vecs: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], float]:
+        """The exact product of the ranks' chunks by the sharded layer walk; the ranks agree on
+        their weights first (a failure then raises on every rank)."""
+        assert self._walk is not None
+        ranks = self._ranks
+        table = ranks.exchange([0.0, float(weight)])
+        total = float(table[:, 1].sum())
+        self.num_forwards += 1
+        return self._walk.products(chunk, vecs, weight, total), total
 
     def _sharded_product(
         self, chunk: Batch, weight: float, vecs: list[torch.Tensor]

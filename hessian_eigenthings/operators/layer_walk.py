@@ -143,8 +143,18 @@ class LayerWalk:
         loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
         names: Sequence[str],
         layers: str | Sequence[nn.Module],
+        *,
+        gather: Callable[[str, torch.Tensor | None], torch.Tensor] | None = None,
+        finish: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """``gather(name, shard)``: the whole parameter ``name`` (``shard`` None) or the whole
+        direction from this process's ``shard`` of it; ``finish(name, block)``: what the product
+        returns for a parameter's block of the result. Both are the identity on one device; a
+        sharded model gathers stage by stage and reduces each block to its shard (NOTE [sharded
+        layer walk] in ``distributed``)."""
         self.model = model
+        self._gather = gather
+        self._finish = finish
         self.call = CallWithModel(model, loss_fn)
         self.layers = find_layers(model, layers)
         self.names = list(names)
@@ -274,14 +284,30 @@ class LayerWalk:
         with self._stubbed(stub):
             return call_with_values(self.call, self._outside_values(theta), (state.batch,))
 
+    # -- stage values ---------------------------------------------------------------
+    def _param(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
+        if self._gather is not None:
+            return self._gather(name, shard)
+        return self._params[name].detach() if shard is None else shard
+
+    def _stage(
+        self, i: int | None, v: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Stage ``i``'s parameters and direction (those in ``v``) by local name (``None``: the
+        parameters outside the layers, by full name), gathered whole."""
+        pairs = [(n, n) for n in self.outside] if i is None else list(self.local[i].items())
+        theta = {loc: self._param(n, None) for loc, n in pairs}
+        return theta, {loc: self._param(n, v[n]) for loc, n in pairs if n in v}
+
+    def _done(self, name: str, block: torch.Tensor) -> torch.Tensor:
+        return block if self._finish is None else self._finish(name, block)
+
     # -- the product ---------------------------------------------------------------
     def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name."""
-        params = dict(self.model.named_parameters())
-        out_theta = {n: params[n].detach() for n in self.outside}
-        out_v = {n: v[n] for n in self.outside}
-        thetas = [{loc: params[n].detach() for loc, n in m.items()} for m in self.local]
-        vs = [{loc: v[n] for loc, n in m.items()} for m in self.local]
+        """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
+        Each layer's parameters are gathered once on the way forward and once back."""
+        self._params = dict(self.model.named_parameters())
+        out_theta, out_v = self._stage(None, v)
         result: dict[str, torch.Tensor] = {}
 
         # 1. forward walk
@@ -292,13 +318,13 @@ class LayerWalk:
             hd = torch.zeros_like(h)
         hs, hds = [h], [hd]
         for i in range(len(self.layers)):
+            theta, vi = self._stage(i, v)
             h, hd = _jvp(
-                lambda x, th, _i=i: self.layer(state, _i, x, th),
-                (hs[-1], thetas[i]),
-                (hds[-1], vs[i]),
+                lambda x, th, _i=i: self.layer(state, _i, x, th), (hs[-1], theta), (hds[-1], vi)
             )
             hs.append(h)
             hds.append(hd)
+            del theta, vi
         # 2. tail
         grad_tail = torch.func.grad(
             lambda x, th: self.tail(state, x, th).reshape(()), argnums=(0, 1)
@@ -315,9 +341,11 @@ class LayerWalk:
                 _, fn = _vjp(lambda y, t: self.layer(state, _i, y, t), x, th)
                 return fn(cot)
 
-            (a_new, _), (ad_new, g) = _jvp(pull, (hs[i], thetas[i], a), (hds[i], vs[i], ad))
+            theta, vi = self._stage(i, v)
+            (a_new, _), (ad_new, g) = _jvp(pull, (hs[i], theta, a), (hds[i], vi, ad))
+            del theta, vi
             for loc, n in self.local[i].items():
-                result[n] = g[loc]
+                result[n] = self._done(n, g[loc])
             a, ad = a_new, ad_new
             hs[i + 1] = hds[i + 1] = None  # freed as the walk goes
         # 4. head
@@ -330,6 +358,8 @@ class LayerWalk:
             _, g_head = _jvp(pull_head, (out_theta, a), (out_v, ad))
             for n, t in g_head.items():
                 result[n] = result[n] + t
+        for n in self.outside:
+            result[n] = self._done(n, result[n])
         return {n: result[n] for n in self.names}
 
     def sandwich(
@@ -340,11 +370,8 @@ class LayerWalk:
     ) -> dict[str, torch.Tensor]:
         """``Jᵀ H J v`` of the call's output (``output_product(output, u) = H u``) by a forward walk
         of ``J v`` and a backward walk of the pullbacks (NOTE [layer walk]); no second order term."""
-        params = dict(self.model.named_parameters())
-        out_theta = {n: params[n].detach() for n in self.outside}
-        out_v = {n: v[n] for n in self.outside}
-        thetas = [{loc: params[n].detach() for loc, n in m.items()} for m in self.local]
-        vs = [{loc: v[n] for loc, n in m.items()} for m in self.local]
+        self._params = dict(self.model.named_parameters())
+        out_theta, out_v = self._stage(None, v)
         if out_theta:
             h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
         else:
@@ -352,27 +379,31 @@ class LayerWalk:
             hd = torch.zeros_like(h)
         hs, hds = [h], [hd]
         for i in range(len(self.layers)):
+            theta, vi = self._stage(i, v)
             h, hd = _jvp(
-                lambda x, th, _i=i: self.layer(state, _i, x, th),
-                (hs[-1], thetas[i]),
-                (hds[-1], vs[i]),
+                lambda x, th, _i=i: self.layer(state, _i, x, th), (hs[-1], theta), (hds[-1], vi)
             )
             hs.append(h)
             hds.append(hd)
+            del theta, vi
         del hds
         out, pull_tail = _vjp(lambda x, th: self.tail(state, x, th), hs[-1], out_theta)
         jv = _jvp(lambda x, th: self.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
         a, g_tail = pull_tail(output_product(out.detach(), jv))
         result = dict(g_tail)
         for i in reversed(range(len(self.layers))):
-            _, pull = _vjp(lambda y, t, _i=i: self.layer(state, _i, y, t), hs[i], thetas[i])
+            theta, _ = self._stage(i, {})
+            _, pull = _vjp(lambda y, t, _i=i: self.layer(state, _i, y, t), hs[i], theta)
             a, g = pull(a)
+            del theta
             for loc, n in self.local[i].items():
-                result[n] = g[loc]
+                result[n] = self._done(n, g[loc])
         if self.outside:
             _, pull_head = _vjp(lambda t: self.head(state, t), out_theta)
             for n, t in pull_head(a)[0].items():
                 result[n] = result[n] + t
+        for n in self.outside:
+            result[n] = self._done(n, result[n])
         return {n: result[n] for n in self.names}
 
 

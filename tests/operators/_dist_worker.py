@@ -430,6 +430,108 @@ def fsdp_failures() -> dict[str, Any]:
     return res
 
 
+def _walk_lm(m: nn.Module, b: Any) -> torch.Tensor:
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), b["input_ids"][:, 1:].reshape(-1)
+    )
+
+
+def _walk_batch(r: int) -> dict[str, torch.Tensor]:
+    """Rank ``r``'s batch: ``r + 1`` rows of 7 tokens, its last row padded: uneven token counts."""
+    g = torch.Generator().manual_seed(100 + r)
+    ids = torch.randint(0, 50, (r + 1, 7), generator=g)
+    mask = torch.ones(r + 1, 7, dtype=torch.long)
+    mask[-1, 4 + r % 2 :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _walk_model(kind: str) -> tuple[nn.Module, str]:
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=16,
+            n_head=2,
+            vocab_size=50,
+            n_positions=32,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+        )
+        return transformers.GPT2LMHeadModel._from_config(
+            cfg, attn_implementation="eager"
+        ).double().eval(), "transformer.h"
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        max_position_embeddings=32,
+        tie_word_embeddings=kind == "llama_tied",
+    )
+    return transformers.LlamaForCausalLM._from_config(
+        cfg, attn_implementation="eager"
+    ).double().eval(), "model.layers"
+
+
+@check
+def fsdp_layer_walk() -> dict[str, Any]:
+    """NOTE [sharded layer walk]: exact sharded products against one process on the union of the
+    ranks' batches (the functional engine for Llama: its eager softmax runs in float32, where
+    forward-over-reverse and reverse-over-reverse differ by its rounding), and a sharded Lanczos."""
+    import copy
+
+    if not _torch_compat.fsdp2_runs_on_cpu():
+        return {"skip": f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skip": "needs transformers"}
+    fully_shard = _torch_compat.fully_shard()
+    union = [_walk_batch(r) for r in range(WORLD)]
+    out: dict[str, Any] = {}
+    for kind in ("gpt2", "llama_tied", "llama_untied"):
+        model, layers = _walk_model(kind)
+        ref = HessianOperator(
+            copy.deepcopy(model),
+            union,
+            _walk_lm,
+            engine="autograd" if kind == "gpt2" else "functional",
+        )
+        for block in model.get_submodule(layers):
+            fully_shard(block)
+        fully_shard(model)
+        op = hd.FSDPHessianOperator(
+            model, [_walk_batch(RANK)], _walk_lm, method="layers", layers=layers
+        )
+        v = rand(ref.size, seed=5)
+        V = rand(ref.size, 2, seed=6)
+        out[kind] = {
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "size_local": op.size,
+            "size_global": ref.size,
+            "product": err(op @ _shard(v, ref), _shard(ref @ v, ref)),
+            "block": err(
+                op.matmat(torch.stack([_shard(x, ref) for x in V]).T.contiguous()).T,
+                torch.stack([_shard(x, ref) for x in (ref @ V.T).T]),
+            ),
+            "grads_none": all(p.grad is None for p in model.parameters()),
+        }
+        if kind == "gpt2":
+            from hessian_eigenthings.algorithms.lanczos import lanczos
+
+            res = lanczos(op, k=3, seed=0, backend=op.backend, tol=1e-8, ncv=12)
+            ref_res = lanczos(ref, k=3, seed=0, tol=1e-8, ncv=12)
+            out[kind]["lanczos"] = err(res.eigenvalues, ref_res.eigenvalues)
+            out[kind]["lanczos_converged"] = bool(res.converged.all())
+    return out
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CHECKS)

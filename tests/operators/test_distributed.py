@@ -224,6 +224,21 @@ def test_fsdp_finite_difference_equals_single_process(ranks: list[dict[str, Any]
         assert res["lanczos_same_on_ranks"]
 
 
+def test_fsdp_layer_walk_is_exact(ranks: list[dict[str, Any]]) -> None:
+    """The sharded layer walk equals the single-process product on the union of the ranks'
+    batches (uneven token counts) to rounding in float64: GPT-2 (tied), Llama tied and untied;
+    a sharded Lanczos finds the single-process eigenvalues."""
+    per_rank = _fsdp(ranks, "fsdp_layer_walk")
+    for kind, tied in (("gpt2", True), ("llama_tied", True), ("llama_untied", False)):
+        assert sum(r[kind]["size_local"] for r in per_rank) == per_rank[0][kind]["size_global"]
+        for res in per_rank:
+            assert res[kind]["tied"] == tied
+            assert res[kind]["product"] < 1e-10 and res[kind]["block"] < 1e-10, (kind, res[kind])
+            assert res[kind]["grads_none"]
+    for res in per_rank:
+        assert res["gpt2"]["lanczos"] < 1e-8 and res["gpt2"]["lanczos_converged"]
+
+
 def test_fsdp_failures(ranks: list[dict[str, Any]]) -> None:
     per_rank = _fsdp(ranks, "fsdp_failures")
     world = len(per_rank)

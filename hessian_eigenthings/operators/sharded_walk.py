@@ -1,0 +1,139 @@
+"""The layer walk on a model sharded with FSDP2 (NOTE [sharded layer walk]).
+
+:class:`ShardedWalk` runs :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk` with each
+stage's parameters and direction gathered whole just before the stage and its block of the
+product reduced over the ranks and cut back to this rank's shard just after: exact products on
+sharded parameters and sharded vectors, no rank ever holding more than one layer (and the
+parameters outside the layers) whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.operators.layer_walk import LayerWalk
+
+# NOTE [sharded layer walk]
+# FSDP2 holds each parameter as a DTensor sharded on dim 0 and gathers it in
+# hooks around each fully_shard'ed module's forward, outside autograd, so no
+# function transform sees through them. The walk gathers instead:
+# - the batch's layer calls are recorded by one ordinary FSDP forward (no
+#   graph): every rank runs its own batch, of any size;
+# - during the walk FSDP's forward hooks are set aside (the modules are then
+#   plain modules whose registered parameters are the sharded DTensors, which
+#   the walk replaces by whole tensors for each call), and each stage's
+#   parameters and direction are gathered whole (`full_tensor`, the
+#   direction's shard given DTensor form first) right before the stage;
+# - a stage's block of H_r v (rank r's batch, mean loss over its b_r samples)
+#   is scaled by b_r / B (B = Σ_r b_r), summed over the ranks with one
+#   all-reduce, and cut to this rank's rows (FSDP2's `torch.chunk` split of
+#   dim 0): the batch-size-weighted product of the union of the batches.
+# Every rank walks the stages in one order, so the collectives match. Memory
+# per rank: the boundary activations of its own batch (values and tangents),
+# one layer and the outside parameters whole, one layer's block of the
+# product whole. Communication per vector: each layer's parameters and
+# direction gathered twice (forward and backward walks) and its block
+# all-reduced once.
+
+
+def _fsdp_hooks(model: nn.Module, fsdp_cls: type) -> list[dict[Any, Any]]:
+    return [
+        getattr(m, attr)
+        for m in model.modules()
+        if isinstance(m, fsdp_cls)
+        for attr in ("_forward_pre_hooks", "_forward_hooks")
+    ]
+
+
+@contextlib.contextmanager
+def without_fsdp_hooks(model: nn.Module, fsdp_cls: type) -> Iterator[None]:
+    """FSDP's forward hooks set aside for the duration (put back in their order)."""
+    saved = [(d, list(d.items())) for d in _fsdp_hooks(model, fsdp_cls)]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in saved:
+            d.clear()
+            d.update(items)
+
+
+class ShardedWalk:
+    """Exact Hessian products of an FSDP2 model's loss, one layer at a time (NOTE [sharded layer
+    walk]); vectors in the sharded layout of NOTE [sharded vector layout] in ``distributed``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+        names: Sequence[str],
+        layers: str | Sequence[nn.Module],
+        fsdp_cls: type,
+        group: Any,
+    ) -> None:
+        self.model = model
+        self.fsdp_cls = fsdp_cls
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.walk = LayerWalk(
+            model, loss_fn, names, layers, gather=self._gather, finish=self._finish
+        )
+        self._now: dict[str, torch.Tensor] = {}
+        self._scale = 1.0
+
+    def _reshard(self) -> None:
+        for m in self.model.modules():
+            if isinstance(m, self.fsdp_cls):
+                m.reshard()  # type: ignore[operator]
+
+    def _gather(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
+        p = self._now[name]
+        if shard is None:
+            return p.detach().full_tensor()  # type: ignore[attr-defined]
+        from torch.distributed.tensor import DTensor
+
+        whole = DTensor.from_local(
+            shard.contiguous(),
+            p.device_mesh,  # type: ignore[attr-defined]
+            p.placements,  # type: ignore[attr-defined]
+            shape=p.shape,
+            stride=p.stride(),
+            run_check=False,
+        )
+        return whole.full_tensor()
+
+    def _finish(self, name: str, block: torch.Tensor) -> torch.Tensor:
+        block = (block * self._scale).contiguous()
+        dist.all_reduce(block, group=self.group)
+        rows = torch.chunk(block, self.world, dim=0)
+        return rows[self.rank] if self.rank < len(rows) else block.new_empty((0, *block.shape[1:]))
+
+    def products(
+        self, chunk: Batch, vecs: list[torch.Tensor], weight: float, total: float
+    ) -> list[torch.Tensor]:
+        """This rank's shards of ``Σ_r (b_r / B) H_r v`` for the rows of ``vecs`` (per parameter,
+        ``(k, *local shape)``); ``weight`` = b_r, ``total`` = B."""
+        self._reshard()
+        state = self.walk.capture(chunk)  # an ordinary FSDP forward, without a graph
+        self._reshard()
+        self._now = dict(self.model.named_parameters())
+        self._scale = weight / total
+        names = self.walk.names
+        rows = []
+        try:
+            with without_fsdp_hooks(self.model, self.fsdp_cls):
+                for j in range(vecs[0].shape[0]):
+                    out = self.walk.hvp(state, {n: v[j] for n, v in zip(names, vecs, strict=True)})
+                    rows.append([out[n] for n in names])
+        finally:
+            self._now = {}
+        return [torch.stack([r[i] for r in rows]) for i in range(len(names))]
