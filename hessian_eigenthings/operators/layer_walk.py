@@ -28,6 +28,7 @@ from torch import nn
 
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import CallWithModel
+from hessian_eigenthings.operators.engines.functional import check_functional_model
 from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.param_utils import call_with_values
 
@@ -191,6 +192,8 @@ class LayerWalk:
     # -- the batch's layer calls ------------------------------------------------
     def capture(self, batch: Batch) -> WalkState:
         """Run the loss once without a graph, recording each layer's call; check the stack."""
+        # each stage runs more than once per product: what changes between calls is refused
+        check_functional_model(self.model, "layers")
         calls: list[LayerCall] = []
         inputs: list[Any] = []
 

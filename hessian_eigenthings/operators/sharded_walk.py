@@ -84,6 +84,13 @@ class ShardedWalk:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        left = [n for n, p in model.named_parameters() if n not in set(names)]
+        if left:
+            raise ValueError(
+                f"method='layers' on a sharded model takes every parameter; param_filter left out "
+                f"{left[:4]}{' ...' if len(left) > 4 else ''} (their shards would meet whole tensors "
+                "in the walk's calls)"
+            )
         self.walk = LayerWalk(
             model, loss_fn, names, layers, gather=self._gather, finish=self._finish
         )

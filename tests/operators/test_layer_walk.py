@@ -156,6 +156,9 @@ def test_what_cannot_be_walked_is_refused() -> None:
         LayerWalk(model, SUP, names, "head")
     with pytest.raises(LayerWalkError, match="no such submodule"):
         LayerWalk(model, SUP, names, "blocks")
+    dropping = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 2))  # training mode
+    with pytest.raises(ValueError, match="dropout"):
+        LayerWalk(dropping, SUP, [n for n, _ in dropping.named_parameters()], "").capture(data)
     shared = _Shared()
     with pytest.raises(LayerWalkError, match="shared between a layer"):
         LayerWalk(shared, SUP, [n for n, _ in shared.named_parameters()], "layers")
