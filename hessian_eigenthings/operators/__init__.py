@@ -20,7 +20,10 @@ from hessian_eigenthings.operators.distributed import (
     DDPGGNOperator,
     DDPHessianOperator,
     DistributedProductError,
+    FSDPEmpiricalFisherOperator,
+    FSDPGGNOperator,
     FSDPHessianOperator,
+    ShardedMixin,
 )
 from hessian_eigenthings.operators.engines import (
     CompileFallbackWarning,
@@ -53,6 +56,8 @@ __all__ = [
     "EmpiricalFisherOperator",
     "EngineMismatchWarning",
     "EngineUnsupportedError",
+    "FSDPEmpiricalFisherOperator",
+    "FSDPGGNOperator",
     "FSDPHessianOperator",
     "ForwardFn",
     "GGNOperator",
@@ -72,6 +77,7 @@ __all__ = [
     "PerSampleLossFn",
     "RandomForwardWarning",
     "RectangularSubmatrix",
+    "ShardedMixin",
     "SubmatrixOperator",
     "TransposedJacobianOperator",
 ]

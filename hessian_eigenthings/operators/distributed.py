@@ -63,7 +63,8 @@ from hessian_eigenthings.operators.engines.runner import ProductRunner
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
-from hessian_eigenthings.operators.sharded_walk import ShardedWalk
+from hessian_eigenthings.operators.layer_walk import LayerWalkRunner
+from hessian_eigenthings.operators.sharded_walk import ShardGather
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock
 
 __all__ = [
@@ -73,7 +74,10 @@ __all__ = [
     "DataParallelMixin",
     "DistributedBackend",
     "DistributedProductError",
+    "FSDPEmpiricalFisherOperator",
+    "FSDPGGNOperator",
     "FSDPHessianOperator",
+    "ShardedMixin",
     "is_main_process",
 ]
 
@@ -392,161 +396,128 @@ class DDPEmpiricalFisherOperator(DataParallelMixin, EmpiricalFisherOperator):
 # (no set_gradient_divide_factor, gradient sync enabled).
 
 
-class FSDPHessianOperator(HessianOperator):
-    """Hessian of a model sharded with FSDP2 ``fully_shard``, by finite differences.
+def _fsdp2_class(model: nn.Module) -> type:
+    """FSDP2's module class, after checking that ``model`` is sharded with it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _is_fsdp1(model):
+        raise TypeError(
+            "FullyShardedDataParallel (FSDP1) flattens parameters and is not supported; shard the "
+            "model with torch.distributed.fsdp.fully_shard (FSDP2) instead"
+        )
+    fsdp_cls = _fsdp_module_type()
+    if fsdp_cls is None or not any(isinstance(m, fsdp_cls) for m in model.modules()):
+        raise TypeError(
+            "the model is not sharded with fully_shard (FSDP2); call fully_shard on its blocks and "
+            "on the root module, or use DDPHessianOperator for a replicated model"
+        )
+    return fsdp_cls
 
-    ``FSDPHessianOperator(model, dataloader, loss_fn, *, param_filter=None,
-    full_dataset=True, num_batches=None, microbatch_size=None,
-    microbatch_unsafe=False, method="finite_difference", fd_eps=None,
-    backend=None, process_group=None)``. Vectors are sharded (NOTE [sharded
-    vector layout]); ``op.backend`` is a :class:`DistributedBackend`: pass it
-    to the algorithms. Every rank must yield the same number of batches per
-    product (their sizes may differ). Two FSDP forward–backward passes per
-    vector and chunk; no double backward.
+
+def _mesh_group(model: nn.Module, process_group: Any) -> Any:
+    """The process group the parameters are sharded over (``process_group`` must span it)."""
+    group = None
+    for p in model.parameters():
+        if _is_dtensor(p):
+            mesh = p.device_mesh  # type: ignore[attr-defined]
+            if mesh.ndim != 1:
+                raise NotImplementedError(
+                    "only a 1-D device mesh (plain FSDP) is supported; HSDP / 2-D meshes are not"
+                )
+            group = mesh.get_group()
+            break
+    if group is None:
+        raise TypeError("fully_shard left no sharded parameter in the model")
+    if process_group is None:
+        return group
+    if dist.get_process_group_ranks(process_group) != dist.get_process_group_ranks(group):
+        raise ValueError(
+            "process_group must span the ranks the parameters are sharded over "
+            f"({dist.get_process_group_ranks(group)}); leave it None to use the FSDP mesh's group"
+        )
+    return process_group
+
+
+class ShardedMixin(DataCurvatureOperator):
+    """Turns a curvature operator into its sharded version: an FSDP2 model, sharded vectors.
+
+    ``class FSDPMyOperator(ShardedMixin, MyOperator)`` takes ``MyOperator``'s arguments plus
+    ``process_group`` (default: the FSDP mesh's group) and ``layers`` (the dotted path to the
+    model's list of ``fully_shard``-ed blocks): products are exact, by the sharded layer walk
+    (NOTE [sharded layer walk]). Vectors are sharded (NOTE [sharded vector layout]);
+    ``op.backend`` is a :class:`DistributedBackend`: pass it to the algorithms. Every rank passes
+    its own batches, the same number of them (their sizes may differ); products equal the
+    single-process product on the union of the ranks' batches, weighted by batch size.
     """
+
+    process_group: Any
+    rank: int
+    world_size: int
+    #: ranks must run the same engine: no per-rank timing trials
+    auto_trials = False
 
     def __init__(
         self,
         model: nn.Module,
-        dataloader: Iterable[Batch],
-        loss_fn: LossFn,
-        *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        full_dataset: bool = True,
-        num_batches: int | None = None,
-        microbatch_size: int | None = None,
-        microbatch_unsafe: bool = False,
-        method: Literal["autograd", "finite_difference", "layers"] = "finite_difference",
-        fd_eps: float | None = None,
-        backend: LinAlgBackend | None = None,
-        max_block_size: int | None = None,
+        *args: Any,
         process_group: Any = None,
         layers: str | Sequence[nn.Module] | None = None,
+        **kwargs: Any,
     ) -> None:
-        if (method == "layers") != (layers is not None):
-            raise ValueError(
-                "method='layers' walks the layers that layers= names (a dotted path to the model's "
-                "list of fully_shard'ed blocks, e.g. 'transformer.h'), and layers= applies to it only; "
-                f"got method={method!r}, layers={layers!r}"
-            )
-        if method == "autograd":
-            raise NotImplementedError(
-                "method='autograd' is not available for FSDP-sharded models: FSDP2 all-gathers the "
-                "parameters outside autograd, so no graph links the sharded parameters to the loss and "
-                "a double backward cannot reach them. Use method='layers' with layers= (exact, one "
-                "layer at a time), method='finite_difference' (two ordinary forward-backward passes "
-                "per product), or DDPHessianOperator on a replicated model."
-            )
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if _is_fsdp1(model):
-            raise TypeError(
-                "FullyShardedDataParallel (FSDP1) flattens parameters and is not supported; shard the "
-                "model with torch.distributed.fsdp.fully_shard (FSDP2) instead"
-            )
-        fsdp_cls = _fsdp_module_type()
-        if fsdp_cls is None or not any(isinstance(m, fsdp_cls) for m in model.modules()):
-            raise TypeError(
-                "the model is not sharded with fully_shard (FSDP2); call fully_shard on its blocks and "
-                "on the root module, or use DDPHessianOperator for a replicated model"
-            )
+        fsdp_cls = _fsdp2_class(model)
+        ranks = _RankGroup(_mesh_group(model, process_group), _first_device(model))
         self._fsdp_cls = fsdp_cls
-        mesh_group = self._mesh_group(model)
-        if process_group is None:
-            process_group = mesh_group
-        elif dist.get_process_group_ranks(process_group) != dist.get_process_group_ranks(
-            mesh_group
-        ):
-            raise ValueError(
-                "process_group must span the ranks the parameters are sharded over "
-                f"({dist.get_process_group_ranks(mesh_group)}); leave it None to use the FSDP mesh's group"
-            )
-        ranks = _RankGroup(process_group, _first_device(model))
         self._ranks = ranks
         self.process_group = ranks.group
         self.rank = ranks.rank
         self.world_size = ranks.world_size
-        self._scales: torch.Tensor | None = None
         self._chunk_weight = 0.0  # the weight of the chunk the ranks agreed on last (_fresh_chunks)
+        #: the exact walk's runner and its gathering (NOTE [sharded layer walk])
+        self._walk_runner: LayerWalkRunner | None = None
+        self._shards: ShardGather | None = None
         failure: BaseException | None = None
         signature = (0, 0, 0)
         try:
-            super().__init__(
-                model,
-                dataloader,
-                loss_fn,
-                param_filter=param_filter,
-                full_dataset=full_dataset,
-                num_batches=num_batches,
-                microbatch_size=microbatch_size,
-                microbatch_unsafe=microbatch_unsafe,
-                method="finite_difference",
-                fd_eps=fd_eps,
-                backend=backend,
-                max_block_size=max_block_size,
-                graph_reuse=False,
-            )
-            plain = [n for n, p in self.named_params if not _is_dtensor(p)]
-            if plain:
-                raise TypeError(
-                    f"parameters {plain[:4]} are not sharded; apply fully_shard to the root module too so "
-                    "that FSDP manages (and reduces the gradients of) every selected parameter"
-                )
-            # the global layout is checked across ranks; the operator acts on local shards
-            signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
-            #: length of the whole (unsharded) vector; ``size`` is this rank's shard
-            self.global_size = self.layout.size
-            if self._binding.constant_rows:
-                # NOTE [padding rows]: the projection's columns are of the whole vector, and a
-                # shard holds some rows of the embedding only; not mapped to shards yet
-                raise ValueError(
-                    "FSDPHessianOperator: a selected nn.Embedding has padding_idx, whose row is a constant "
-                    "in training; sharded operators cannot project it out yet. Leave the embedding out "
-                    "with param_filter, or use DDPHessianOperator on a replicated model"
-                )
-            self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
-            self._size = self.layout.size
-            self._device = self.layout.device
-            if backend is None:
-                self.backend = DistributedBackend(ranks.group)
-            #: the exact walk of method="layers" (NOTE [sharded layer walk])
-            self._walk: ShardedWalk | None = None
+            super().__init__(model, *args, graph_reuse=False, **kwargs)
+            self.supports_cuda_graphs = False
+            signature = self._shard_layout(kwargs.get("backend"))
             if layers is not None:
-                self.method = "layers"  # type: ignore[assignment]
-                self._walk = ShardedWalk(
-                    model, loss_fn, [n for n, _ in self.named_params], layers, fsdp_cls, ranks.group
-                )
+                self.layers = layers
+                self._shards = ShardGather(model, fsdp_cls, ranks.group, self.layout.names)
+                make = getattr(self, "layer_walk_runner", None)
+                if make is None:
+                    raise TypeError(f"{type(self).__name__} has no layer walk")
+                self._walk_runner = make(gather=self._shards.gather, finish=self._shards.finish)
         except Exception as exc:
             failure = exc
-        ranks.check_layout(failure, signature, "construction of FSDPHessianOperator")
+        ranks.check_layout(failure, signature, f"construction of {type(self).__name__}")
 
-    @staticmethod
-    def _mesh_group(model: nn.Module) -> Any:
-        for p in model.parameters():
-            if _is_dtensor(p):
-                mesh = p.device_mesh  # type: ignore[attr-defined]
-                if mesh.ndim != 1:
-                    raise NotImplementedError(
-                        "only a 1-D device mesh (plain FSDP) is supported; HSDP / 2-D meshes are not"
-                    )
-                return mesh.get_group()
-        raise TypeError("fully_shard left no sharded parameter in the model")
-
-    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
-        if self._walk is not None:
-            super()._pass(V, out)
-            return
-        # the step h·v/‖v‖ needs the norm of the whole vector: one all-reduce of k numbers
-        sq = torch.linalg.vector_norm(V, dim=1).square()
-        dist.all_reduce(sq, group=self._ranks.group)
-        self._scales = self.fd_eps / sq.sqrt().clamp_min(torch.finfo(V.dtype).tiny ** 0.5)
-        user_grads = [p.grad for p in self.params]
-        try:
-            super()._pass(V, out)
-        finally:
-            self._scales = None
-            for p, g in zip(self.params, user_grads, strict=True):
-                p.grad = g
+    def _shard_layout(self, backend: LinAlgBackend | None) -> tuple[int, int, int]:
+        """This rank's shards as the operator's layout; the whole layout's signature."""
+        plain = [n for n, p in self.named_params if not _is_dtensor(p)]
+        if plain:
+            raise TypeError(
+                f"parameters {plain[:4]} are not sharded; apply fully_shard to the root module too so "
+                "that FSDP manages every selected parameter"
+            )
+        # the global layout is checked across ranks; the operator acts on local shards
+        signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
+        #: length of the whole (unsharded) vector; ``size`` is this rank's shard
+        self.global_size = self.layout.size
+        if self._binding.constant_rows:
+            # NOTE [padding rows]: the projection's columns are of the whole vector, and a
+            # shard holds some rows of the embedding only; not mapped to shards yet
+            raise ValueError(
+                f"{type(self).__name__}: a selected nn.Embedding has padding_idx, whose row is a "
+                "constant in training; sharded operators cannot project it out yet. Leave the "
+                "embedding out with param_filter, or use a DDP operator on a replicated model"
+            )
+        self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
+        self._size = self.layout.size
+        self._device = self.layout.device
+        if backend is None:
+            self.backend = DistributedBackend(self._ranks.group)
+        return signature
 
     def _fresh_chunks(self) -> Iterator[tuple[Batch, Batch]]:
         """The base's chunks of a pass, with the ranks agreeing before each: FSDP forward and
@@ -584,22 +555,135 @@ class FSDPHessianOperator(HessianOperator):
     def _chunk_product(
         self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
     ) -> tuple[Product, float]:
+        """The exact product of the ranks' chunks by the sharded layer walk; the ranks agree
+        after each one's forward (a failure then raises on every rank)."""
+        walk, shards, ranks = self._walk_runner, self._shards, self._ranks
+        assert walk is not None and shards is not None
         with self.guard.private_buffers():
-            if self._walk is not None:
-                return self._walked_product(chunk, self._chunk_weight, rows.views)
-            return self._sharded_product(chunk, self._chunk_weight, rows.views)
+            failure: BaseException | None = None
+            state = None
+            try:
+                shards.reshard()
+                state = walk.prepare(chunk)  # an ordinary FSDP forward, without a graph
+            except Exception as exc:
+                failure = exc
+            table = ranks.exchange([float(failure is not None), float(self._chunk_weight)])
+            ranks.raise_for(
+                [r for r in range(ranks.world_size) if table[r, 0] > 0], failure, "a product"
+            )
+            total = float(table[:, 1].sum())
+            assert state is not None
+            with shards.walking(self._chunk_weight / total):
+                return list(walk.apply(state, rows.views, False)), total
 
-    def _walked_product(
-        self, chunk: Batch, weight: float, vecs: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], float]:
-        """The exact product of the ranks' chunks by the sharded layer walk; the ranks agree on
-        their weights first (a failure then raises on every rank)."""
-        assert self._walk is not None
-        ranks = self._ranks
-        table = ranks.exchange([0.0, float(weight)])
-        total = float(table[:, 1].sum())
-        self.num_forwards += 1
-        return self._walk.products(chunk, vecs, weight, total), total
+
+class FSDPGGNOperator(ShardedMixin, GGNOperator):
+    """:class:`GGNOperator` of a model sharded with FSDP2: its arguments plus ``layers`` (required:
+    the dotted path to the ``fully_shard``-ed blocks) and ``process_group``; exact products by the
+    sharded layer walk. Monte-Carlo draws are keyed by chunk and rank, as in
+    :class:`DDPGGNOperator`. See :class:`ShardedMixin`."""
+
+    def __init__(self, *args: Any, layers: str | Sequence[nn.Module], **kwargs: Any) -> None:
+        super().__init__(*args, layers=layers, **kwargs)
+
+
+class FSDPEmpiricalFisherOperator(ShardedMixin, EmpiricalFisherOperator):
+    """:class:`EmpiricalFisherOperator` of a model sharded with FSDP2: its arguments plus
+    ``layers`` (required) and ``process_group``; exact products by the sharded layer walk. See
+    :class:`ShardedMixin`."""
+
+    def __init__(self, *args: Any, layers: str | Sequence[nn.Module], **kwargs: Any) -> None:
+        super().__init__(*args, layers=layers, **kwargs)
+
+
+class FSDPHessianOperator(ShardedMixin, HessianOperator):
+    """Hessian of a model sharded with FSDP2 ``fully_shard``.
+
+    ``FSDPHessianOperator(model, dataloader, loss_fn, *, param_filter=None,
+    full_dataset=True, num_batches=None, microbatch_size=None,
+    microbatch_unsafe=False, method="finite_difference", fd_eps=None,
+    backend=None, process_group=None, layers=None)``. ``method="layers"`` with
+    ``layers=`` (the dotted path to the blocks): exact products by the sharded layer walk
+    (NOTE [sharded layer walk]). ``"finite_difference"``: two FSDP forward–backward passes per
+    vector and chunk, no double backward. See :class:`ShardedMixin` for vectors and data.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Batch],
+        loss_fn: LossFn,
+        *,
+        param_filter: ParamFilter | str | Sequence[str] | None = None,
+        full_dataset: bool = True,
+        num_batches: int | None = None,
+        microbatch_size: int | None = None,
+        microbatch_unsafe: bool = False,
+        method: Literal["autograd", "finite_difference", "layers"] = "finite_difference",
+        fd_eps: float | None = None,
+        backend: LinAlgBackend | None = None,
+        max_block_size: int | None = None,
+        process_group: Any = None,
+        layers: str | Sequence[nn.Module] | None = None,
+    ) -> None:
+        if (method == "layers") != (layers is not None):
+            raise ValueError(
+                "method='layers' walks the layers that layers= names (a dotted path to the model's "
+                "list of fully_shard'ed blocks, e.g. 'transformer.h'), and layers= applies to it only; "
+                f"got method={method!r}, layers={layers!r}"
+            )
+        if method == "autograd":
+            raise NotImplementedError(
+                "method='autograd' is not available for FSDP-sharded models: FSDP2 all-gathers the "
+                "parameters outside autograd, so no graph links the sharded parameters to the loss and "
+                "a double backward cannot reach them. Use method='layers' with layers= (exact, one "
+                "layer at a time), method='finite_difference' (two ordinary forward-backward passes "
+                "per product), or DDPHessianOperator on a replicated model."
+            )
+        self._scales: torch.Tensor | None = None
+        super().__init__(
+            model,
+            dataloader,
+            loss_fn,
+            param_filter=param_filter,
+            full_dataset=full_dataset,
+            num_batches=num_batches,
+            microbatch_size=microbatch_size,
+            microbatch_unsafe=microbatch_unsafe,
+            # the walk differentiates exactly; the base's method only says which hooks exist
+            method="autograd" if layers is not None else "finite_difference",
+            fd_eps=fd_eps,
+            backend=backend,
+            max_block_size=max_block_size,
+            process_group=process_group,
+            layers=layers,
+        )
+        if layers is not None:
+            self.method = "layers"  # type: ignore[assignment]
+
+    def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        if self._walk_runner is not None:
+            super()._pass(V, out)
+            return
+        # the step h·v/‖v‖ needs the norm of the whole vector: one all-reduce of k numbers
+        sq = torch.linalg.vector_norm(V, dim=1).square()
+        dist.all_reduce(sq, group=self._ranks.group)
+        self._scales = self.fd_eps / sq.sqrt().clamp_min(torch.finfo(V.dtype).tiny ** 0.5)
+        user_grads = [p.grad for p in self.params]
+        try:
+            super()._pass(V, out)
+        finally:
+            self._scales = None
+            for p, g in zip(self.params, user_grads, strict=True):
+                p.grad = g
+
+    def _chunk_product(
+        self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
+    ) -> tuple[Product, float]:
+        if self._walk_runner is not None:
+            return super()._chunk_product(raw, chunk, rows, runner, graphs)
+        with self.guard.private_buffers():
+            return self._sharded_product(chunk, self._chunk_weight, rows.views)
 
     def _sharded_product(
         self, chunk: Batch, weight: float, vecs: list[torch.Tensor]

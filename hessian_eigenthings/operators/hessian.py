@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -127,13 +127,15 @@ class HessianOperator(DataCurvatureOperator):
             )
         return causes
 
-    def layer_walk_runner(self) -> LayerWalkRunner:
-        """``engine="layers"``: products one layer at a time (NOTE [layer walk])."""
-        if self.method != "autograd":
+    def layer_walk_runner(self, **walk: Any) -> LayerWalkRunner:
+        """``engine="layers"``: products one layer at a time (NOTE [layer walk]); ``walk``: more
+        arguments of :class:`LayerWalk` (a sharded operator's ``gather`` and ``finish``)."""
+        if self.method == "finite_difference":
             raise unsupported("layers", type(self).__name__, f"method={self.method!r}")
         assert self.layers is not None  # checked at construction
-        walk = LayerWalk(self.model, self.loss_fn, self.layout.names, self.layers)
-        return LayerWalkRunner(walk, self.counts)
+        return LayerWalkRunner(
+            LayerWalk(self.model, self.loss_fn, self.layout.names, self.layers, **walk), self.counts
+        )
 
     def functional_product(
         self, state: dict[str, torch.Tensor], batch: Batch, tangent: list[torch.Tensor]

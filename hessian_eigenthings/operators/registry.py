@@ -198,7 +198,10 @@ BUILTIN: tuple[Curvature, ...] = (
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="Jacobian products"
             ),
         ),
-        distributed=(f"{_OPS}.distributed:DDPGGNOperator",),
+        distributed=(
+            f"{_OPS}.distributed:DDPGGNOperator",
+            f"{_OPS}.distributed:FSDPGGNOperator",
+        ),
     ),
     Curvature(
         name="fisher",
@@ -211,7 +214,10 @@ BUILTIN: tuple[Curvature, ...] = (
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="per-sample gradients"
             ),
         ),
-        distributed=(f"{_OPS}.distributed:DDPEmpiricalFisherOperator",),
+        distributed=(
+            f"{_OPS}.distributed:DDPEmpiricalFisherOperator",
+            f"{_OPS}.distributed:FSDPEmpiricalFisherOperator",
+        ),
     ),
     Curvature(
         name="kfac",

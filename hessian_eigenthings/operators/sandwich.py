@@ -157,15 +157,15 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def functional_unsupported_reason(self) -> str:
         return self._functional_blocker() or ""
 
-    def layer_walk_runner(self) -> LayerWalkRunner:
-        """``engine="layers"``: ``Jᵀ H J v`` one layer at a time (NOTE [layer walk])."""
+    def layer_walk_runner(self, **walk: Any) -> LayerWalkRunner:
+        """``engine="layers"``: ``Jᵀ H J v`` one layer at a time (NOTE [layer walk]); ``walk``: more
+        arguments of :class:`LayerWalk` (a sharded operator's ``gather`` and ``finish``)."""
         blocker = self._functional_blocker()
         if blocker is not None:
             raise unsupported("layers", type(self).__name__, blocker)
         assert self.layers is not None  # checked at construction
-        walk = LayerWalk(self.model, self._functional_call.fn, self.layout.names, self.layers)
         return LayerWalkRunner(
-            walk,
+            LayerWalk(self.model, self._functional_call.fn, self.layout.names, self.layers, **walk),
             self.counts,
             batch_of=self._engine_batch,
             output_product=self.curvature.traced_apply,

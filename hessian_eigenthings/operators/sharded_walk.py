@@ -1,6 +1,6 @@
 """The layer walk on a model sharded with FSDP2 (NOTE [sharded layer walk]).
 
-:class:`ShardedWalk` runs :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk` with each
+:class:`ShardGather` lets :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk` run with each
 stage's parameters and direction gathered whole just before the stage and its block of the
 product reduced over the ranks and cut back to this rank's shard just after: exact products on
 sharded parameters and sharded vectors, no rank ever holding more than one layer (and the
@@ -10,15 +10,12 @@ parameters outside the layers) whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.operators.layer_walk import LayerWalk
 
 # NOTE [sharded layer walk]
 # FSDP2 holds each parameter as a DTensor sharded on dim 0 and gathers it in
@@ -66,43 +63,46 @@ def without_fsdp_hooks(model: nn.Module, fsdp_cls: type) -> Iterator[None]:
             d.update(items)
 
 
-class ShardedWalk:
-    """Exact Hessian products of an FSDP2 model's loss, one layer at a time (NOTE [sharded layer
-    walk]); vectors in the sharded layout of NOTE [sharded vector layout] in ``distributed``."""
+class ShardGather:
+    """The gathering and reducing of NOTE [sharded layer walk] for one FSDP2 model: ``gather`` and
+    ``finish`` are a :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk`'s arguments;
+    :meth:`walking` is the scope of one chunk's walk."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
-        names: Sequence[str],
-        layers: str | Sequence[nn.Module],
-        fsdp_cls: type,
-        group: Any,
-    ) -> None:
-        self.model = model
-        self.fsdp_cls = fsdp_cls
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        left = [n for n, p in model.named_parameters() if n not in set(names)]
+    def __init__(self, model: nn.Module, fsdp_cls: type, group: Any, names: Sequence[str]) -> None:
+        left = [n for n, _ in model.named_parameters() if n not in set(names)]
         if left:
             raise ValueError(
                 f"method='layers' on a sharded model takes every parameter; param_filter left out "
                 f"{left[:4]}{' ...' if len(left) > 4 else ''} (their shards would meet whole tensors "
                 "in the walk's calls)"
             )
-        self.walk = LayerWalk(
-            model, loss_fn, names, layers, gather=self._gather, finish=self._finish
-        )
+        self.model = model
+        self.fsdp_cls = fsdp_cls
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self._now: dict[str, torch.Tensor] = {}
         self._scale = 1.0
 
-    def _reshard(self) -> None:
+    def reshard(self) -> None:
+        """Every FSDP module back to its shards (FSDP may keep the root whole after a forward)."""
         for m in self.model.modules():
             if isinstance(m, self.fsdp_cls):
                 m.reshard()  # type: ignore[operator]
 
-    def _gather(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
+    @contextlib.contextmanager
+    def walking(self, scale: float) -> Iterator[None]:
+        """One chunk's walk: the shards as the parameters to gather, FSDP's hooks set aside, each
+        block of the product scaled by ``scale`` (b_r / B) before it is summed over the ranks."""
+        self.reshard()
+        self._now, self._scale = dict(self.model.named_parameters()), scale
+        try:
+            with without_fsdp_hooks(self.model, self.fsdp_cls):
+                yield
+        finally:
+            self._now = {}
+
+    def gather(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
         p = self._now[name]
         if shard is None:
             return p.detach().full_tensor()  # type: ignore[attr-defined]
@@ -118,29 +118,8 @@ class ShardedWalk:
         )
         return whole.full_tensor()
 
-    def _finish(self, name: str, block: torch.Tensor) -> torch.Tensor:
+    def finish(self, name: str, block: torch.Tensor) -> torch.Tensor:
         block = (block * self._scale).contiguous()
         dist.all_reduce(block, group=self.group)
         rows = torch.chunk(block, self.world, dim=0)
         return rows[self.rank] if self.rank < len(rows) else block.new_empty((0, *block.shape[1:]))
-
-    def products(
-        self, chunk: Batch, vecs: list[torch.Tensor], weight: float, total: float
-    ) -> list[torch.Tensor]:
-        """This rank's shards of ``Σ_r (b_r / B) H_r v`` for the rows of ``vecs`` (per parameter,
-        ``(k, *local shape)``); ``weight`` = b_r, ``total`` = B."""
-        self._reshard()
-        state = self.walk.capture(chunk)  # an ordinary FSDP forward, without a graph
-        self._reshard()
-        self._now = dict(self.model.named_parameters())
-        self._scale = weight / total
-        names = self.walk.names
-        rows = []
-        try:
-            with without_fsdp_hooks(self.model, self.fsdp_cls):
-                for j in range(vecs[0].shape[0]):
-                    out = self.walk.hvp(state, {n: v[j] for n, v in zip(names, vecs, strict=True)})
-                    rows.append([out[n] for n in names])
-        finally:
-            self._now = {}
-        return [torch.stack([r[i] for r in rows]) for i in range(len(names))]

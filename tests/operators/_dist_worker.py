@@ -27,7 +27,7 @@ from torch import nn
 import hessian_eigenthings.operators.distributed as hd
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
-from hessian_eigenthings.operators import GGNOperator, HessianOperator
+from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -529,6 +529,73 @@ def fsdp_layer_walk() -> dict[str, Any]:
             ref_res = lanczos(ref, k=3, seed=0, tol=1e-8, ncv=12)
             out[kind]["lanczos"] = err(res.eigenvalues, ref_res.eigenvalues)
             out[kind]["lanczos_converged"] = bool(res.converged.all())
+    return out
+
+
+def _walk_forward(m: nn.Module, b: Any) -> torch.Tensor:
+    batch = b[0]  # (the batch, its next-token targets)
+    logits = m(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits
+    return logits[:, :-1].reshape(-1, logits.shape[-1])
+
+
+def _walk_per_token(m: nn.Module, b: Any) -> torch.Tensor:
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
+        b["input_ids"][:, 1:].reshape(-1),
+        reduction="none",
+    ).reshape(b["input_ids"].shape[0], -1)
+
+
+@check
+def fsdp_walk_sandwiches() -> dict[str, Any]:
+    """The sharded GGN (exact: against one process; Monte-Carlo: against DDP, whose draws are keyed
+    by rank alike) and the sharded empirical Fisher (against one process), on HF GPT-2."""
+    import copy
+
+    from hessian_eigenthings.loss_fns import supervised_loss_of_output
+
+    if not _torch_compat.fsdp2_runs_on_cpu():
+        return {"skip": f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skip": "needs transformers"}
+    fully_shard = _torch_compat.fully_shard()
+    model, layers = _walk_model("gpt2")
+    replica = copy.deepcopy(model)
+    for block in model.get_submodule(layers):
+        fully_shard(block)
+    fully_shard(model)
+    loss = supervised_loss_of_output(nn.CrossEntropyLoss())
+
+    def data(r: int) -> Any:
+        b = _walk_batch(r)
+        return (b, b["input_ids"][:, 1:].reshape(-1))
+
+    union = [data(r) for r in range(WORLD)]
+    out: dict[str, Any] = {}
+    ref = GGNOperator(replica, union, _walk_forward, loss)
+    op = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers)
+    v = rand(ref.size, seed=7)
+    out["ggn"] = err(op @ _shard(v, ref), _shard(ref @ v, ref))
+    mc = {"mc_samples": 2, "seed": 4}
+    ddp = hd.DDPGGNOperator(replica, [data(RANK)], _walk_forward, loss, **mc)
+    op_mc = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers, **mc)
+    out["ggn_mc_vs_ddp"] = err(op_mc @ _shard(v, ref), _shard(ddp @ v, ref))
+    per_token = type(
+        "PerToken",
+        (),
+        {
+            "__call__": staticmethod(_walk_per_token),
+            "sample_count": staticmethod(lambda b: b["input_ids"][:, 1:].numel()),
+        },
+    )()
+    ref_ef = EmpiricalFisherOperator(replica, [_walk_batch(r) for r in range(WORLD)], per_token)
+    op_ef = hd.FSDPEmpiricalFisherOperator(model, [_walk_batch(RANK)], per_token, layers=layers)
+    out["fisher"] = err(op_ef @ _shard(v, ref), _shard(ref_ef @ v, ref))
     return out
 
 

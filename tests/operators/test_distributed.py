@@ -239,6 +239,13 @@ def test_fsdp_layer_walk_is_exact(ranks: list[dict[str, Any]]) -> None:
         assert res["gpt2"]["lanczos"] < 1e-8 and res["gpt2"]["lanczos_converged"]
 
 
+def test_fsdp_walk_sandwiches_are_exact(ranks: list[dict[str, Any]]) -> None:
+    """FSDPGGNOperator (exact: against one process on the union; Monte-Carlo: against
+    DDPGGNOperator, whose draws are keyed by rank alike) and FSDPEmpiricalFisherOperator."""
+    for res in _fsdp(ranks, "fsdp_walk_sandwiches"):
+        assert res["ggn"] < 1e-10 and res["ggn_mc_vs_ddp"] < 1e-10 and res["fisher"] < 1e-10, res
+
+
 def test_fsdp_failures(ranks: list[dict[str, Any]]) -> None:
     per_rank = _fsdp(ranks, "fsdp_failures")
     world = len(per_rank)
