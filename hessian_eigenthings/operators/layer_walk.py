@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import CallWithModel
 from hessian_eigenthings.operators.engines.functional import check_functional_model
@@ -309,6 +310,7 @@ class LayerWalk:
     def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
         Each layer's parameters are gathered once on the way forward and once back."""
+        _torch_compat.load_forward_ad_decompositions()
         self._params = dict(self.model.named_parameters())
         out_theta, out_v = self._stage(None, v)
         result: dict[str, torch.Tensor] = {}
@@ -373,6 +375,7 @@ class LayerWalk:
     ) -> dict[str, torch.Tensor]:
         """``Jᵀ H J v`` of the call's output (``output_product(output, u) = H u``) by a forward walk
         of ``J v`` and a backward walk of the pullbacks (NOTE [layer walk]); no second order term."""
+        _torch_compat.load_forward_ad_decompositions()
         self._params = dict(self.model.named_parameters())
         out_theta, out_v = self._stage(None, v)
         if out_theta:

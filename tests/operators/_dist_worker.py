@@ -60,7 +60,7 @@ def make_batches(sizes: list[int], seed: int = 1, dtype: torch.dtype = torch.flo
 
 # uneven shards: different numbers of batches of different sizes per rank
 SIZES = [5, 3, 4, 2, 6, 1, 3]
-BOUNDS = {1: [0, 7], 2: [0, 5, 7], 3: [0, 4, 6, 7]}[WORLD]
+BOUNDS = {1: [0, 7], 2: [0, 5, 7], 3: [0, 4, 6, 7], 4: [0, 2, 4, 6, 7]}[WORLD]
 ALL = make_batches(SIZES)
 MINE = ALL[BOUNDS[RANK] : BOUNDS[RANK + 1]]
 
@@ -495,7 +495,8 @@ def fsdp_layer_walk() -> dict[str, Any]:
     fully_shard = _torch_compat.fully_shard()
     union = [_walk_batch(r) for r in range(WORLD)]
     out: dict[str, Any] = {}
-    for kind in ("gpt2", "llama_tied", "llama_untied"):
+    # four ranks on a 2-core CI machine are slow: the GPT-2 product only there
+    for kind in ("gpt2", "llama_tied", "llama_untied") if WORLD < 4 else ("gpt2",):
         model, layers = _walk_model(kind)
         ref = HessianOperator(
             copy.deepcopy(model),
@@ -522,7 +523,7 @@ def fsdp_layer_walk() -> dict[str, Any]:
             ),
             "grads_none": all(p.grad is None for p in model.parameters()),
         }
-        if kind == "gpt2":
+        if kind == "gpt2" and WORLD < 4:
             from hessian_eigenthings.algorithms.lanczos import lanczos
 
             res = lanczos(op, k=3, seed=0, backend=op.backend, tol=1e-8, ncv=12)
