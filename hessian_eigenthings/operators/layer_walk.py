@@ -307,15 +307,17 @@ class LayerWalk:
         return block if self._finish is None else self._finish(name, block)
 
     # -- the product ---------------------------------------------------------------
-    def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
-        Each layer's parameters are gathered once on the way forward and once back."""
-        _torch_compat.load_forward_ad_decompositions()
-        self._params = dict(self.model.named_parameters())
-        out_theta, out_v = self._stage(None, v)
-        result: dict[str, torch.Tensor] = {}
-
-        # 1. forward walk
+    def _forward_walk(
+        self,
+        state: WalkState,
+        v: dict[str, torch.Tensor],
+        out_theta: dict[str, torch.Tensor],
+        out_v: dict[str, torch.Tensor],
+        *,
+        keep_tangents: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's input hᵢ (and h_L) with its tangent along ``v``: all the tangents when
+        ``keep_tangents``, else the last one only."""
         if out_theta:
             h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
         else:  # the layers' input does not depend on the parameters
@@ -328,8 +330,20 @@ class LayerWalk:
                 lambda x, th, _i=i: self.layer(state, _i, x, th), (hs[-1], theta), (hds[-1], vi)
             )
             hs.append(h)
-            hds.append(hd)
+            hds = [*hds, hd] if keep_tangents else [hd]
             del theta, vi
+        return hs, hds
+
+    def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
+        Each layer's parameters are gathered once on the way forward and once back."""
+        _torch_compat.load_forward_ad_decompositions()
+        self._params = dict(self.model.named_parameters())
+        out_theta, out_v = self._stage(None, v)
+        result: dict[str, torch.Tensor] = {}
+
+        # 1. forward walk
+        hs, hds = self._forward_walk(state, v, out_theta, out_v, keep_tangents=True)
         # 2. tail
         grad_tail = torch.func.grad(
             lambda x, th: self.tail(state, x, th).reshape(()), argnums=(0, 1)
@@ -352,7 +366,7 @@ class LayerWalk:
             for loc, n in self.local[i].items():
                 result[n] = self._done(n, g[loc])
             a, ad = a_new, ad_new
-            hs[i + 1] = hds[i + 1] = None  # freed as the walk goes
+            hs[i + 1] = hds[i + 1] = None  # type: ignore[call-overload]  # freed as the walk goes
         # 4. head
         if self.outside:
 
@@ -378,21 +392,7 @@ class LayerWalk:
         _torch_compat.load_forward_ad_decompositions()
         self._params = dict(self.model.named_parameters())
         out_theta, out_v = self._stage(None, v)
-        if out_theta:
-            h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
-        else:
-            h = self.head(state, {})
-            hd = torch.zeros_like(h)
-        hs, hds = [h], [hd]
-        for i in range(len(self.layers)):
-            theta, vi = self._stage(i, v)
-            h, hd = _jvp(
-                lambda x, th, _i=i: self.layer(state, _i, x, th), (hs[-1], theta), (hds[-1], vi)
-            )
-            hs.append(h)
-            hds.append(hd)
-            del theta, vi
-        del hds
+        hs, (hd,) = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
         out, pull_tail = _vjp(lambda x, th: self.tail(state, x, th), hs[-1], out_theta)
         jv = _jvp(lambda x, th: self.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
         a, g_tail = pull_tail(output_product(out.detach(), jv))
