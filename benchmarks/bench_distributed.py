@@ -19,9 +19,12 @@ Measured, each a median of ``--repeats`` calls after ``--warmup`` (synchronised)
 - allreduce: one all-reduce of the product's size alone (the communication floor);
 - fsdp: ``FSDPHessianOperator`` (finite differences, each transformer block and the root
   sharded), its local shard compared with the single-device finite-difference product,
-  time against single-device finite differences;
-- lanczos: top-10 ``lanczos`` with the DDP operator and with the FSDP operator
-  (``backend=op.backend``), eigenvalues identical on every rank, against one device.
+  time against single-device finite differences; and ``method="layers"`` (the exact sharded
+  walk): time, peak memory, error against one device's autograd product, and its ratio to an
+  FSDP training step (forward and backward) on the same shard;
+- lanczos: top-10 ``lanczos`` with the DDP operator and with the FSDP operators
+  (``backend=op.backend``; the walk at tol 1e-4), eigenvalues identical on every rank,
+  against one device.
 
 Rank 0 writes ``bench_distributed.json`` and ``bench_distributed.md`` to ``--out``.
 ``--tiny`` runs a toy size on CPU with gloo (what the test suite does).
@@ -333,7 +336,9 @@ def main() -> None:
             t_ref, hv_ref = timed(lambda: ref_fd @ v, device, warmup, repeats)
             fsdp["single_fd_ms"] = t_ref
             fsdp["single_fd_peak_mib"] = peak_mib(device, base)
+            base = reset_peak(device)
             ref_autograd = HessianOperator(model, [ids], loss_fn, graph_reuse=False) @ v
+            fsdp["single_autograd_peak_mib"] = peak_mib(device, base)
             base = reset_peak(device)
             op = FSDPHessianOperator(sharded, [shard], loss_fn, fd_eps=args.fd_eps)
             v_local = local_shard(v, ref_fd, rank, world)
@@ -352,8 +357,33 @@ def main() -> None:
                 f"fsdp fd: single {t_ref:.1f} ms, fsdp {fsdp['fsdp_fd_ms']:.1f} ms, "
                 f"rel err vs single fd {fsdp['rel_err_vs_single_fd']:.1e}, vs autograd {fsdp['rel_err_vs_autograd']:.1e}"
             )
+            # the exact sharded walk (NOTE [sharded layer walk]) and an FSDP training step
+            base = reset_peak(device)
+            walk_op = FSDPHessianOperator(
+                sharded, [shard], loss_fn, method="layers", layers=blocks(sharded)
+            )
+            t_walk, hv_walk = timed(lambda: walk_op @ v_local, device, warmup, repeats)
+            fsdp["fsdp_walk_ms"] = max_over_ranks(t_walk, device)
+            fsdp["fsdp_walk_peak_mib"] = peak_mib(device, base)
+            fsdp["rel_err_walk_vs_autograd"] = max_over_ranks(
+                rel_err(hv_walk, local_shard(ref_autograd, ref_fd, rank, world)), device
+            )
+            trainable = [p for p in sharded.parameters() if p.requires_grad]
+
+            def train_step() -> None:
+                loss_fn(sharded, shard).backward()
+                for p in trainable:
+                    p.grad = None
+
+            fsdp["fsdp_train_step_ms"], _ = timed(train_step, device, warmup, repeats)
+            fsdp["walk_over_train_step"] = fsdp["fsdp_walk_ms"] / fsdp["fsdp_train_step_ms"]
+            log(
+                f"fsdp walk: {fsdp['fsdp_walk_ms']:.1f} ms ({fsdp['walk_over_train_step']:.2f} FSDP "
+                f"training steps), rel err vs autograd {fsdp['rel_err_walk_vs_autograd']:.1e}"
+            )
             del ref_fd, ref_autograd
             report["_fsdp_op"] = op
+            report["_walk_op"] = walk_op
         report["fsdp"] = fsdp
 
     # -- lanczos --------------------------------------------------------------------
@@ -369,6 +399,14 @@ def main() -> None:
                 ("ddp", lambda: lanczos(DDPHessianOperator(model, [shard], loss_fn), k=k, seed=0)),
             ]
             fsdp_op = report.pop("_fsdp_op", None)
+            walk_op = report.pop("_walk_op", None)
+            if walk_op is not None:
+                runs.append(
+                    (
+                        "fsdp_walk",
+                        lambda: lanczos(walk_op, k=k, seed=0, backend=walk_op.backend, tol=1e-4),
+                    )
+                )
             if fsdp_op is not None:
                 # finite differences in fp32 are accurate to ~1e-4: a tighter tol cannot be met
                 runs.append(
@@ -396,13 +434,14 @@ def main() -> None:
                 lz[f"{name}_same_on_ranks"] = same_on_ranks(result.eigenvalues, device)
                 log(f"lanczos {name}: {lz[f'{name}_s']:.1f} s, top {lz[f'{name}_eigenvalues'][:3]}")
             ev = torch.tensor(lz["single_eigenvalues"], dtype=torch.float64)
-            for name in ("ddp", "fsdp"):
+            for name in ("ddp", "fsdp", "fsdp_walk"):
                 if f"{name}_eigenvalues" in lz:
                     lz[f"{name}_rel_err"] = rel_err(
                         torch.tensor(lz[f"{name}_eigenvalues"], dtype=torch.float64), ev
                     )
         report["lanczos"] = lz
     report.pop("_fsdp_op", None)
+    report.pop("_walk_op", None)
 
     if main_rank:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -458,6 +497,13 @@ def markdown(r: dict[str, Any]) -> str:
                 f"| {fmt(f['single_fd_ms'])} | {fmt(f['fsdp_fd_ms'])} | {fmt(f['efficiency'])} | {fmt(f['rel_err_vs_single_fd'])} "
                 f"| {fmt(f['rel_err_vs_autograd'])} | {f['local_size']} | {fmt(f['single_fd_peak_mib'])} / {fmt(f['fsdp_fd_peak_mib'])} |",
                 "",
+                'Exact sharded walk (`method="layers"`):',
+                "",
+                "| FSDP walk ms | FSDP training step ms | walk / step | rel err vs autograd | peak MiB single autograd / walk |",
+                "|---|---|---|---|---|",
+                f"| {fmt(f.get('fsdp_walk_ms'))} | {fmt(f.get('fsdp_train_step_ms'))} | {fmt(f.get('walk_over_train_step'))} "
+                f"| {fmt(f.get('rel_err_walk_vs_autograd'))} | {fmt(f.get('single_autograd_peak_mib'))} / {fmt(f.get('fsdp_walk_peak_mib'))} |",
+                "",
             ]
     if "lanczos" in r:
         lz = r["lanczos"]
@@ -469,7 +515,7 @@ def markdown(r: dict[str, Any]) -> str:
                 "| operator | seconds | converged | top eigenvalues | rel err vs single | same on ranks |",
                 "|---|---|---|---|---|---|",
             ]
-            for name in ("single", "ddp", "fsdp"):
+            for name in ("single", "ddp", "fsdp", "fsdp_walk"):
                 if f"{name}_s" in lz:
                     top = ", ".join(f"{x:.4g}" for x in lz[f"{name}_eigenvalues"][:5])
                     lines.append(

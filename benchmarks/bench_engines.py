@@ -79,6 +79,11 @@ def main() -> None:
     )
     ap.add_argument("--algos", default="lanczos,hutch++,slq", help="which --algorithms runs")
     ap.add_argument(
+        "--layers",
+        default=None,
+        help="the blocks engine='layers' walks (parity LMs: lm.transformer.h)",
+    )
+    ap.add_argument(
         "--graph-budget-gib", type=float, default=None, help="graph_memory_budget of the operators"
     )
     args = ap.parse_args()
@@ -116,9 +121,13 @@ def main() -> None:
 
     sup = he.supervised_loss(crit)
     budget = None if args.graph_budget_gib is None else int(args.graph_budget_gib * 2**30)
+
+    def walk(e: str) -> dict[str, Any]:
+        return {"layers": args.layers} if e == "layers" else {}
+
     makers: dict[str, Callable[[str], Any]] = {
         "hessian": lambda e: he.HessianOperator(
-            model, batches, sup, engine=e, graph_memory_budget=budget
+            model, batches, sup, engine=e, graph_memory_budget=budget, **walk(e)
         ),
         "ggn": lambda e: he.GGNOperator(
             model,
@@ -127,9 +136,10 @@ def main() -> None:
             supervised_loss_of_output(crit),
             engine=e,
             graph_memory_budget=budget,
+            **walk(e),
         ),
         "ef": lambda e: he.EmpiricalFisherOperator(
-            model, batches, w.per_sample_loss, engine=e, graph_memory_budget=budget
+            model, batches, w.per_sample_loss, engine=e, graph_memory_budget=budget, **walk(e)
         ),
     }
     engines = args.engines.split(",")
@@ -139,6 +149,7 @@ def main() -> None:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             try:
                 op = makers[curv](eng)
                 v = torch.randn(
@@ -159,6 +170,9 @@ def main() -> None:
                     "rel_err_vs_autograd": err,
                     "rel_err_after_timing": err_after,
                     "held_mib": op.held_bytes / 2**20,
+                    "peak_mib": torch.cuda.max_memory_allocated() / 2**20
+                    if device == "cuda"
+                    else None,
                     "report": op.engine_report,
                 }
                 if args.blocks:

@@ -54,6 +54,39 @@ from hessian_eigenthings.param_utils import call_with_values
 # there, and the pullbacks back (each stage's forward again, no tangents).
 
 
+# NOTE [key/value caches]
+# A model that keeps a key/value cache (HF's default use_cache=True) hands each
+# layer the cache object, which the layer appends to. The walk calls every
+# layer several times per product, so a recorded cache would grow and change
+# the attention. A cache that was empty when the first layer started holds only
+# what the layers themselves add (each its own entry), and each layer computes
+# the same without it: it is recorded as None. A cache that already held tokens (a past the user passed)
+# is refused: pass the whole sequence instead.
+
+
+def _is_cache(x: Any) -> bool:
+    return callable(getattr(x, "get_seq_length", None))
+
+
+def _cache_len(cache: Any) -> int:
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # a cache that cannot say: treat as holding tokens (refused)
+        return -1
+
+
+def _without_cache(x: Any, empty: set[int]) -> Any:
+    if not _is_cache(x):
+        return x
+    if id(x) in empty:
+        return None
+    raise LayerWalkError(
+        "a layer received a key/value cache that already held tokens (past_key_values); the walk "
+        "calls each layer several times and cannot replay a cache: pass the whole sequence, or "
+        "use_cache=False"
+    )
+
+
 class LayerWalkError(ValueError):
     """The model, its layers or the loss cannot be walked layer by layer (the message says why)."""
 
@@ -197,6 +230,14 @@ class LayerWalk:
         check_functional_model(self.model, "layers")
         calls: list[LayerCall] = []
         inputs: list[Any] = []
+        empty: set[int] = set()
+
+        def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # NOTE [key/value caches]: the caches that hold nothing when the first layer starts
+            if module is self.layers[0]:
+                empty.update(
+                    id(c) for c in [*args, *kwargs.values()] if _is_cache(c) and _cache_len(c) == 0
+                )
 
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -207,9 +248,18 @@ class LayerWalk:
                     "positional argument"
                 )
             inputs.append(args[0])
-            calls.append(LayerCall(args[1:], dict(kwargs), out))
+            calls.append(
+                LayerCall(
+                    tuple(_without_cache(a, empty) for a in args[1:]),
+                    {k: _without_cache(a, empty) for k, a in kwargs.items()},
+                    out,
+                )
+            )
 
-        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.layers]
+        handles = [
+            *(m.register_forward_pre_hook(before, with_kwargs=True) for m in self.layers),
+            *(m.register_forward_hook(hook, with_kwargs=True) for m in self.layers),
+        ]
         try:
             with torch.no_grad():
                 self.call(batch)

@@ -4,6 +4,7 @@ embeddings, padded rows) and HF Llama (tied and untied); and its refusals."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -238,3 +239,30 @@ def test_the_empirical_fisher_walk_matches_autograd() -> None:
     whole = he.EmpiricalFisherOperator(model, data, per_sample, engine="autograd")
     V = torch.randn(walked.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(walked @ V, whole @ V, rtol=1e-10, atol=1e-12)
+
+
+def test_a_key_value_cache_is_not_replayed() -> None:
+    """NOTE [key/value caches]: with HF's default use_cache=True the layers get a cache they
+    append to; the walk records it as None (it was empty), with the same product. A cache that
+    already held tokens is refused."""
+    model, batch = _gpt2(), _lm_batch()
+
+    def cached(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss  # use_cache: the default
+
+    # HF's loss takes the logits to float32: compared with the forward-over-reverse product (as
+    # for Llama above), which rounds the same way
+    op = he.HessianOperator(model, [batch], cached, engine="functional")
+    walk = LayerWalk(model, cached, op.layout.names, "transformer.h")
+    v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    ref = op @ v
+    assert float((_walk_product(walk, op, batch, v) - ref).norm() / ref.norm()) <= 1e-10
+    with torch.no_grad():
+        past = model(input_ids=batch["input_ids"][:, :3], use_cache=True).past_key_values
+
+    def with_past(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = m(input_ids=b["input_ids"][:, 3:], past_key_values=copy.deepcopy(past))
+        return out.logits.square().mean()
+
+    with pytest.raises(LayerWalkError, match="already held tokens"):
+        LayerWalk(model, with_past, op.layout.names, "transformer.h").capture(batch)
