@@ -35,6 +35,7 @@ from hessian_eigenthings.operators.engines.runner import (
     unsupported,
 )
 from hessian_eigenthings.operators.graph_reuse import StateCache
+from hessian_eigenthings.operators.layer_walk import find_layers
 from hessian_eigenthings.operators.model_guard import ModelGuard, Precision, check_precision
 from hessian_eigenthings.operators.parameter_binding import ParameterBinding
 from hessian_eigenthings.operators.protocol import CurvatureOperator
@@ -139,6 +140,8 @@ class DataOperatorSetup(CurvatureOperator):
             )
         if engine == "layers" and not hasattr(type(self), "layer_walk_runner"):
             raise unsupported("layers", type(self).__name__, "it has no layer walk")
+        if layers is not None:
+            find_layers(model, layers)  # a wrong path fails here, not at the first product
         #: the layers ``engine="layers"`` walks (NOTE [layer walk])
         self.layers = layers
         self._engine_name = engine

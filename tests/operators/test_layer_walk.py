@@ -180,6 +180,8 @@ def test_engine_layers_on_the_hessian_operator() -> None:
     forwards = walked.num_forwards
     walked @ V[:, 0]  # kept states: no new capture
     assert walked.num_forwards == forwards
+    with pytest.raises(LayerWalkError, match="no such submodule"):
+        he.HessianOperator(model, batches, _lm, engine="layers", layers="transformer.blocks")
     with pytest.raises(ValueError, match="layers= applies to it only"):
         he.HessianOperator(model, batches, _lm, engine="layers")
     with pytest.raises(ValueError, match="layers= applies to it only"):
