@@ -99,6 +99,8 @@ class MemoryEstimate:
     available_bytes: int | None  # free memory on the device (None: unknown)
     measured: bool  # A measured on CUDA (True) or counted from saved tensors (False)
     batch_size: int | None  # samples per forward the estimate assumes
+    #: the model's list of blocks, if it has one (the longest ``nn.ModuleList`` of one module type)
+    block_list: str | None = None
 
     @property
     def required_bytes(self) -> int:
@@ -126,6 +128,12 @@ class MemoryEstimate:
                 "activations dominate: pass microbatch_size=... (same result, activations scale "
                 "with the microbatch)"
             )
+            if self.block_list is not None and self.operator in ("hessian", "ggn", "fisher"):
+                tips.append(
+                    f"walk the blocks one at a time: engine='layers', layers={self.block_list!r} "
+                    "(exact; holds each block's input and its tangent instead of the whole graph; "
+                    "each block's forward runs twice per product)"
+                )
             for method, factors in zip(row.methods, row.memory, strict=True):
                 other = factors.first_pass + factors.per_vector * self.block_size
                 if other < act_factor:
@@ -351,4 +359,16 @@ def estimate_memory(
         available_bytes=available_memory(device),
         measured=bool(measure),
         batch_size=bs,
+        block_list=find_block_list(model),
     )
+
+
+def find_block_list(model: nn.Module) -> str | None:
+    """The dotted path of the model's longest ``nn.ModuleList`` of two or more modules of one
+    type (a transformer's blocks: ``"transformer.h"``, ``"model.layers"``), or ``None``."""
+    best: tuple[int, str] | None = None
+    for name, m in model.named_modules():
+        one_type = isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1
+        if one_type and len(m) >= 2 and (best is None or len(m) > best[0]):
+            best = (len(m), name)
+    return None if best is None else best[1]

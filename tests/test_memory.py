@@ -88,7 +88,9 @@ def _peak_cpu_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
     )
     current = peak = 0
     for _, delta in events:
@@ -99,22 +101,69 @@ def _peak_cpu_bytes(fn) -> int:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("operator", "method", "k"),
-    [("hessian", "autograd", 1), ("hessian", "autograd", 4), ("hessian", "finite_difference", 2), ("ggn", "autograd", 2)],
+    [
+        ("hessian", "autograd", 1),
+        ("hessian", "autograd", 4),
+        ("hessian", "finite_difference", 2),
+        ("ggn", "autograd", 2),
+    ],
 )
 def test_estimate_against_measured_cpu_peak(operator: str, method: str, k: int) -> None:
     """Within a factor of two of the measured peak of one product (see NOTE [memory factors])."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10)
+    )
     batch = (torch.randn(1024, 32), torch.randint(0, 10, (1024,)))
     crit = nn.CrossEntropyLoss()
     if operator == "hessian":
         op: he.CurvatureOperator = he.HessianOperator(
-            model, [batch], he.supervised_loss(crit), method=method, graph_reuse=False  # type: ignore[arg-type]
+            model,
+            [batch],
+            he.supervised_loss(crit),
+            method=method,
+            graph_reuse=False,  # type: ignore[arg-type]
         )
     else:
-        op = he.GGNOperator(model, [batch], he.supervised_forward, he.supervised_loss_of_output(crit), graph_reuse=False)
+        op = he.GGNOperator(
+            model,
+            [batch],
+            he.supervised_forward,
+            he.supervised_loss_of_output(crit),
+            graph_reuse=False,
+        )
     V = torch.randn(op.size, k)
     op @ V  # warm-up: one-time allocations are not part of a product
     measured = _peak_cpu_bytes(lambda: op @ V)
-    est = estimate_memory(model, batch, he.supervised_loss(crit), operator=operator, method=method, block_size=k)  # type: ignore[arg-type]
+    est = estimate_memory(
+        model, batch, he.supervised_loss(crit), operator=operator, method=method, block_size=k
+    )  # type: ignore[arg-type]
     assert 0.5 <= measured / est.product_bytes <= 2.0, (measured, est.product_bytes)
+
+
+def test_a_model_with_blocks_is_told_about_the_layer_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When activations dominate and the model has a list of blocks, the suggestions name
+    engine='layers' with the blocks' path, and that path runs."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(10, 16)
+            self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for b in self.blocks:
+                h = torch.tanh(b(h))
+            return self.head(h)
+
+    model = Stack()
+    batch = (torch.randn(64, 10), torch.randint(0, 3, (64,)))
+    loss = he.supervised_loss(nn.CrossEntropyLoss())
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)
+    est = estimate_memory(model, batch, loss)
+    assert est.block_list == "blocks"
+    assert "engine='layers', layers='blocks'" in " ".join(est.suggestions())
+    he.HessianOperator(model, [batch], loss, engine="layers", layers=est.block_list)
+    assert estimate_memory(_mlp(), batch, loss).block_list is None
