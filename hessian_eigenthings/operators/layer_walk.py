@@ -54,6 +54,15 @@ from hessian_eigenthings.param_utils import call_with_values
 # there, and the pullbacks back (each stage's forward again, no tangents).
 
 
+# NOTE [hooks on the layers]
+# Hooks the user put on a layer (a steering vector added to its output, a
+# pre-hook that edits its input) belong to the layer's stage: the walk calls
+# the layer through its __call__, so they run there once, on the layer's input
+# as it came (recorded before any pre-hook) and on its output. In the stubbed
+# head and tail the layers' hooks are set aside: the head stops at the first
+# layer's input as it came, and in the tail each layer returns its recorded
+# output, which its hooks had already made.
+
 # NOTE [key/value caches]
 # A model that keeps a key/value cache (HF's default use_cache=True) hands each
 # layer the cache object, which the layer appends to. The walk calls every
@@ -230,34 +239,41 @@ class LayerWalk:
         check_functional_model(self.model, "layers")
         calls: list[LayerCall] = []
         inputs: list[Any] = []
+        raw: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         empty: set[int] = set()
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            # NOTE [key/value caches]: the caches that hold nothing when the first layer starts
-            if module is self.layers[0]:
-                empty.update(
-                    id(c) for c in [*args, *kwargs.values()] if _is_cache(c) and _cache_len(c) == 0
-                )
-
-        def hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-        ) -> None:
+            # NOTE [hooks on the layers]: the call as it comes, before any pre-hook of the layer
             if not args or not isinstance(args[0], torch.Tensor):
                 raise LayerWalkError(
                     f"layer {type(module).__name__} was called without its hidden state as first "
                     "positional argument"
                 )
+            # NOTE [key/value caches]: the caches that hold nothing when the first layer starts
+            if module is self.layers[0]:
+                empty.update(
+                    id(c) for c in [*args, *kwargs.values()] if _is_cache(c) and _cache_len(c) == 0
+                )
+            raw.append((args, dict(kwargs)))
+
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+        ) -> None:
+            args, kwargs = raw.pop()  # the layer's call before its pre-hooks
             inputs.append(args[0])
             calls.append(
                 LayerCall(
                     tuple(_without_cache(a, empty) for a in args[1:]),
                     {k: _without_cache(a, empty) for k, a in kwargs.items()},
-                    out,
+                    out,  # after every forward hook of the layer (this one runs last)
                 )
             )
 
         handles = [
-            *(m.register_forward_pre_hook(before, with_kwargs=True) for m in self.layers),
+            *(
+                m.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+                for m in self.layers
+            ),
             *(m.register_forward_hook(hook, with_kwargs=True) for m in self.layers),
         ]
         try:
@@ -289,8 +305,16 @@ class LayerWalk:
     # -- the stages --------------------------------------------------------------
     @contextlib.contextmanager
     def _stubbed(self, stub: Callable[[int, tuple[Any, ...]], Any]) -> Iterator[None]:
-        """The layers' forwards replaced by ``stub(i, args)`` for the duration."""
+        """The layers' calls replaced by ``stub(i, args)`` for the duration, their hooks set aside
+        (NOTE [hooks on the layers])."""
         own = [layer.__dict__.get("forward") for layer in self.layers]
+        hooks = [
+            (d, list(d.items()))
+            for layer in self.layers
+            for d in (layer._forward_pre_hooks, layer._forward_hooks)
+        ]
+        for d, _ in hooks:
+            d.clear()
         for i, layer in enumerate(self.layers):
             layer.forward = lambda *a, _i=i, **kw: stub(_i, a)
         try:
@@ -300,6 +324,9 @@ class LayerWalk:
                 del layer.forward
                 if fwd is not None:
                     layer.forward = fwd
+            for d, items in hooks:
+                d.clear()
+                d.update(items)
 
     def _outside_values(self, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {f"model.{n}": t for n, t in theta.items()}

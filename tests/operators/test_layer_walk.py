@@ -268,3 +268,33 @@ def test_a_key_value_cache_is_not_replayed() -> None:
 
     with pytest.raises(LayerWalkError, match="already held tokens"):
         LayerWalk(model, with_past, op.layout.names, "transformer.h").capture(batch)
+
+
+def test_hooks_on_the_layers_run_once() -> None:
+    """NOTE [hooks on the layers]: a forward hook that adds a steering vector to a block's
+    output and a pre-hook that scales a block's input act once, as in the whole-graph product;
+    the hooks are in place afterwards."""
+    model, batch = _gpt2(), _lm_batch()
+    steer = torch.randn(16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    blocks = model.transformer.h
+
+    def add_steering(module: nn.Module, args: Any, out: Any) -> Any:
+        return out + steer if isinstance(out, torch.Tensor) else (out[0] + steer, *out[1:])
+
+    def scale_input(module: nn.Module, args: Any) -> Any:
+        return (args[0] * 1.5, *args[1:])
+
+    handles = [
+        blocks[0].register_forward_hook(add_steering),
+        blocks[1].register_forward_pre_hook(scale_input),
+    ]
+    try:
+        op = he.HessianOperator(model, [batch], _lm, engine="autograd")
+        walk = LayerWalk(model, _lm, op.layout.names, "transformer.h")
+        v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+        ref = op @ v
+        assert float((_walk_product(walk, op, batch, v) - ref).norm() / ref.norm()) <= 1e-10
+        assert len(blocks[0]._forward_hooks) == 1 and len(blocks[1]._forward_pre_hooks) == 1
+    finally:
+        for h in handles:
+            h.remove()
