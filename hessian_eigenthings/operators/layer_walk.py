@@ -143,6 +143,12 @@ class _Stop(Exception):
         self.h = h
 
 
+#: ``gather([(name, shard or None), ...]) -> whole tensors`` and ``finish([(name, block), ...])
+#: -> the product's blocks``, one call per stage (NOTE [sharded layer walk])
+Gather = Callable[[list[tuple[str, "torch.Tensor | None"]]], list[torch.Tensor]]
+Finish = Callable[[list[tuple[str, torch.Tensor]]], list[torch.Tensor]]
+
+
 def _jvp(
     f: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...]
 ) -> tuple[Any, Any]:
@@ -188,14 +194,15 @@ class LayerWalk:
         names: Sequence[str],
         layers: str | Sequence[nn.Module],
         *,
-        gather: Callable[[str, torch.Tensor | None], torch.Tensor] | None = None,
-        finish: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        gather: Gather | None = None,
+        finish: Finish | None = None,
     ) -> None:
-        """``gather(name, shard)``: the whole parameter ``name`` (``shard`` None) or the whole
-        direction from this process's ``shard`` of it; ``finish(name, block)``: what the product
-        returns for a parameter's block of the result. Both are the identity on one device; a
-        sharded model gathers stage by stage and reduces each block to its shard (NOTE [sharded
-        layer walk] in ``distributed``)."""
+        """``gather([(name, shard), ...])``: for each, the whole parameter ``name`` (``shard``
+        None) or the whole direction from this process's ``shard`` of it; ``finish([(name,
+        block), ...])``: what the product returns for each parameter's block of the result. One
+        call per stage; both are the identity on one device; a sharded model gathers stage by
+        stage and reduces each block to its shard (NOTE [sharded layer walk] in
+        ``sharded_walk``)."""
         self.model = model
         self._gather = gather
         self._finish = finish
@@ -366,22 +373,27 @@ class LayerWalk:
             return call_with_values(self.call, self._outside_values(theta), (state.batch,))
 
     # -- stage values ---------------------------------------------------------------
-    def _param(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
-        if self._gather is not None:
-            return self._gather(name, shard)
-        return self._params[name].detach() if shard is None else shard
-
     def _stage(
         self, i: int | None, v: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Stage ``i``'s parameters and direction (those in ``v``) by local name (``None``: the
-        parameters outside the layers, by full name), gathered whole."""
+        parameters outside the layers, by full name), gathered whole in one ``gather``."""
         pairs = [(n, n) for n in self.outside] if i is None else list(self.local[i].items())
-        theta = {loc: self._param(n, None) for loc, n in pairs}
-        return theta, {loc: self._param(n, v[n]) for loc, n in pairs if n in v}
+        moving = [(loc, n) for loc, n in pairs if n in v]
+        items: list[tuple[str, torch.Tensor | None]] = [(n, None) for _, n in pairs]
+        items += [(n, v[n]) for _, n in moving]
+        if self._gather is None:
+            whole = [self._params[n].detach() if t is None else t for n, t in items]
+        else:
+            whole = self._gather(items)
+        theta = {loc: t for (loc, _), t in zip(pairs, whole, strict=False)}
+        return theta, {loc: t for (loc, _), t in zip(moving, whole[len(pairs) :], strict=True)}
 
-    def _done(self, name: str, block: torch.Tensor) -> torch.Tensor:
-        return block if self._finish is None else self._finish(name, block)
+    def _done(self, blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The result's blocks as the product returns them (one ``finish`` per stage)."""
+        if self._finish is None or not blocks:
+            return blocks
+        return dict(zip(blocks, self._finish(list(blocks.items())), strict=True))
 
     # -- the product ---------------------------------------------------------------
     def _forward_walk(
@@ -440,8 +452,7 @@ class LayerWalk:
             theta, vi = self._stage(i, v)
             (a_new, _), (ad_new, g) = _jvp(pull, (hs[i], theta, a), (hds[i], vi, ad))
             del theta, vi
-            for loc, n in self.local[i].items():
-                result[n] = self._done(n, g[loc])
+            result.update(self._done({n: g[loc] for loc, n in self.local[i].items()}))
             a, ad = a_new, ad_new
             hs[i + 1] = hds[i + 1] = None  # type: ignore[call-overload]  # freed as the walk goes
         # 4. head
@@ -454,8 +465,7 @@ class LayerWalk:
             _, g_head = _jvp(pull_head, (out_theta, a), (out_v, ad))
             for n, t in g_head.items():
                 result[n] = result[n] + t
-        for n in self.outside:
-            result[n] = self._done(n, result[n])
+        result.update(self._done({n: result[n] for n in self.outside}))
         return {n: result[n] for n in self.names}
 
     def sandwich(
@@ -479,14 +489,12 @@ class LayerWalk:
             _, pull = _vjp(lambda y, t, _i=i: self.layer(state, _i, y, t), hs[i], theta)
             a, g = pull(a)
             del theta
-            for loc, n in self.local[i].items():
-                result[n] = self._done(n, g[loc])
+            result.update(self._done({n: g[loc] for loc, n in self.local[i].items()}))
         if self.outside:
             _, pull_head = _vjp(lambda t: self.head(state, t), out_theta)
             for n, t in pull_head(a)[0].items():
                 result[n] = result[n] + t
-        for n in self.outside:
-            result[n] = self._done(n, result[n])
+        result.update(self._done({n: result[n] for n in self.outside}))
         return {n: result[n] for n in self.names}
 
 

@@ -26,18 +26,18 @@ from torch import nn
 # - during the walk FSDP's forward hooks are set aside (the modules are then
 #   plain modules whose registered parameters are the sharded DTensors, which
 #   the walk replaces by whole tensors for each call), and each stage's
-#   parameters and direction are gathered whole (`full_tensor`, the
-#   direction's shard given DTensor form first) right before the stage;
-# - a stage's block of H_r v (rank r's batch, mean loss over its b_r samples)
-#   is scaled by b_r / B (B = Σ_r b_r), summed over the ranks with one
+#   parameters and direction are gathered whole right before the stage, in one
+#   all-gather (each rank's shards padded to FSDP's chunk of rows and packed);
+# - a stage's blocks of H_r v (rank r's batch, mean loss over its b_r samples)
+#   are scaled by b_r / B (B = Σ_r b_r), summed over the ranks in one
 #   all-reduce, and cut to this rank's rows (FSDP2's `torch.chunk` split of
 #   dim 0): the batch-size-weighted product of the union of the batches.
 # Every rank walks the stages in one order, so the collectives match. Memory
 # per rank: the boundary activations of its own batch (values and tangents),
 # one layer and the outside parameters whole, one layer's block of the
-# product whole. Communication per vector: each layer's parameters and
-# direction gathered twice (forward and backward walks) and its block
-# all-reduced once.
+# product whole. Communication per vector and layer: two all-gathers (the
+# forward and the backward walk) and one all-reduce, as many as an FSDP
+# training step has per layer.
 
 
 def _fsdp_hooks(model: nn.Module, fsdp_cls: type) -> list[dict[Any, Any]]:
@@ -102,24 +102,49 @@ class ShardGather:
         finally:
             self._now = {}
 
-    def gather(self, name: str, shard: torch.Tensor | None) -> torch.Tensor:
-        p = self._now[name]
-        if shard is None:
-            return p.detach().full_tensor()  # type: ignore[attr-defined]
-        from torch.distributed.tensor import DTensor
+    def _rows(self, p: torch.Tensor) -> list[int]:
+        """Rows of dim 0 each rank holds (FSDP2's ``torch.chunk`` split; later ranks may hold none)."""
+        sizes = [len(c) for c in torch.chunk(torch.empty(p.shape[0], device="meta"), self.world)]
+        return sizes + [0] * (self.world - len(sizes))
 
-        whole = DTensor.from_local(
-            shard.contiguous(),
-            p.device_mesh,  # type: ignore[attr-defined]
-            p.placements,  # type: ignore[attr-defined]
-            shape=p.shape,
-            stride=p.stride(),
-            run_check=False,
-        )
-        return whole.full_tensor()
+    def gather(self, items: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Whole tensors for ``(name, shard)`` pairs (``shard`` None: the parameter itself), all
+        in one all-gather: each rank's shards padded to FSDP's chunk rows and packed."""
+        if not items:
+            return []
+        metas, pieces = [], []
+        for name, shard in items:
+            p = self._now[name]
+            local = (p.to_local() if shard is None else shard).detach()  # type: ignore[attr-defined]
+            rows = self._rows(p)
+            chunk = max(rows)
+            width = p[0].numel() if p.dim() > 0 and p.shape[0] > 0 else 1
+            padded = local.new_zeros(chunk * width)
+            padded[: local.numel()] = local.reshape(-1)
+            pieces.append(padded)
+            metas.append((p.shape, rows, chunk * width, width))
+        flat = torch.cat(pieces)
+        parts = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(parts, flat, group=self.group)
+        whole, offset = [], 0
+        for shape, rows, size, width in metas:
+            segs = [parts[r][offset : offset + rows[r] * width] for r in range(self.world)]
+            whole.append(torch.cat(segs).view(shape))
+            offset += size
+        return whole
 
-    def finish(self, name: str, block: torch.Tensor) -> torch.Tensor:
-        block = (block * self._scale).contiguous()
-        dist.all_reduce(block, group=self.group)
-        rows = torch.chunk(block, self.world, dim=0)
-        return rows[self.rank] if self.rank < len(rows) else block.new_empty((0, *block.shape[1:]))
+    def finish(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """This rank's rows of ``Σ_r scale_r · block_r`` for each ``(name, block)``, in one
+        all-reduce."""
+        if not items:
+            return []
+        flat = torch.cat([block.reshape(-1) for _, block in items]) * self._scale
+        dist.all_reduce(flat, group=self.group)
+        out, offset = [], 0
+        for _, block in items:
+            rows = self._rows(block)
+            whole = flat[offset : offset + block.numel()].view(block.shape)
+            start = sum(rows[: self.rank])
+            out.append(whole[start : start + rows[self.rank]])
+            offset += block.numel()
+        return out
