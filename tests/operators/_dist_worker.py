@@ -113,6 +113,10 @@ def ddp_autograd() -> dict[str, Any]:
         "same_on_ranks": gather_equal(hv) and gather_equal(HV),
         "model_unchanged": unchanged(model, snap),
         "backend": type(op.backend).__name__,
+        # the layer walk per rank, then the same all-reduce (NOTE [layer walk])
+        "layers": err(
+            hd.DDPHessianOperator(model, MINE, loss_fn, engine="layers", layers="") @ v, ref @ v
+        ),
     }
 
 

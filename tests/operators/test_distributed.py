@@ -116,6 +116,7 @@ def get(ranks: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
 def test_ddp_equals_single_process_on_union(ranks: list[dict[str, Any]]) -> None:
     for res in get(ranks, "ddp_autograd"):
         assert res["matvec"] < ROUNDING and res["matmat"] < ROUNDING
+        assert res["layers"] < ROUNDING
         assert res["reuse"] == 0.0
         assert res["same_on_ranks"]
         assert res["model_unchanged"]
