@@ -271,6 +271,14 @@ def _check_walk_sandwiches(ranks: list[dict[str, Any]]) -> None:
         assert res["ggn"] < 1e-10 and res["ggn_mc_vs_ddp"] < 1e-10 and res["fisher"] < 1e-10, res
 
 
+def test_sharded_solves(ranks: list[dict[str, Any]]) -> None:
+    """CG (sharded GGN) and MINRES (sharded Hessian) on sharded vectors find the single-process
+    solutions."""
+    for res in _fsdp(ranks, "sharded_solves"):
+        assert res["cg_converged"] and res["minres_converged"]
+        assert res["cg"] < 1e-8 and res["minres"] < 1e-8, res
+
+
 def test_fsdp_failures(ranks: list[dict[str, Any]]) -> None:
     per_rank = _fsdp(ranks, "fsdp_failures")
     world = len(per_rank)
