@@ -16,13 +16,16 @@ from hessian_eigenthings.operators.base import (
 )
 from hessian_eigenthings.operators.distributed import (
     DataParallelMixin,
+    DDPEKFACOperator,
     DDPEmpiricalFisherOperator,
     DDPGGNOperator,
     DDPHessianOperator,
+    DDPKFACOperator,
     DistributedProductError,
     FSDPEmpiricalFisherOperator,
     FSDPGGNOperator,
     FSDPHessianOperator,
+    KroneckerDataParallelMixin,
     ShardedMixin,
 )
 from hessian_eigenthings.operators.engines import (
@@ -46,9 +49,11 @@ from hessian_eigenthings.operators.kronecker import (
 __all__ = [
     "CompileFallbackWarning",
     "CurvatureOperator",
+    "DDPEKFACOperator",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
     "DDPHessianOperator",
+    "DDPKFACOperator",
     "DataCurvatureOperator",
     "DataParallelMixin",
     "DistributedProductError",
@@ -67,6 +72,7 @@ __all__ = [
     "KFACOperator",
     "KFOCOperator",
     "KroneckerBlock",
+    "KroneckerDataParallelMixin",
     "KroneckerEigen",
     "KroneckerEigenBlock",
     "KroneckerOperator",

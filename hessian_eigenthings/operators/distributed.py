@@ -63,20 +63,24 @@ from hessian_eigenthings.operators.engines.runner import ProductRunner
 from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator, LossFn
+from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator
 from hessian_eigenthings.operators.layer_walk import LayerWalkRunner
 from hessian_eigenthings.operators.sharded_walk import ShardGather
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock
 
 __all__ = [
+    "DDPEKFACOperator",
     "DDPEmpiricalFisherOperator",
     "DDPGGNOperator",
     "DDPHessianOperator",
+    "DDPKFACOperator",
     "DataParallelMixin",
     "DistributedBackend",
     "DistributedProductError",
     "FSDPEmpiricalFisherOperator",
     "FSDPGGNOperator",
     "FSDPHessianOperator",
+    "KroneckerDataParallelMixin",
     "ShardedMixin",
     "is_main_process",
 ]
@@ -371,6 +375,84 @@ class DDPEmpiricalFisherOperator(DataParallelMixin, EmpiricalFisherOperator):
     """:class:`EmpiricalFisherOperator` with the data split across ranks: its
     arguments plus ``process_group``; ``(1/N) Σ gᵢgᵢᵀ`` over the samples of
     every rank. See :class:`DDPHessianOperator`."""
+
+
+class KroneckerDataParallelMixin:
+    """Turns a KFAC-family operator into its data-parallel version: each rank runs the factor
+    passes over its own batches (of any size and number) and the factors' sums and sample counts
+    are summed over the ranks (one status exchange and one all-reduce per pass), so every rank
+    holds the factors of the union of the batches. ``class DDPMyKFAC(KroneckerDataParallelMixin,
+    MyKFAC)`` takes ``MyKFAC``'s arguments plus ``process_group``; the model is replicated (a
+    ``DistributedDataParallel`` wrapper is unwrapped). Monte-Carlo draws are keyed by rank.
+    """
+
+    _pass: Any
+
+    def __init__(
+        self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
+    ) -> None:
+        if isinstance(model, DistributedDataParallel):
+            if process_group is None:
+                process_group = getattr(model, "process_group", None)
+            model = model.module  # see NOTE [DDP wrapper]
+        ranks = _RankGroup(process_group, _first_device(model))
+        self._ranks = ranks
+        self.process_group = ranks.group
+        self.rank = ranks.rank
+        self.world_size = ranks.world_size
+        self._exchanged = False
+        super().__init__(model, *args, **kwargs)  # type: ignore[call-arg]
+
+    def _start_pass(self, factor_pass: Any) -> None:
+        super()._start_pass(factor_pass)  # type: ignore[misc]
+        factor_pass.rank = self.rank
+
+    def _agreed(self, run: Any) -> Any:
+        """``run()`` (a factor pass and its sums); a rank that fails before the ranks exchange
+        their status joins the exchange flagged, so that every rank raises."""
+        self._exchanged = False
+        try:
+            return run()
+        except Exception as exc:
+            if not self._exchanged:
+                self._exchanged = True
+                table = self._ranks.exchange([1.0, 0.0])
+                failed = [r for r in range(self.world_size) if table[r, 0] > 0]
+                self._ranks.raise_for(failed, exc, "a factor pass")
+            raise
+
+    def _kfac_factors(self) -> Any:
+        return self._agreed(super()._kfac_factors)  # type: ignore[misc]
+
+    def _compute_scalings(self, bases: Any) -> Any:
+        scalings = super()._compute_scalings  # type: ignore[misc]
+        return self._agreed(lambda: scalings(bases))
+
+    def _sum_over_processes(self, sums: list[torch.Tensor], total: float) -> float:
+        self._exchanged = True
+        table = self._ranks.exchange([0.0, float(total)])
+        self._ranks.raise_for(
+            [r for r in range(self.world_size) if table[r, 0] > 0], None, "a factor pass"
+        )
+        if sums:
+            flat = torch.cat([t.reshape(-1) for t in sums])
+            dist.all_reduce(flat, group=self._ranks.group)
+            offset = 0
+            for t in sums:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return float(table[:, 1].sum())
+
+
+class DDPKFACOperator(KroneckerDataParallelMixin, KFACOperator):
+    """:class:`KFACOperator` with the data split across ranks: its arguments plus
+    ``process_group``; the factors of the union of the ranks' batches on every rank. See
+    :class:`KroneckerDataParallelMixin`."""
+
+
+class DDPEKFACOperator(KroneckerDataParallelMixin, EKFACOperator):
+    """:class:`EKFACOperator` with the data split across ranks (both passes summed over the
+    ranks). See :class:`KroneckerDataParallelMixin`."""
 
 
 # --------------------------------------------------------------------------

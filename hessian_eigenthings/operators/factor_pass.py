@@ -369,6 +369,8 @@ class FactorPass:
             raise TypeError("separate_bias and exclude_unsupported must be True or False")
         refuse_in_place_forward(model, who)
         self.who = who
+        #: the process's rank in a data-parallel factor pass (its Monte-Carlo draws' key)
+        self.rank = 0
         self.model = model
         self.forward_fn = forward_fn
         self.loss_of_output_fn = loss_of_output_fn
@@ -448,7 +450,7 @@ class FactorPass:
         if self.check_output is not None:
             self.check_output(output)
         # the key of the GGN's draws at this position: one seed, one set of targets
-        key = self._keys(position, 0, output.device) if self.curvature.keyed else None
+        key = self._keys(position, self.rank, output.device) if self.curvature.keyed else None
         state = self.curvature.prepare(output, batch, key)
         return self.curvature.columns(state, self.factor_dtype)
 

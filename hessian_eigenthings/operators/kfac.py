@@ -257,15 +257,25 @@ class _KFACFactors(LayerKroneckerOperator):
         for layer in self._pass.layers:
             name = layer.name
             if name in sums_G:  # a layer that ran has both (A only with a weight)
-                G_of[name] = sums_G[name].mean(total)
+                G_of[name] = sums_G[name].mean(1.0)
                 if name in sums_A:
-                    A_of[name] = sums_A[name].mean(total)
+                    A_of[name] = sums_A[name].mean(1.0)
             else:  # it never ran in the forward: its GGN block is zero
                 m, q = self._pass.matrix_shape(layer)
                 G_of[name] = self._zero_factor(m)
                 if layer.weight is not None:
                     A_of[name] = self._zero_factor(q + int(layer.joint))
+        # the sums over this process's batches, then over the processes' (data parallel)
+        total = self._sum_over_processes([*G_of.values(), *A_of.values()], total)
+        for factors in (G_of, A_of):
+            for name, f in factors.items():
+                factors[name] = f.div_(total)
         return G_of, A_of
+
+    def _sum_over_processes(self, sums: list[torch.Tensor], total: float) -> float:
+        """Sum ``sums`` (in place) and ``total`` over the processes of a data-parallel pass;
+        one process: as they are."""
+        return total
 
 
 class KFACOperator(_KFACFactors):
@@ -352,10 +362,12 @@ class EKFACOperator(_KFACFactors):
 
         total = self._pass.run(visit, None)
         # a block whose layer never ran is zero (its KFAC block is)
-        return [
-            s.div_(total) if s is not None else b_D.new_zeros(b_D.shape)
+        scalings = [
+            s if s is not None else b_D.new_zeros(b_D.shape)
             for s, (b_D, _, _) in zip(sums, bases, strict=True)
         ]
+        total = self._sum_over_processes(scalings, total)
+        return [s.div_(total) for s in scalings]
 
     @staticmethod
     def _rotated_moment(g_rot: torch.Tensor, a_rot: torch.Tensor) -> torch.Tensor:

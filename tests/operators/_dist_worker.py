@@ -605,6 +605,27 @@ def fsdp_walk_sandwiches() -> dict[str, Any]:
 
 
 @check
+def ddp_kronecker_factors() -> dict[str, Any]:
+    """DDPKFACOperator and DDPEKFACOperator (type-2 and empirical Fisher): each rank's factor pass
+    on its own batches, summed over the ranks, gives the factors of the union (one process)."""
+    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
+    from hessian_eigenthings.operators import EKFACOperator, KFACOperator
+
+    loss = supervised_loss_of_output(nn.CrossEntropyLoss())
+    v = rand(sum(p.numel() for p in mlp().parameters()), seed=12)
+    out: dict[str, Any] = {}
+    for fisher in ("type2", "empirical"):
+        for name, ddp_cls, cls in (
+            ("kfac", hd.DDPKFACOperator, KFACOperator),
+            ("ekfac", hd.DDPEKFACOperator, EKFACOperator),
+        ):
+            op = ddp_cls(mlp(), MINE, supervised_forward, loss, fisher_type=fisher)
+            ref = cls(mlp(), ALL, supervised_forward, loss, fisher_type=fisher)
+            out[f"{name}_{fisher}"] = err(op @ v, ref @ v)
+    return out
+
+
+@check
 def sharded_solves() -> dict[str, Any]:
     """CG on the sharded GGN and MINRES on the sharded Hessian (both by the exact walk, sharded
     vectors through op.backend) against the same solves in one process on the union."""

@@ -271,6 +271,12 @@ def _check_walk_sandwiches(ranks: list[dict[str, Any]]) -> None:
         assert res["ggn"] < 1e-10 and res["ggn_mc_vs_ddp"] < 1e-10 and res["fisher"] < 1e-10, res
 
 
+def test_ddp_kronecker_factors(ranks: list[dict[str, Any]]) -> None:
+    for res in get(ranks, "ddp_kronecker_factors"):
+        for key in ("kfac_type2", "ekfac_type2", "kfac_empirical", "ekfac_empirical"):
+            assert res[key] < ROUNDING, (key, res[key])
+
+
 def test_sharded_solves(ranks: list[dict[str, Any]]) -> None:
     """CG (sharded GGN) and MINRES (sharded Hessian) on sharded vectors find the single-process
     solutions."""
