@@ -40,8 +40,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A rank of the CPU/gloo group once died of heap corruption in the C++ runtime ("malloc():
+# unaligned tcache chunk detected", no Python traceback, its results never written) while two
+# tox environments ran beside the suite on the 2-core machine; six more launches of the same
+# worker passed, and so did the suite before and after. Such a native crash (and only that)
+# relaunches the group once; a second one, or any Python error, fails as before.
+NATIVE_CRASH = (
+    "malloc(): ",
+    "double free",
+    "corrupted ",
+    "Segmentation fault",
+    "Fatal Python error",
+)
+
+
 def launch(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` ranks of ``argv`` (a script and its arguments); kill them all at the deadline."""
+    """Start ``world`` ranks of ``argv`` (a script and its arguments); kill them all at the
+    deadline; relaunch once after a native crash (above)."""
+    results = _launch_once(world, out, argv)
+    crashed = any(r.returncode != 0 and any(m in r.stdout for m in NATIVE_CRASH) for r in results)
+    if crashed:
+        for rank in range(world):
+            (out / f"rank{rank}.json").unlink(missing_ok=True)
+        results = _launch_once(world, out, argv)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited with {r.returncode}:\n{r.stdout[-4000:]}"
+    return results
+
+
+def _launch_once(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -90,9 +117,25 @@ def launch(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedP
                 p.kill()
                 p.wait()
             log.close()
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} exited with {r.returncode}:\n{r.stdout[-4000:]}"
     return results
+
+
+def test_a_native_crash_relaunches_the_group_once(tmp_path: Path) -> None:
+    """The harness itself: a rank that dies of a native crash is relaunched once; a second crash
+    (or any other failure) fails the launch."""
+    script = tmp_path / "crash_once.py"
+    script.write_text(
+        "import os, sys\n"
+        "mark = os.path.join(sys.argv[1], 'crashed')\n"
+        "if not os.path.exists(mark) or sys.argv[2] == 'always':\n"
+        "    open(mark, 'w').close()\n"
+        "    print('malloc(): unaligned tcache chunk detected', flush=True)\n"
+        "    sys.exit(134)\n"
+    )
+    launch(1, tmp_path, [str(script), str(tmp_path), "once"])
+    (tmp_path / "crashed").unlink()
+    with pytest.raises(AssertionError, match="exited with 134"):
+        launch(1, tmp_path, [str(script), str(tmp_path), "always"])
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
