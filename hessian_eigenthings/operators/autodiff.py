@@ -4,6 +4,7 @@ selected parameters (for ``torch.func``)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,3 +92,52 @@ def selected_function(
         return call_with_values(call, full, (batch,))
 
     return f, tuple(state[n] for n in names)
+
+
+def batched_backward(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    retain: bool,
+    batched_ok: bool | None,
+) -> tuple[list[torch.Tensor | None], bool | None]:
+    """The backward of ``outputs`` to ``inputs`` for each of the k rows of ``grad_outputs``
+    (one ``(k, *output.shape)`` tensor per output): one batched backward (``is_grads_batched``)
+    where it works (``batched_ok``: known to, known not to, or ``None``: try once; torch's
+    warning that an op has no batching rule counts as not working), else one backward per row.
+    Returns the gradients per input ``(k, *input.shape)`` (``None``: unused) and what is now
+    known."""
+    k = grad_outputs[0].shape[0]
+    if k > 1 and batched_ok is not False:
+        first = batched_ok is None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                g = torch.autograd.grad(
+                    outputs,
+                    inputs,
+                    grad_outputs,
+                    is_grads_batched=True,
+                    retain_graph=retain or first,
+                    allow_unused=True,
+                )
+        except (RuntimeError, NotImplementedError, UserWarning):
+            if not first:
+                raise
+            batched_ok = False
+        else:
+            return list(g), True
+    rows = [
+        torch.autograd.grad(
+            outputs,
+            inputs,
+            [u[j] for u in grad_outputs],
+            retain_graph=retain or j < k - 1,
+            allow_unused=True,
+        )
+        for j in range(k)
+    ]
+    return [
+        None if rows[0][i] is None else torch.stack([r[i] for r in rows])
+        for i in range(len(inputs))
+    ], batched_ok

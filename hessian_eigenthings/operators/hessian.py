@@ -14,7 +14,6 @@ attention, fused ops) and with sharded models. See NOTE [finite-difference step]
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -27,6 +26,7 @@ from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
+    batched_backward,
     central_points,
     default_fd_eps,
     scalar_loss,
@@ -186,54 +186,10 @@ class HessianOperator(DataCurvatureOperator):
                 allow_unused=True,
             )
             return [None if h is None else h.unsqueeze(0) for h in hv]
-        if self._batched_ok is not False:
-            out = self._try_batched(grads, inputs, [vecs[i] for i in live], retain)
-            if out is not None:
-                return out
-        rows: list[Sequence[torch.Tensor | None]] = []
-        for j in range(k):
-            rows.append(
-                torch.autograd.grad(
-                    grads,
-                    inputs,
-                    grad_outputs=[vecs[i][j] for i in live],
-                    retain_graph=retain or j < k - 1,
-                    allow_unused=True,
-                )
-            )
-        return [
-            None if rows[0][p] is None else torch.stack([r[p] for r in rows])  # type: ignore[misc]
-            for p in range(len(self.params))
-        ]
-
-    def _try_batched(
-        self,
-        grads: list[torch.Tensor],
-        inputs: Sequence[torch.Tensor],
-        vecs: list[torch.Tensor],
-        retain: bool,
-    ) -> Sequence[torch.Tensor | None] | None:
-        """k products in one vmapped backward; ``None`` when the model's ops lack batching rules."""
-        first = self._batched_ok is None
-        try:
-            with warnings.catch_warnings():
-                # torch warns (and loops) when an op has no batching rule: treat as unsupported
-                warnings.simplefilter("error", UserWarning)
-                hv = torch.autograd.grad(
-                    grads,
-                    inputs,
-                    grad_outputs=vecs,
-                    is_grads_batched=True,
-                    retain_graph=retain or first,
-                    allow_unused=True,
-                )
-        except (RuntimeError, UserWarning, NotImplementedError):
-            if not first:
-                raise
-            self._batched_ok = False
-            return None
-        self._batched_ok = True
-        return list(hv)
+        hv_rows, self._batched_ok = batched_backward(
+            grads, inputs, [vecs[i] for i in live], retain, self._batched_ok
+        )
+        return hv_rows
 
     # -- finite differences ---------------------------------------------------
     def _grad_at(self, batch: Batch, at: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:

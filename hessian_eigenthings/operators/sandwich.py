@@ -26,6 +26,7 @@ from hessian_eigenthings.loss_fns.output_curvature import DrawKey, DrawKeys, Out
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
+    batched_backward,
     central_points,
     default_fd_eps,
     selected_function,
@@ -376,8 +377,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def _vjp(
         self, output: torch.Tensor, u: torch.Tensor, retain: bool
     ) -> Sequence[torch.Tensor | None]:
-        grads, self._vjp_batched_ok = vjp_block(
-            output, self.params, u, retain, self._vjp_batched_ok
+        grads, self._vjp_batched_ok = batched_backward(
+            [output], self.params, [u], retain, self._vjp_batched_ok
         )
         return grads
 
@@ -457,49 +458,3 @@ def add_squared_vjps(
         )
         for acc, sq in zip(parts, mapped(piece, S[rows]), strict=True):
             acc.add_(sq.sum(0), alpha=weight)
-
-
-def vjp_block(
-    output: torch.Tensor,
-    params: Sequence[torch.Tensor],
-    u: torch.Tensor,
-    retain: bool,
-    batched_ok: bool | None,
-) -> tuple[Sequence[torch.Tensor | None], bool | None]:
-    """``Jᵀ u`` for each of the k rows of ``u``: one batched backward (``is_grads_batched``)
-    where it works (``batched_ok``: known to, known not to, or ``None``: try once), else a loop.
-    Returns the gradients per parameter ``(k, *p.shape)`` and what is now known."""
-    k = u.shape[0]
-    if k == 1:
-        g = torch.autograd.grad(output, params, u[0], retain_graph=retain, allow_unused=True)
-        return [None if x is None else x.unsqueeze(0) for x in g], batched_ok
-    if batched_ok is not False:
-        first = batched_ok is None
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", UserWarning)
-                g = torch.autograd.grad(
-                    output,
-                    params,
-                    u,
-                    is_grads_batched=True,
-                    retain_graph=retain or first,
-                    allow_unused=True,
-                )
-        except (RuntimeError, NotImplementedError, UserWarning):
-            if not first:
-                raise
-            batched_ok = False
-        else:
-            return list(g), True
-    rows = [
-        torch.autograd.grad(
-            output, params, u[j], retain_graph=retain or j < k - 1, allow_unused=True
-        )
-        for j in range(k)
-    ]
-    grads = [
-        None if rows[0][i] is None else torch.stack([r[i] for r in rows])
-        for i in range(len(params))
-    ]
-    return grads, batched_ok
