@@ -231,6 +231,26 @@ def _is_fsdp1(model: nn.Module) -> bool:
 # per product is all the communication a product needs.
 
 
+def _join_ranks(op: Any, process_group: Any, model: nn.Module) -> _RankGroup:
+    """``op``'s ranks: ``_ranks``, ``process_group``, ``rank`` and ``world_size`` set on it."""
+    ranks = _RankGroup(process_group, _first_device(model))
+    op._ranks = ranks
+    op.process_group = ranks.group
+    op.rank = ranks.rank
+    op.world_size = ranks.world_size
+    return ranks
+
+
+def _replica_ranks(op: Any, model: nn.Module, process_group: Any) -> tuple[nn.Module, _RankGroup]:
+    """A replicated model's operator joins its ranks: a ``DistributedDataParallel`` wrapper is
+    unwrapped (NOTE [DDP wrapper]) and its group is the default ``process_group``."""
+    if isinstance(model, DistributedDataParallel):
+        if process_group is None:
+            process_group = getattr(model, "process_group", None)
+        model = model.module
+    return model, _join_ranks(op, process_group, model)
+
+
 class DataParallelMixin(DataCurvatureOperator):
     """Turns a data-driven curvature operator into its data-parallel version.
 
@@ -242,6 +262,7 @@ class DataParallelMixin(DataCurvatureOperator):
     rank. Vectors are replicated, so the backend stays the single-device one.
     """
 
+    _ranks: _RankGroup
     process_group: Any
     rank: int
     world_size: int
@@ -252,15 +273,7 @@ class DataParallelMixin(DataCurvatureOperator):
     def __init__(
         self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
     ) -> None:
-        if isinstance(model, DistributedDataParallel):
-            if process_group is None:
-                process_group = getattr(model, "process_group", None)
-            model = model.module  # see NOTE [DDP wrapper]
-        ranks = _RankGroup(process_group, _first_device(model))
-        self._ranks = ranks
-        self.process_group = ranks.group
-        self.rank = ranks.rank
-        self.world_size = ranks.world_size
+        model, ranks = _replica_ranks(self, model, process_group)
         self._flat: torch.Tensor | None = None
         self._reduced = False
         failure: BaseException | None = None
@@ -387,19 +400,15 @@ class KroneckerDataParallelMixin:
     """
 
     _pass: Any
+    _ranks: _RankGroup
+    process_group: Any
+    rank: int
+    world_size: int
 
     def __init__(
         self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
     ) -> None:
-        if isinstance(model, DistributedDataParallel):
-            if process_group is None:
-                process_group = getattr(model, "process_group", None)
-            model = model.module  # see NOTE [DDP wrapper]
-        ranks = _RankGroup(process_group, _first_device(model))
-        self._ranks = ranks
-        self.process_group = ranks.group
-        self.rank = ranks.rank
-        self.world_size = ranks.world_size
+        model, _ = _replica_ranks(self, model, process_group)
         self._exchanged = False
         super().__init__(model, *args, **kwargs)  # type: ignore[call-arg]
 
@@ -532,6 +541,7 @@ class ShardedMixin(DataCurvatureOperator):
     single-process product on the union of the ranks' batches, weighted by batch size.
     """
 
+    _ranks: _RankGroup
     process_group: Any
     rank: int
     world_size: int
@@ -547,12 +557,8 @@ class ShardedMixin(DataCurvatureOperator):
         **kwargs: Any,
     ) -> None:
         fsdp_cls = _fsdp2_class(model)
-        ranks = _RankGroup(_mesh_group(model, process_group), _first_device(model))
+        ranks = _join_ranks(self, _mesh_group(model, process_group), model)
         self._fsdp_cls = fsdp_cls
-        self._ranks = ranks
-        self.process_group = ranks.group
-        self.rank = ranks.rank
-        self.world_size = ranks.world_size
         self._chunk_weight = 0.0  # the weight of the chunk the ranks agreed on last (_fresh_chunks)
         #: the exact walk's runner and its gathering (NOTE [sharded layer walk])
         self._walk_runner: LayerWalkRunner | None = None

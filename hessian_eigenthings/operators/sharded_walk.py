@@ -103,9 +103,11 @@ class ShardGather:
             self._now = {}
 
     def _rows(self, p: torch.Tensor) -> list[int]:
-        """Rows of dim 0 each rank holds (FSDP2's ``torch.chunk`` split; later ranks may hold none)."""
-        sizes = [len(c) for c in torch.chunk(torch.empty(p.shape[0], device="meta"), self.world)]
-        return sizes + [0] * (self.world - len(sizes))
+        """Rows of dim 0 each rank holds: FSDP2's ``torch.chunk`` split, chunks of ``ceil(d / W)``
+        rows, the last ones shorter or empty."""
+        d = p.shape[0]
+        chunk = -(-d // self.world)
+        return [max(0, min(chunk, d - r * chunk)) for r in range(self.world)]
 
     def gather(self, items: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Whole tensors for ``(name, shard)`` pairs (``shard`` None: the parameter itself), all
