@@ -206,6 +206,8 @@ class LayerWalk:
         self.model = model
         self._gather = gather
         self._finish = finish
+        #: whether the layers' other arguments were checked to be constants (first batch)
+        self._constants_checked = False
         self.call = CallWithModel(model, loss_fn)
         self.layers = find_layers(model, layers)
         self.names = list(names)
@@ -300,14 +302,38 @@ class LayerWalk:
                     f"layer {i}'s input is not layer {i - 1}'s output: the walk needs a stack of "
                     "layers, each fed by the one before"
                 )
-        for c in calls:
-            for t in [*c.args, *c.kwargs.values()]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    raise LayerWalkError(
-                        "a layer received a tensor argument besides its hidden state that depends on "
-                        "the parameters; the walk treats such arguments as constants"
-                    )
+        if not self._constants_checked:
+            self._check_constant_arguments(batch)
         return WalkState(batch, calls)
+
+    def _check_constant_arguments(self, batch: Batch) -> None:
+        """Refuse a tensor argument of a layer, besides its hidden state, that depends on the
+        parameters (the walk takes such arguments as constants). The recording runs without a
+        graph, so this is one forward with one, on the first batch only."""
+        found: list[str] = []
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in [*args[1:], *kwargs.values()]
+            ):
+                found.append(type(module).__name__)
+
+        handles = [
+            m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for m in self.layers
+        ]
+        try:
+            with torch.enable_grad():
+                self.call(batch)
+        finally:
+            for h in handles:
+                h.remove()
+        if found:
+            raise LayerWalkError(
+                f"layer {found[0]} received a tensor argument besides its hidden state that depends "
+                "on the parameters; the walk would take it as a constant"
+            )
+        self._constants_checked = True
 
     # -- the stages --------------------------------------------------------------
     @contextlib.contextmanager

@@ -298,3 +298,34 @@ def test_hooks_on_the_layers_run_once() -> None:
     finally:
         for h in handles:
             h.remove()
+
+
+class _SharedBias(nn.Module):
+    """Each block also receives a learned tensor: not a constant, so not walkable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(3))
+        self.blocks = nn.ModuleList([_AddLinear(), _AddLinear()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, self.bias * 2)
+        return x
+
+
+class _AddLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + extra)
+
+
+def test_a_parameter_dependent_argument_of_a_block_is_refused() -> None:
+    model = _SharedBias()
+    data = (torch.randn(4, 3), torch.randint(0, 3, (4,)))
+    walk = LayerWalk(model, SUP, [n for n, _ in model.named_parameters()], "blocks")
+    with pytest.raises(LayerWalkError, match="depends on the parameters"):
+        walk.capture(data)
