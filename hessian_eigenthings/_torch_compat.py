@@ -134,6 +134,24 @@ def _current(device: torch.device, stat: str) -> int:
     )
 
 
+def all_gather_single(output: Any, tensor: Any, group: Any = None) -> None:
+    """``output`` ← every rank's ``tensor``, rank by rank (flat). ``all_gather_into_tensor`` was
+    renamed ``all_gather_single`` in torch 2.13, and the old name warns there."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def reduce_scatter_single(output: Any, tensor: Any, group: Any = None) -> None:
+    """``output`` ← this rank's chunk of the sum of every rank's ``tensor`` (flat).
+    ``reduce_scatter_tensor`` was renamed ``reduce_scatter_single`` in torch 2.13."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, group=group)
+
+
 def fully_shard() -> Any:
     """FSDP2's ``fully_shard``: public in ``torch.distributed.fsdp`` from torch 2.6,
     under ``torch.distributed._composable.fsdp`` on 2.4 and 2.5."""

@@ -594,7 +594,11 @@ class ShardedMixin(DataCurvatureOperator):
                 make = getattr(self, "layer_walk_runner", None)
                 if make is None:
                     raise TypeError(f"{type(self).__name__} has no layer walk")
-                self._walk_runner = make(gather=self._shards.gather, finish=self._shards.finish)
+                self._walk_runner = make(
+                    gather=self._shards.gather,
+                    finish=self._shards.finish,
+                    agree=self._shards.agree,
+                )
         except Exception as exc:
             failure = exc
         ranks.check_layout(failure, signature, f"construction of {type(self).__name__}")

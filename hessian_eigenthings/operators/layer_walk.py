@@ -54,6 +54,33 @@ from hessian_eigenthings.param_utils import call_with_values
 # there, and the pullbacks back (each stage's forward again, no tangents).
 
 
+# NOTE [kept layer graphs]
+# The backward walk of NOTE [layer walk] runs each layer's forward with
+# tangents again: in forward-costs F of the layer (a matmul's tangent is two
+# matmuls), the forward walk takes 3F and the backward walk 9F (3F forward
+# again, then the pullback and its tangent, 6F), 12F against a training
+# step's 3F. Where memory allows, the forward walk instead records the
+# layer's jvp under vjp (reverse over forward), φ(x, θ, ẋ) = (y, ẏ) with
+# ẏ = J_x ẋ + J_θ v, and the backward walk pulls the pair (ȧᵢ₊₁, aᵢ₊₁) back
+# through it: ∂ₓ is ȧᵢ, ∂_θ is ġᵢ, and ∂_ẋ is J_xᵀ aᵢ₊₁ = aᵢ (ẏ is linear in
+# ẋ). Mixed second derivatives are symmetric, so this is the jvp of the
+# pullback to rounding, at 9F instead of 12F and without gathering the layer
+# again; the price is the jvp's graph (about twice a training step's
+# activations of the layer) held from the forward walk to the layer's turn in
+# the backward walk. Layers are kept in order while their graphs fit
+# `keep_bytes`: by default, on CUDA, half of what is free when the walk starts
+# (free to the driver plus the allocator's unused cache), the size of a graph
+# measured as the allocation grows; none on the CPU.
+# Not every forward-mode formula of torch can be differentiated in reverse:
+# layer_norm's reads its mean and inverse deviation as constants (they are
+# non-differentiable outputs of the native op), so reverse over forward drops
+# terms (0.7 relative error on one call, torch 2.13). While a kept graph is
+# recorded, F.layer_norm runs as its composite formula. Against formulas not
+# known, the first kept layer of a walk is also computed the recomputing way
+# once and compared (to the square root of the dtype's epsilon); if they
+# differ, keeping is off for the walk (`keep_refused` says why).
+
+
 # NOTE [hooks on the layers]
 # Hooks the user put on a layer (a steering vector added to its output, a
 # pre-hook that edits its input) belong to the layer's stage: the walk calls
@@ -143,6 +170,8 @@ class _Stop(Exception):
         self.h = h
 
 
+#: ``agree(x, "min" | "max")``: ``x`` reduced over the ranks that walk together
+Agree = Callable[[float, str], float]
 #: ``gather([(name, shard or None), ...]) -> whole tensors`` and ``finish([(name, block), ...])
 #: -> the product's blocks``, one call per stage (NOTE [sharded layer walk])
 Gather = Callable[[list[tuple[str, "torch.Tensor | None"]]], list[torch.Tensor]]
@@ -183,6 +212,78 @@ def find_layers(model: nn.Module, layers: str | Sequence[nn.Module]) -> list[nn.
     return mods
 
 
+def _layer_norm(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    dims = tuple(range(-len(normalized_shape), 0))
+    centred = x - x.mean(dims, keepdim=True)
+    out = centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight
+    return out + bias if bias is not None else out
+
+
+class _DifferentiableNorms(torch.overrides.TorchFunctionMode):
+    """``F.layer_norm`` as its composite formula, whose forward-mode derivative differentiates in
+    reverse (NOTE [kept layer graphs])."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.nn.functional.layer_norm:
+            return _layer_norm(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _relative_gap(got: Sequence[Any], ref: Sequence[Any]) -> float:
+    """The largest ``‖got − ref‖ / ‖ref‖`` over matching tensors (dicts compared by key)."""
+    worst = 0.0
+    for x, y in zip(got, ref, strict=True):
+        pairs = [(x[k], y[k]) for k in y] if isinstance(y, dict) else [(x, y)]
+        for a, b in pairs:
+            scale = float(b.norm())
+            worst = max(worst, float((a - b).norm()) / scale if scale > 0 else float(a.norm()))
+    return worst
+
+
+class _Keep:
+    """The room left for kept layer graphs in one product (NOTE [kept layer graphs]): a layer is
+    kept while the graphs kept so far plus one more of the last measured size fit ``room``."""
+
+    def __init__(
+        self, room: int, device: torch.device, size: int | None, count: int | None = None
+    ) -> None:
+        self.room = room
+        self.limit = count  # the number of layers to keep, when agreed beforehand
+        self.device = device
+        self.size = size  # one graph's bytes, once measured (else the first is admitted unseen)
+        self.used = 0
+        self.count = 0
+
+    def admits(self) -> bool:
+        if self.limit is not None:
+            return self.count < self.limit
+        if self.room <= 0:
+            return False
+        return self.size is None or self.used + self.size <= self.room
+
+    def mark(self) -> int:
+        return _torch_compat.cuda_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def grew(self, mark: int) -> None:
+        self.count += 1
+        if self.device.type == "cuda":
+            self.size = max(0, _torch_compat.cuda_allocated(self.device) - mark)
+            self.used += self.size
+        else:  # no allocator to read: the room counts layers (keep_bytes=k keeps k of them)
+            self.size = 1
+            self.used += 1
+
+
 class LayerWalk:
     """``H v`` of ``loss_fn(model, batch)`` with respect to the parameters ``names`` (the
     model's registered names), one layer at a time (module docstring, NOTE [layer walk])."""
@@ -196,14 +297,29 @@ class LayerWalk:
         *,
         gather: Gather | None = None,
         finish: Finish | None = None,
+        keep_bytes: int | None = None,
+        agree: Agree | None = None,
     ) -> None:
         """``gather([(name, shard), ...])``: for each, the whole parameter ``name`` (``shard``
         None) or the whole direction from this process's ``shard`` of it; ``finish([(name,
         block), ...])``: what the product returns for each parameter's block of the result. One
         call per stage; both are the identity on one device; a sharded model gathers stage by
         stage and reduces each block to its shard (NOTE [sharded layer walk] in
-        ``sharded_walk``)."""
+        ``sharded_walk``). ``keep_bytes``: room for layers' graphs kept from the forward walk to the
+        backward walk of a Hessian product (NOTE [kept layer graphs]; None: half the free memory
+        on CUDA, none on the CPU; on the CPU a number counts layers). ``agree(x, "min" | "max")``:
+        ``x`` reduced over the processes that walk together (a sharded model's ranks), so that
+        they keep the same layers and gather alike."""
         self.model = model
+        self.keep_bytes = keep_bytes
+        self._agree = agree
+        #: the last kept layer graph's size in bytes (NOTE [kept layer graphs])
+        self.layer_graph_bytes: int | None = None
+        #: how many layers the last Hessian product kept
+        self.kept_layers = 0
+        #: why keeping is off for this walk (its first kept layer disagreed with the recomputed one)
+        self.keep_refused: str | None = None
+        self._keep_checked = False
         self._gather = gather
         self._finish = finish
         #: whether the layers' other arguments were checked to be constants (first batch)
@@ -430,24 +546,69 @@ class LayerWalk:
         out_v: dict[str, torch.Tensor],
         *,
         keep_tangents: bool,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keep: _Keep | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Callable[..., Any] | None]]:
         """Every layer's input hᵢ (and h_L) with its tangent along ``v``: all the tangents when
-        ``keep_tangents``, else the last one only."""
+        ``keep_tangents``, else the last one only; and each layer's kept pullback of its jvp, or
+        None (NOTE [kept layer graphs])."""
         if out_theta:
             h, hd = _jvp(lambda th: self.head(state, th), (out_theta,), (out_v,))
         else:  # the layers' input does not depend on the parameters
             h = self.head(state, {})
             hd = torch.zeros_like(h)
         hs, hds = [h], [hd]
+        pulls: list[Callable[..., Any] | None] = []
         for i in range(len(self.layers)):
+            mark = keep.mark() if keep is not None and keep.admits() else None
             theta, vi = self._stage(i, v)
-            h, hd = _jvp(
-                lambda x, th, _i=i: self.layer(state, _i, x, th), (hs[-1], theta), (hds[-1], vi)
-            )
+
+            def layer(x: torch.Tensor, th: dict[str, torch.Tensor], _i: int = i) -> torch.Tensor:
+                return self.layer(state, _i, x, th)
+
+            if mark is not None:
+                assert keep is not None
+
+                def tangent(
+                    x: torch.Tensor,
+                    th: dict[str, torch.Tensor],
+                    xd: torch.Tensor,
+                    _f: Callable[..., torch.Tensor] = layer,
+                    _vi: dict[str, torch.Tensor] = vi,
+                ) -> Any:
+                    return _jvp(_f, (x, th), (xd, _vi))
+
+                with _DifferentiableNorms():
+                    (h, hd), pull = _vjp(tangent, hs[-1], theta, hds[-1])
+                keep.grew(mark)
+                pulls.append(pull)
+            else:
+                h, hd = _jvp(layer, (hs[-1], theta), (hds[-1], vi))
+                pulls.append(None)
             hs.append(h)
             hds = [*hds, hd] if keep_tangents else [hd]
             del theta, vi
-        return hs, hds
+        return hs, hds, pulls
+
+    def _keep(self, like: torch.Tensor) -> _Keep:
+        """The room for this product's kept layer graphs (NOTE [kept layer graphs])."""
+        room = self.keep_bytes
+        if self.keep_refused is not None:
+            room = 0
+        elif room is None:
+            room = 0
+            if like.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(like.device)
+                unused = _torch_compat.cuda_reserved(like.device) - _torch_compat.cuda_allocated(
+                    like.device
+                )
+                room = (free + unused) // 2
+        size, count = self.layer_graph_bytes, None
+        if self._agree is not None:
+            # ranks keep the same layers, so that their gathers pair up: as many as fit every rank
+            # (one, to measure, on the first product)
+            fits = (1 if room > 0 else 0) if size is None else room // max(size, 1)
+            count = int(self._agree(float(min(fits, len(self.layers))), "min"))
+        return _Keep(room, like.device, size, count)
 
     def hvp(self, state: WalkState, v: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
@@ -458,7 +619,11 @@ class LayerWalk:
         result: dict[str, torch.Tensor] = {}
 
         # 1. forward walk
-        hs, hds = self._forward_walk(state, v, out_theta, out_v, keep_tangents=True)
+        keep = self._keep(next(iter(v.values())))
+        hs, hds, pulls = self._forward_walk(
+            state, v, out_theta, out_v, keep_tangents=True, keep=keep
+        )
+        self.layer_graph_bytes, self.kept_layers = keep.size, keep.count
         # 2. tail
         grad_tail = torch.func.grad(
             lambda x, th: self.tail(state, x, th).reshape(()), argnums=(0, 1)
@@ -468,16 +633,24 @@ class LayerWalk:
             result[n] = t
         # 3. backward walk
         for i in reversed(range(len(self.layers))):
-
-            def pull(
-                x: torch.Tensor, th: dict[str, torch.Tensor], cot: torch.Tensor, _i: int = i
-            ) -> Any:
-                _, fn = _vjp(lambda y, t: self.layer(state, _i, y, t), x, th)
-                return fn(cot)
-
-            theta, vi = self._stage(i, v)
-            (a_new, _), (ad_new, g) = _jvp(pull, (hs[i], theta, a), (hds[i], vi, ad))
-            del theta, vi
+            kept, pulls[i] = pulls[i], None
+            if kept is not None:  # NOTE [kept layer graphs]
+                ad_new, g, a_new = kept((ad, a))
+                del kept
+                if not self._keep_checked:
+                    self._keep_checked = True
+                    ref = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
+                    gap = _relative_gap((a_new, ad_new, g), ref)
+                    if self._agree is not None:
+                        gap = self._agree(gap, "max")
+                    if gap > float(torch.finfo(a_new.dtype).eps) ** 0.5:
+                        self.keep_refused = (
+                            f"a kept layer's product differed from the recomputed one by {gap:.1e}"
+                        )
+                        pulls = [None] * len(pulls)
+                        a_new, ad_new, g = ref
+            else:
+                a_new, ad_new, g = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
             result.update(self._done({n: g[loc] for loc, n in self.local[i].items()}))
             a, ad = a_new, ad_new
             hs[i + 1] = hds[i + 1] = None  # type: ignore[call-overload]  # freed as the walk goes
@@ -494,6 +667,26 @@ class LayerWalk:
         result.update(self._done({n: result[n] for n in self.outside}))
         return {n: result[n] for n in self.names}
 
+    def _pullback_tangent(
+        self,
+        state: WalkState,
+        i: int,
+        v: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        hd: torch.Tensor,
+        a: torch.Tensor,
+        ad: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Layer ``i``'s pullback of ``a`` and its tangent, recomputed: (aᵢ, ȧᵢ, ġᵢ)."""
+
+        def pull(x: torch.Tensor, th: dict[str, torch.Tensor], cot: torch.Tensor) -> Any:
+            _, fn = _vjp(lambda y, t: self.layer(state, i, y, t), x, th)
+            return fn(cot)
+
+        theta, vi = self._stage(i, v)
+        (a_new, _), (ad_new, g) = _jvp(pull, (h, theta, a), (hd, vi, ad))
+        return a_new, ad_new, g
+
     def sandwich(
         self,
         state: WalkState,
@@ -505,7 +698,7 @@ class LayerWalk:
         _torch_compat.load_forward_ad_decompositions()
         self._params = dict(self.model.named_parameters())
         out_theta, out_v = self._stage(None, v)
-        hs, (hd,) = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
+        hs, (hd,), _ = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
         out, pull_tail = _vjp(lambda x, th: self.tail(state, x, th), hs[-1], out_theta)
         jv = _jvp(lambda x, th: self.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
         a, g_tail = pull_tail(output_product(out.detach(), jv))
@@ -582,4 +775,10 @@ class LayerWalkRunner:
         return [torch.stack([r[i] for r in rows]) for i in range(len(names))]
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.name, "layers": len(self.walk.layers)}
+        walk = self.walk
+        out: dict[str, Any] = {"engine": self.name, "layers": len(walk.layers)}
+        # NOTE [kept layer graphs]: how many the last Hessian product kept
+        out["kept_layers"] = walk.kept_layers
+        if walk.keep_refused is not None:
+            out["keep_refused"] = walk.keep_refused
+        return out

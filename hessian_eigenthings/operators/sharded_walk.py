@@ -10,12 +10,15 @@ parameters outside the layers) whole.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hessian_eigenthings import _torch_compat
 
 # NOTE [sharded layer walk]
 # FSDP2 holds each parameter as a DTensor sharded on dim 0 and gathers it in
@@ -82,6 +85,8 @@ class ShardGather:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._now: dict[str, torch.Tensor] = {}
+        #: where the collectives' small tensors live (NCCL needs them on the GPU)
+        self.device = next(iter(model.parameters())).device
         self._scale = 1.0
 
     def reshard(self) -> None:
@@ -102,51 +107,71 @@ class ShardGather:
         finally:
             self._now = {}
 
-    def _rows(self, p: torch.Tensor) -> list[int]:
-        """Rows of dim 0 each rank holds: FSDP2's ``torch.chunk`` split, chunks of ``ceil(d / W)``
-        rows, the last ones shorter or empty."""
-        d = p.shape[0]
+    def agree(self, value: float, op: str) -> float:
+        """``value`` reduced over the ranks (``"min"`` or ``"max"``)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.group
+        )
+        return float(t)
+
+    def _rows(self, shape: torch.Size) -> tuple[list[int], int, int]:
+        """Rows of dim 0 each rank holds (FSDP2's ``torch.chunk`` split: chunks of ``c = ceil(d /
+        W)`` rows, the last ones shorter or empty), ``c``, and the numbers in one row. Read off the
+        shape only: indexing a DTensor would gather it."""
+        if len(shape) == 0:
+            return [1] + [0] * (self.world - 1), 1, 1
+        d = shape[0]
         chunk = -(-d // self.world)
-        return [max(0, min(chunk, d - r * chunk)) for r in range(self.world)]
+        width = math.prod(shape[1:])
+        return [max(0, min(chunk, d - r * chunk)) for r in range(self.world)], chunk, width
 
     def gather(self, items: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Whole tensors for ``(name, shard)`` pairs (``shard`` None: the parameter itself), all
-        in one all-gather: each rank's shards padded to FSDP's chunk rows and packed."""
+        in one all-gather: each rank's shards padded to FSDP's chunk of rows and packed. Only
+        the last ranks' chunks are short, so rank r's chunk of a tensor lands at rows ``r·c``
+        of its padded whole, and the whole is its first ``d`` rows."""
         if not items:
             return []
         metas, pieces = [], []
         for name, shard in items:
             p = self._now[name]
             local = (p.to_local() if shard is None else shard).detach()  # type: ignore[attr-defined]
-            rows = self._rows(p)
-            chunk = max(rows)
-            width = p[0].numel() if p.dim() > 0 and p.shape[0] > 0 else 1
+            _, chunk, width = self._rows(p.shape)
             padded = local.new_zeros(chunk * width)
             padded[: local.numel()] = local.reshape(-1)
             pieces.append(padded)
-            metas.append((p.shape, rows, chunk * width, width))
+            metas.append((p.shape, chunk * width, width))
         flat = torch.cat(pieces)
-        parts = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(parts, flat, group=self.group)
+        parts = flat.new_empty(self.world * flat.numel())
+        _torch_compat.all_gather_single(parts, flat, group=self.group)
+        parts = parts.view(self.world, -1)
         whole, offset = [], 0
-        for shape, rows, size, width in metas:
-            segs = [parts[r][offset : offset + rows[r] * width] for r in range(self.world)]
-            whole.append(torch.cat(segs).view(shape))
+        for shape, size, width in metas:
+            rows = shape[0] if len(shape) else 1
+            block = parts[:, offset : offset + size].reshape(-1, width)[:rows]
+            whole.append(block.reshape(shape))
             offset += size
         return whole
 
     def finish(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """This rank's rows of ``Σ_r scale_r · block_r`` for each ``(name, block)``, in one
-        all-reduce."""
+        reduce-scatter: each block padded to ``W`` chunks of ``c`` rows, the ranks' chunks of all
+        blocks packed rank by rank, so that rank r receives its rows of every block."""
         if not items:
             return []
-        flat = torch.cat([block.reshape(-1) for _, block in items]) * self._scale
-        dist.all_reduce(flat, group=self.group)
-        out, offset = [], 0
+        metas, pieces = [], []
         for _, block in items:
-            rows = self._rows(block)
-            whole = flat[offset : offset + block.numel()].view(block.shape)
-            start = sum(rows[: self.rank])
-            out.append(whole[start : start + rows[self.rank]])
-            offset += block.numel()
+            rows, chunk, width = self._rows(block.shape)
+            padded = block.new_zeros(self.world, chunk * width)
+            padded.view(-1)[: block.numel()] = block.reshape(-1)
+            pieces.append(padded)
+            metas.append((rows[self.rank], chunk * width, width, block.shape))
+        packed = torch.cat(pieces, dim=1).mul_(self._scale)
+        mine = packed.new_empty(packed.shape[1])
+        _torch_compat.reduce_scatter_single(mine, packed.view(-1), group=self.group)
+        out, offset = [], 0
+        for held, size, width, shape in metas:
+            out.append(mine[offset : offset + held * width].view(held, *shape[1:]))
+            offset += size
         return out

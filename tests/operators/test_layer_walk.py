@@ -124,6 +124,67 @@ def test_hf_llama_matches_the_forward_over_reverse_product(tied: bool) -> None:
     assert float((got - auto).norm() / auto.norm()) <= 1e-6
 
 
+@pytest.mark.parametrize("kept", [1, 2])
+@pytest.mark.parametrize("kind", ["stack", "gpt2", "llama"])
+def test_kept_layer_graphs_give_the_same_product(kind: str, kept: int) -> None:
+    """NOTE [kept layer graphs]: layers whose jvp's graph is kept from the forward walk (reverse
+    over forward) give the product of the recomputing walk (forward over reverse) to rounding,
+    and the walk counts them."""
+    if kind == "stack":
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(
+            nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)
+        ).double()
+        batch: Any = (torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
+        loss, layers = SUP, ""
+    else:
+        model, batch, loss = (_gpt2() if kind == "gpt2" else _llama(True)), _lm_batch(), _lm
+        layers = "transformer.h" if kind == "gpt2" else "model.layers"
+    op = he.HessianOperator(model, [batch], loss, engine="functional")
+    v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref = op @ v
+    plain = LayerWalk(model, loss, op.layout.names, layers, keep_bytes=0)
+    walk = LayerWalk(model, loss, op.layout.names, layers, keep_bytes=kept)
+    got, base = _walk_product(walk, op, batch, v), _walk_product(plain, op, batch, v)
+    assert walk.kept_layers == min(kept, len(walk.layers)) and plain.kept_layers == 0
+    assert float((base - ref).norm() / ref.norm()) <= 1e-10
+    # Llama's float32 softmax: reverse over forward and forward over reverse differ by its
+    # rounding (see the test above); elsewhere both are float64 throughout
+    tol = 1e-6 if kind == "llama" else 1e-10
+    assert float((got - ref).norm() / ref.norm()) <= tol
+
+
+class _NativeNorm(nn.Module):
+    """A layer calling torch.layer_norm itself: its forward-mode formula does not differentiate in
+    reverse, and the mode that swaps F.layer_norm does not see this call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.layer_norm(self.lin(x), (4,)))
+
+
+def test_a_kept_layer_that_disagrees_turns_keeping_off() -> None:
+    """NOTE [kept layer graphs]: the first kept layer is checked against the recomputed walk;
+    one that disagrees (here: a native layer_norm's reverse-over-forward) makes the walk recompute,
+    the product stays exact, and the walk says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NativeNorm(), _NativeNorm(), nn.Linear(4, 3)).double()
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))]
+    op = he.HessianOperator(model, data, SUP)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    walk = LayerWalk(model, SUP, op.layout.names, "", keep_bytes=2)
+    v = torch.randn(op.size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        torch.testing.assert_close(
+            _walk_product(walk, op, data[0], v), H @ v, rtol=1e-10, atol=1e-12
+        )
+    assert walk.keep_refused is not None and "differed" in walk.keep_refused
+    assert walk.kept_layers == 0  # the second product kept nothing
+
+
 class _Skip(nn.Module):
     """Not a stack: the second layer reads the model's input, not the first layer's output."""
 
