@@ -32,4 +32,7 @@ case "$1" in
       timeout ${DEF_TIMEOUT:-200} python3 -m benchmarks.bench_defaults $w --lengths ${LENGTHS:-1,20,100,1000} > $O/defaults_$w.jsonl 2> $O/defaults_$w.err; tail -3 $O/defaults_$w.err
     done
     ;;
+  four)
+    timeout 200 $TR --workload gpt2_6l --sections products,train,reference,lanczos --out $O 2>&1 | grep bench_sharded
+    ;;
 esac
