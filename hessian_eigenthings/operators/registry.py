@@ -223,7 +223,10 @@ BUILTIN: tuple[Curvature, ...] = (
         name="kfac",
         operator=f"{_OPS}.kfac:KFACOperator",
         title="KFAC (Kronecker-factored GGN)",
-        distributed=(f"{_OPS}.distributed:DDPKFACOperator",),
+        distributed=(
+            f"{_OPS}.distributed:DDPKFACOperator",
+            f"{_OPS}.distributed:FSDPKFACOperator",
+        ),
         description="KFAC: one Kronecker product G ⊗ A per Linear/Conv2d layer of the type-2 GGN",
         build=f"{_BUILD}:build_kronecker_factored",
         memory=(
@@ -237,7 +240,10 @@ BUILTIN: tuple[Curvature, ...] = (
         name="ekfac",
         operator=f"{_OPS}.kfac:EKFACOperator",
         title="EKFAC (eigenvalue-corrected KFAC)",
-        distributed=(f"{_OPS}.distributed:DDPEKFACOperator",),
+        distributed=(
+            f"{_OPS}.distributed:DDPEKFACOperator",
+            f"{_OPS}.distributed:FSDPEKFACOperator",
+        ),
         description="EKFAC: KFAC's eigenbases with eigenvalues refit to the per-sample gradients",
         build=f"{_BUILD}:build_kronecker_factored",
         memory=(
