@@ -4,7 +4,8 @@ Usage: ``python _dist_worker.py OUT_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set. Runs every check in one process group (process start-up is the
 expensive part) and writes ``OUT_DIR/rank{r}.json``: per check either its
 numbers or the exception it raised. Every rank builds the single-process
-reference on the union of all ranks' data itself, so comparisons are local.
+reference on the union of all ranks' data itself, so comparisons are local
+(the layer walk's slow references: on one rank each, broadcast).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from torch import nn
 import hessian_eigenthings.operators.distributed as hd
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.linalg_distributed import DistributedBackend, is_main_process
-from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
+from hessian_eigenthings.operators import (
+    EmpiricalFisherOperator,
+    GGNOperator,
+    HessianOperator,
+    LambdaOperator,
+)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -342,13 +348,55 @@ def _sharded_mlp() -> nn.Module:
     return model
 
 
-def _shard(global_vec: torch.Tensor, ref_op: HessianOperator) -> torch.Tensor:
-    """This rank's piece of a global vector, in NOTE [sharded vector layout] order."""
+def _shard(global_vec: torch.Tensor, ref_op: HessianOperator, rank: int = RANK) -> torch.Tensor:
+    """Rank ``rank``'s piece of a global vector, in NOTE [sharded vector layout] order."""
     pieces = []
     for view in ref_op.layout.split_rows(global_vec.reshape(-1, ref_op.size)):
         chunks = torch.chunk(view[0], WORLD, dim=0)
-        pieces.append(chunks[RANK].reshape(-1) if len(chunks) > RANK else view.new_empty(0))
+        pieces.append(chunks[rank].reshape(-1) if len(chunks) > rank else view.new_empty(0))
     return torch.cat(pieces)
+
+
+def _unshard(pieces: list[torch.Tensor], ref_op: HessianOperator) -> torch.Tensor:
+    """The global rows ``(b, n)`` whose pieces on the ranks are ``pieces[r] (b, n_r)``."""
+    where = torch.arange(ref_op.size, dtype=torch.float64)
+    out = pieces[0].new_empty(pieces[0].shape[0], ref_op.size)
+    for r, rows in enumerate(pieces):
+        out[:, _shard(where, ref_op, r).long()] = rows
+    return out
+
+
+def _rank_probes(
+    ref_op: HessianOperator, seed: int, rows: int, distribution: str, same_stream: bool = False
+) -> torch.Tensor:
+    """The global probe rows ``(rows, n)`` that a randomized algorithm seeded ``seed`` draws on
+    sharded vectors in one draw: each rank its own piece from its own stream (seed +
+    1_000_003 · rank, ``make_generator``), in float64 on the CPU. ``same_stream``: as if every
+    rank drew from rank 0's stream (the pieces of a probe then repeat each other), the mistake
+    the per-rank streams avoid."""
+    where = torch.arange(ref_op.size, dtype=torch.float64)
+    pieces = []
+    for r in range(WORLD):
+        n_r = _shard(where, ref_op, r).numel()
+        g = torch.Generator().manual_seed(seed + 1_000_003 * (0 if same_stream else r))
+        if distribution == "gaussian":
+            pieces.append(torch.randn(rows, n_r, generator=g, dtype=torch.float64))
+        else:
+            signs = torch.randint(0, 2, (rows, n_r), generator=g, dtype=torch.int8)
+            pieces.append(signs.to(torch.float64).mul_(2).sub_(1))
+    return _unshard(pieces, ref_op)
+
+
+def _vectors_err(
+    local: torch.Tensor, ref_rows: torch.Tensor, ref_op: HessianOperator, backend: Any
+) -> float:
+    """Largest distance, over whole vectors (every rank's piece), between sharded unit rows
+    ``local (k, n_r)`` and global unit rows ``ref_rows (k, n)``, each sign aligned."""
+    shards = torch.stack([_shard(x, ref_op) for x in ref_rows.to(torch.float64)])
+    local = local.to(torch.float64)
+    signs = torch.sign(backend.all_reduce_sum((local * shards).sum(1)))
+    diff = local - signs.unsqueeze(1) * shards
+    return float(backend.all_reduce_sum(diff.square().sum(1)).sqrt().max())
 
 
 @check
@@ -499,42 +547,63 @@ def fsdp_layer_walk() -> dict[str, Any]:
     fully_shard = _torch_compat.fully_shard()
     union = [_walk_batch(r) for r in range(WORLD)]
     out: dict[str, Any] = {}
-    # four ranks on a 2-core CI machine are slow: the GPT-2 product only there
-    for kind in ("gpt2", "llama_tied", "llama_untied") if WORLD < 4 else ("gpt2",):
-        model, layers = _walk_model(kind)
-        ref = HessianOperator(
+    kinds = ("gpt2", "llama_tied", "llama_untied")
+    models = [_walk_model(kind) for kind in kinds]
+    refs = [
+        HessianOperator(
             copy.deepcopy(model),
             union,
             _walk_lm,
             engine="autograd" if kind == "gpt2" else "functional",
         )
+        for kind, (model, _) in zip(kinds, models, strict=True)
+    ]
+    # each model's reference products on one rank, the ranks working at once (the functional
+    # engine's first product traces the model: ~2.5 s alone, ~10 s with four ranks on two cores)
+    Xs = [torch.cat([rand(ref.size, 1, seed=5), rand(ref.size, 2, seed=6)]) for ref in refs]
+    RXs = [
+        (ref @ X.T).T.contiguous() if i % WORLD == RANK else torch.empty_like(X)
+        for i, (ref, X) in enumerate(zip(refs, Xs, strict=True))
+    ]
+    for i, RX in enumerate(RXs):
+        dist.broadcast(RX, src=i % WORLD)
+    for kind, (model, layers), ref, X, RX in zip(kinds, models, refs, Xs, RXs, strict=True):
         for block in model.get_submodule(layers):
             fully_shard(block)
         fully_shard(model)
         op = hd.FSDPHessianOperator(
             model, [_walk_batch(RANK)], _walk_lm, method="layers", layers=layers
         )
-        v = rand(ref.size, seed=5)
-        V = rand(ref.size, 2, seed=6)
+        pieces = torch.stack([_shard(x, ref) for x in X])
+        ref_pieces = torch.stack([_shard(x, ref) for x in RX])
         out[kind] = {
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
             "size_local": op.size,
             "size_global": ref.size,
-            "product": err(op @ _shard(v, ref), _shard(ref @ v, ref)),
-            "block": err(
-                op.matmat(torch.stack([_shard(x, ref) for x in V]).T.contiguous()).T,
-                torch.stack([_shard(x, ref) for x in (ref @ V.T).T]),
-            ),
+            "product": err(op @ pieces[0], ref_pieces[0]),
+            "block": err(op.matmat(pieces[1:].T.contiguous()).T, ref_pieces[1:]),
             "grads_none": all(p.grad is None for p in model.parameters()),
         }
+        # four ranks on a 2-core CI machine are slow: products only there
         if kind == "gpt2" and WORLD < 4:
-            from hessian_eigenthings.algorithms.lanczos import lanczos
-
-            res = lanczos(op, k=3, seed=0, backend=op.backend, tol=1e-8, ncv=12)
-            ref_res = lanczos(ref, k=3, seed=0, tol=1e-8, ncv=12)
-            out[kind]["lanczos"] = err(res.eigenvalues, ref_res.eigenvalues)
-            out[kind]["lanczos_converged"] = bool(res.converged.all())
+            out[kind]["lanczos"] = _lanczos_top5(op, ref)
     return out
+
+
+def _lanczos_top5(op: hd.FSDPHessianOperator, ref: HessianOperator) -> dict[str, Any]:
+    """A sharded Lanczos for the top 5 against the same call in one process (the start vectors
+    differ: a sharded one draws each piece from its rank's stream)."""
+    from hessian_eigenthings.algorithms import lanczos
+
+    res = lanczos(op, k=5, seed=0, tol=1e-8, backend=op.backend)
+    ref_res = lanczos(ref, k=5, seed=0, tol=1e-8)
+    return {
+        "values": err(res.eigenvalues, ref_res.eigenvalues),
+        "vectors": _vectors_err(res.eigenvectors, ref_res.eigenvectors, ref, op.backend),
+        "converged": bool(res.converged.all()) and bool(ref_res.converged.all()),
+        "products": res.iterations,
+        "same_on_ranks": gather_equal(res.eigenvalues),
+    }
 
 
 def _walk_forward(m: nn.Module, b: Any) -> torch.Tensor:
@@ -557,7 +626,8 @@ def _walk_per_token(m: nn.Module, b: Any) -> torch.Tensor:
 @check
 def fsdp_walk_sandwiches() -> dict[str, Any]:
     """The sharded GGN (exact: against one process; Monte-Carlo: against DDP, whose draws are keyed
-    by rank alike) and the sharded empirical Fisher (against one process), on HF GPT-2."""
+    by rank alike) and the sharded empirical Fisher (against one process), on HF GPT-2 and Llama
+    (tied and untied embeddings)."""
     import copy
 
     from hessian_eigenthings.loss_fns import supervised_loss_of_output
@@ -569,11 +639,6 @@ def fsdp_walk_sandwiches() -> dict[str, Any]:
     except ImportError:
         return {"skip": "needs transformers"}
     fully_shard = _torch_compat.fully_shard()
-    model, layers = _walk_model("gpt2")
-    replica = copy.deepcopy(model)
-    for block in model.get_submodule(layers):
-        fully_shard(block)
-    fully_shard(model)
     loss = supervised_loss_of_output(nn.CrossEntropyLoss())
 
     def data(r: int) -> Any:
@@ -581,15 +646,6 @@ def fsdp_walk_sandwiches() -> dict[str, Any]:
         return (b, b["input_ids"][:, 1:].reshape(-1))
 
     union = [data(r) for r in range(WORLD)]
-    out: dict[str, Any] = {}
-    ref = GGNOperator(replica, union, _walk_forward, loss)
-    op = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers)
-    v = rand(ref.size, seed=7)
-    out["ggn"] = err(op @ _shard(v, ref), _shard(ref @ v, ref))
-    mc = {"mc_samples": 2, "seed": 4}
-    ddp = hd.DDPGGNOperator(replica, [data(RANK)], _walk_forward, loss, **mc)
-    op_mc = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers, **mc)
-    out["ggn_mc_vs_ddp"] = err(op_mc @ _shard(v, ref), _shard(ddp @ v, ref))
     per_token = type(
         "PerToken",
         (),
@@ -598,9 +654,29 @@ def fsdp_walk_sandwiches() -> dict[str, Any]:
             "sample_count": staticmethod(lambda b: b["input_ids"][:, 1:].numel()),
         },
     )()
-    ref_ef = EmpiricalFisherOperator(replica, [_walk_batch(r) for r in range(WORLD)], per_token)
-    op_ef = hd.FSDPEmpiricalFisherOperator(model, [_walk_batch(RANK)], per_token, layers=layers)
-    out["fisher"] = err(op_ef @ _shard(v, ref), _shard(ref_ef @ v, ref))
+    out: dict[str, Any] = {}
+    for kind in ("gpt2", "llama_tied", "llama_untied"):
+        model, layers = _walk_model(kind)
+        replica = copy.deepcopy(model)
+        for block in model.get_submodule(layers):
+            fully_shard(block)
+        fully_shard(model)
+        ref = GGNOperator(replica, union, _walk_forward, loss)
+        op = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers)
+        v = rand(ref.size, seed=7)
+        res: dict[str, Any] = {"ggn": err(op @ _shard(v, ref), _shard(ref @ v, ref))}
+        mc = {"mc_samples": 2, "seed": 4}
+        ddp = hd.DDPGGNOperator(replica, [data(RANK)], _walk_forward, loss, **mc)
+        op_mc = hd.FSDPGGNOperator(model, [data(RANK)], _walk_forward, loss, layers=layers, **mc)
+        mc_v = op_mc @ _shard(v, ref)
+        res["ggn_mc_vs_ddp"] = err(mc_v, _shard(ddp @ v, ref))
+        # the draws happened: two samples are far from the exact GGN (else the line above is moot)
+        res["ggn_mc_vs_exact"] = err(mc_v, _shard(ref @ v, ref))
+        ref_ef = EmpiricalFisherOperator(replica, [_walk_batch(r) for r in range(WORLD)], per_token)
+        op_ef = hd.FSDPEmpiricalFisherOperator(model, [_walk_batch(RANK)], per_token, layers=layers)
+        res["fisher"] = err(op_ef @ _shard(v, ref), _shard(ref_ef @ v, ref))
+        res["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        out[kind] = res
     return out
 
 
@@ -653,6 +729,263 @@ def sharded_solves() -> dict[str, Any]:
         "minres": err(mr.x, _shard(mr_ref.x, ref_h)),
         "minres_converged": bool(torch.as_tensor(mr.converged).all()),
     }
+
+
+def _sharded_mlp_hessian() -> tuple[hd.FSDPHessianOperator, HessianOperator, torch.Tensor]:
+    """The exact walk of the sharded MLP on this rank's first batch, the one-process operator on
+    the union of those batches, and its dense float64 Hessian ``(n, n)`` (rank 58 of 66: the
+    softmax's shift invariance leaves 8 null directions)."""
+    model = _sharded_mlp()
+    union = [FSDP_ALL[r][0] for r in range(WORLD)]
+    ref = HessianOperator(mlp(), union, loss_fn)
+    H = ref @ torch.eye(ref.size, dtype=torch.float64)
+    op = hd.FSDPHessianOperator(model, FSDP_ALL[RANK][:1], loss_fn, method="layers", layers="")
+    return op, ref, 0.5 * (H + H.T)
+
+
+class _ShardedDense(LambdaOperator):
+    """A dense symmetric ``H (n, n)`` on sharded vectors in the layout of ``_shard``: one
+    product is the all-reduce of the ranks' ``H[:, piece_r] v_r``, then each rank keeps its
+    piece. The algorithms see it as they see a sharded operator (``backend``, ``global_size``,
+    local ``size``), at the cost of a tiny matrix product: for the estimators that need
+    hundreds of products (a sharded walk product of the MLP costs ~40 ms here)."""
+
+    def __init__(self, H: torch.Tensor, ref_op: HessianOperator) -> None:
+        self.rows = _shard(torch.arange(H.shape[0], dtype=torch.float64), ref_op).long()
+        self.H = H
+        self.backend = DistributedBackend()
+        self.global_size = H.shape[0]
+        super().__init__(self._vector, self.rows.numel(), dtype=H.dtype, matmat_fn=self._block)
+
+    def _block(self, V: torch.Tensor) -> torch.Tensor:
+        return self.backend.all_reduce_sum(V @ self.H[self.rows])[:, self.rows]
+
+    def _vector(self, v: torch.Tensor) -> torch.Tensor:
+        return self._block(v.unsqueeze(0))[0]
+
+
+def _top5_vs_dense(res: Any, H: torch.Tensor, ref: HessianOperator, backend: Any) -> dict[str, Any]:
+    """A sharded top-5 (by |λ|) against the dense eigendecomposition of ``H``."""
+    evals, evecs = torch.linalg.eigh(H)
+    top = evals.abs().argsort(descending=True)[:5]
+    return {
+        "values": err(res.eigenvalues, evals[top]),
+        "vectors": _vectors_err(res.eigenvectors, evecs[:, top].T, ref, backend),
+        "converged": bool(res.converged.all()),
+        "products": res.iterations,
+        "same_on_ranks": gather_equal(res.eigenvalues),
+    }
+
+
+@check
+def sharded_eigensolvers() -> dict[str, Any]:
+    """Lanczos top-5 (a thick restart; blocks of 2) and power iteration on sharded vectors, every
+    reduction through op.backend, against the dense float64 Hessian of the union: on
+    ``_ShardedDense``, and power iteration on the sharded MLP's exact walk too (not on four
+    ranks)."""
+    from hessian_eigenthings.algorithms import lanczos, power_iteration_one
+
+    try:
+        walk, ref, H = _sharded_mlp_hessian()
+    except Exception as exc:  # fully_shard unavailable on this build
+        return {"skip": f"fully_shard failed: {type(exc).__name__}: {exc}"}
+    dense = _ShardedDense(H, ref)
+    out: dict[str, Any] = {"ncv": 11}
+    # ncv=11 is far below the products the run needs: the basis is restarted thick
+    for name, kw in (("default", {}), ("restart", {"ncv": 11}), ("block", {"block_size": 2})):
+        res = lanczos(dense, k=5, seed=0, tol=1e-10, backend=dense.backend, **kw)
+        out[f"lanczos_{name}"] = _top5_vs_dense(res, H, ref, dense.backend)
+    evals, evecs = torch.linalg.eigh(H)
+    first = int(evals.abs().argmax())
+    # four ranks on a 2-core CI machine: the walk's ~80 products only on two and three
+    for name, op in (("walk", walk), ("dense", dense)) if WORLD < 4 else (("dense", dense),):
+        pi = power_iteration_one(op, max_iter=500, tol=1e-8, seed=1, backend=op.backend)
+        out[f"power_{name}"] = {
+            "value": abs(pi.eigenvalue - float(evals[first])) / abs(float(evals[first])),
+            "vector": _vectors_err(
+                pi.eigenvector.unsqueeze(0), evecs[:, first : first + 1].T, ref, op.backend
+            ),
+            "converged": pi.converged,
+            "products": pi.iterations,
+            "same_on_ranks": gather_equal(torch.tensor([pi.eigenvalue, pi.residual])),
+        }
+    return out
+
+
+@check
+def sharded_estimators() -> dict[str, Any]:
+    """Hutchinson, Hutch++, XTrace and SLQ on sharded vectors (``_ShardedDense`` of the sharded
+    MLP's Hessian) against the dense Hessian: Hutchinson's samples are the quadratic forms of
+    the probes the ranks' streams give; Hutch++ and XTrace are exact once their sketch spans
+    range(H); SLQ's first two moments per run are those of its Rademacher start vector, and
+    its nodes are eigenvalues of H once the Krylov space is exhausted."""
+    from hessian_eigenthings.algorithms import hutch_plus_plus, hutchinson, spectral_density, xtrace
+
+    try:
+        _op, ref, H = _sharded_mlp_hessian()
+    except Exception as exc:
+        return {"skip": f"fully_shard failed: {type(exc).__name__}: {exc}"}
+    op = _ShardedDense(H, ref)
+    n = ref.size
+    evals = torch.linalg.eigvalsh(H)
+    rank = int((evals.abs() > 1e-10 * evals.abs().max()).sum())
+    out: dict[str, Any] = {"rank_H": rank, "sizes": [n, op.size]}
+    trace = float(H.trace())
+    scale = float(H.norm())  # ||H||_F: the size of one probe's error, so of its rounding too
+    hu = hutchinson(op, num_samples=96, distribution="gaussian", seed=11, block_size=96)
+    Z, Z_same = (_rank_probes(ref, 11, 96, "gaussian", same) for same in (False, True))
+    out["hutchinson"] = {
+        "samples": err(hu.samples, ((Z @ H) * Z).sum(1)),
+        "vs_same_stream": err(hu.samples, ((Z_same @ H) * Z_same).sum(1)),
+        "estimate_minus_trace_in_stderrs": abs(hu.estimate - trace) / hu.stderr,
+        "same_on_ranks": gather_equal(hu.samples),
+    }
+    # more sketch probes than rank(H): the sketch spans range(H), the deflated rest is zero
+    hpp = hutch_plus_plus(op, num_matvecs=3 * (rank + 2), seed=12)
+    xt = xtrace(op, num_matvecs=2 * (rank + 2), seed=13)
+    out["hutch++"] = {
+        "estimate": abs(hpp.estimate - trace) / scale,
+        "same_on_ranks": gather_equal(hpp.samples),
+    }
+    out["xtrace"] = {
+        "estimate": abs(xt.estimate - trace) / scale,
+        "same_on_ranks": gather_equal(xt.samples),
+    }
+    # SLQ run i from the Rademacher z_i (|z_i|² = n): Σ_j w_ij θ_ij^p = z_iᵀ H^p z_i / n, p = 1, 2
+    sd = spectral_density(op, num_runs=3, lanczos_steps=n, seed=14, num_grid_points=50)
+    Z, Z_same = (_rank_probes(ref, 14, 3, "rademacher", same) for same in (False, True))
+    nodes, w = sd.raw_eigenvalues.nan_to_num(), sd.raw_weights
+    HZ = Z @ H
+    weighty = sd.raw_weights > 1e-12
+    node_gap = (sd.raw_eigenvalues[weighty].unsqueeze(1) - evals.unsqueeze(0)).abs().min(1).values
+    out["slq"] = {
+        "first_moment": err((w * nodes).sum(1), (Z * HZ).sum(1) / n),
+        "second_moment": err((w * nodes.square()).sum(1), HZ.square().sum(1) / n),
+        "vs_same_stream": err((w * nodes).sum(1), (Z_same * (Z_same @ H)).sum(1) / n),
+        "weights_sum": float((w.sum(1) - 1).abs().max()),
+        "nodes_are_eigenvalues": float(node_gap.max() / evals.abs().max()),
+        "steps": sd.raw_eigenvalues.shape[1],
+        "same_on_ranks": gather_equal(sd.raw_weights) and gather_equal(nodes),
+    }
+    return out
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _count_products(op: Any, stop: int | None = None) -> dict[str, int]:
+    """Count ``op``'s products from now on (a block of ``b`` counts ``b``), raising
+    ``_Interrupted`` at product ``stop``: every rank makes the same products, so all stop at
+    once (as a job killed on every node). ``_uncount(op)`` puts the operator back."""
+    count = {"n": 0}
+    matvec, matmat = op.matvec, op.matmat
+
+    def tick(b: int) -> None:
+        count["n"] += b
+        if stop is not None and count["n"] >= stop:
+            raise _Interrupted(f"interrupted at product {count['n']}")
+
+    def counted_matvec(v: torch.Tensor) -> torch.Tensor:
+        tick(1)
+        return matvec(v)
+
+    def counted_matmat(V: torch.Tensor) -> torch.Tensor:
+        tick(V.shape[1])
+        return matmat(V)
+
+    op.matvec, op.matmat = counted_matvec, counted_matmat
+    return count
+
+
+def _uncount(op: Any) -> None:
+    del op.matvec, op.matmat
+
+
+def _resume_lanczos(
+    op: Any, ref: HessianOperator, folder: Any, every: int | None, stop: int, **kw: Any
+) -> dict[str, Any]:
+    """``lanczos(op, **kw)`` with a checkpoint file per rank, interrupted on every rank at
+    product ``stop``, then resumed: against the uninterrupted call."""
+    from hessian_eigenthings.algorithms import lanczos
+
+    plain = lanczos(op, **kw)
+    path = folder / f"lanczos_rank{RANK}.pt"
+    _count_products(op, stop)
+    stopped = _expect_raise(lambda: lanczos(op, checkpoint=path, checkpoint_every=every, **kw))
+    _uncount(op)
+    dist.barrier()  # every rank has saved before it stopped
+    where = torch.arange(ref.size, dtype=torch.float64)
+    files = [folder / f"lanczos_rank{r}.pt" for r in range(WORLD)]
+    states = [torch.load(f, weights_only=True)["state"] if f.exists() else None for f in files]
+    dist.barrier()  # every rank has read the others' files before they are resumed (and removed)
+    count = _count_products(op)
+    resumed = lanczos(op, checkpoint=path, checkpoint_every=every, **kw)
+    _uncount(op)
+    fields = ("eigenvalues", "eigenvectors", "residuals", "converged")
+    return {
+        "products": plain.iterations,
+        "stopped": stopped["type"],
+        "stop": stop,
+        # one file per rank, holding that rank's piece of the basis
+        "files_hold_pieces": all(
+            st is not None and st["V"].shape[1] == _shard(where, ref, r).numel()
+            for r, st in enumerate(states)
+        ),
+        "saved_products": None if states[RANK] is None else states[RANK]["products"],
+        "resumed_products": count["n"],
+        "same": resumed.iterations == plain.iterations
+        and all(torch.equal(getattr(resumed, f), getattr(plain, f)) for f in fields),
+        "file_removed": not path.exists(),
+    }
+
+
+@check
+def sharded_checkpoints() -> dict[str, Any]:
+    """lanczos(checkpoint=) and spectral_density(checkpoint=) on sharded vectors, each rank with
+    its own file: interrupted on every rank, then resumed, they give the uninterrupted result bit
+    for bit and spend only the products after the last save. Lanczos on the sharded MLP's walk
+    (a save every 5 products), then on ``_ShardedDense`` (saves at thick restarts) and SLQ."""
+    from pathlib import Path
+
+    from hessian_eigenthings.algorithms import spectral_density
+
+    try:
+        walk, ref, H = _sharded_mlp_hessian()
+    except Exception as exc:
+        return {"skip": f"fully_shard failed: {type(exc).__name__}: {exc}"}
+    folder = Path(sys.argv[1]) / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    dense = _ShardedDense(H, ref)
+    out: dict[str, Any] = {
+        # a run of ~25 products (k=1: the walk's products cost ~40 ms each here)
+        "walk_every5": _resume_lanczos(walk, ref, folder, 5, 13, k=1, seed=2, tol=1e-6, ncv=4),
+        # the default saves at each thick restart (ncv=8: several before product 66)
+        "dense_restarts": _resume_lanczos(
+            dense, ref, folder, None, 66, k=3, seed=2, tol=1e-10, ncv=8
+        ),
+    }
+    # SLQ: groups of 2 runs x 10 steps; stopped in the second group, the first is not run again
+    path = folder / f"density_rank{RANK}.pt"
+    kw: dict[str, Any] = dict(
+        num_runs=4, lanczos_steps=10, num_grid_points=50, seed=3, checkpoint_runs=2
+    )
+    whole = spectral_density(dense, checkpoint=folder / f"density_whole_rank{RANK}.pt", **kw)
+    _count_products(dense, 25)
+    stopped = _expect_raise(lambda: spectral_density(dense, checkpoint=path, **kw))
+    _uncount(dense)
+    count = _count_products(dense)
+    resumed = spectral_density(dense, checkpoint=path, **kw)
+    _uncount(dense)
+    out["density"] = {
+        "stopped": stopped["type"],
+        "file": path.exists(),
+        "same": torch.equal(resumed.density, whole.density)
+        and torch.equal(resumed.raw_weights, whole.raw_weights)
+        and torch.equal(resumed.raw_eigenvalues.nan_to_num(), whole.raw_eigenvalues.nan_to_num()),
+        "resumed_products": count["n"],
+    }
+    return out
 
 
 def main() -> None:

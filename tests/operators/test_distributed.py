@@ -270,9 +270,9 @@ def test_fsdp_finite_difference_equals_single_process(ranks: list[dict[str, Any]
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Four ranks for the sharded walk's checks only (the other checks run on 2 and 3)."""
+    """Four ranks for the sharded checks only (the other checks run on 2 and 3)."""
     out = tmp_path_factory.mktemp("dist4")
-    checks = "fsdp_layer_walk,fsdp_walk_sandwiches"
+    checks = "fsdp_layer_walk,fsdp_walk_sandwiches,sharded_eigensolvers,sharded_estimators"
     launch(4, out, [str(HERE / "_dist_worker.py"), str(out), checks])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -282,25 +282,34 @@ def test_fsdp_layer_walk_is_exact(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_fsdp_layer_walk_on_four_ranks(four_ranks: list[dict[str, Any]]) -> None:
-    _check_layer_walk(four_ranks, full=False)
+    _check_layer_walk(four_ranks, lanczos=False)
     _check_walk_sandwiches(four_ranks)
 
 
-def _check_layer_walk(ranks: list[dict[str, Any]], full: bool = True) -> None:
+def test_sharded_algorithms_on_four_ranks(four_ranks: list[dict[str, Any]]) -> None:
+    _check_eigensolvers(four_ranks)
+    _check_estimators(four_ranks)
+
+
+WALK_MODELS = (("gpt2", True), ("llama_tied", True), ("llama_untied", False))
+
+
+def _check_layer_walk(ranks: list[dict[str, Any]], lanczos: bool = True) -> None:
     """The sharded layer walk equals the single-process product on the union of the ranks'
     batches (uneven token counts) to rounding in float64: GPT-2 (tied), Llama tied and untied;
-    a sharded Lanczos finds the single-process eigenvalues (``full``; GPT-2 products only
-    otherwise)."""
+    a sharded Lanczos finds the single-process top 5 of GPT-2 (``lanczos``: not on four ranks,
+    whose products are slow on a 2-core machine)."""
     per_rank = _fsdp(ranks, "fsdp_layer_walk")
-    kinds = (("gpt2", True), ("llama_tied", True), ("llama_untied", False))
-    for kind, tied in kinds if full else kinds[:1]:
+    for kind, tied in WALK_MODELS:
         assert sum(r[kind]["size_local"] for r in per_rank) == per_rank[0][kind]["size_global"]
         for res in per_rank:
             assert res[kind]["tied"] == tied
             assert res[kind]["product"] < 1e-10 and res[kind]["block"] < 1e-10, (kind, res[kind])
             assert res[kind]["grads_none"]
-    for res in per_rank if full else ():
-        assert res["gpt2"]["lanczos"] < 1e-8 and res["gpt2"]["lanczos_converged"]
+    for res in per_rank if lanczos else ():
+        lz = res["gpt2"]["lanczos"]
+        assert lz["converged"] and lz["same_on_ranks"], lz
+        assert lz["values"] < 1e-8 and lz["vectors"] < 1e-6, lz
 
 
 def test_fsdp_walk_sandwiches_are_exact(ranks: list[dict[str, Any]]) -> None:
@@ -309,9 +318,14 @@ def test_fsdp_walk_sandwiches_are_exact(ranks: list[dict[str, Any]]) -> None:
 
 def _check_walk_sandwiches(ranks: list[dict[str, Any]]) -> None:
     """FSDPGGNOperator (exact: against one process on the union; Monte-Carlo: against
-    DDPGGNOperator, whose draws are keyed by rank alike) and FSDPEmpiricalFisherOperator."""
+    DDPGGNOperator, whose draws are keyed by rank alike) and FSDPEmpiricalFisherOperator, on
+    GPT-2 and Llama with tied and untied embeddings."""
     for res in _fsdp(ranks, "fsdp_walk_sandwiches"):
-        assert res["ggn"] < 1e-10 and res["ggn_mc_vs_ddp"] < 1e-10 and res["fisher"] < 1e-10, res
+        for kind, tied in WALK_MODELS:
+            r = res[kind]
+            assert r["tied"] == tied
+            assert r["ggn"] < 1e-10 and r["ggn_mc_vs_ddp"] < 1e-10 and r["fisher"] < 1e-10, r
+            assert r["ggn_mc_vs_exact"] > 1e-3, r  # two draws are not the exact GGN
 
 
 def test_ddp_kronecker_factors(ranks: list[dict[str, Any]]) -> None:
@@ -326,6 +340,71 @@ def test_sharded_solves(ranks: list[dict[str, Any]]) -> None:
     for res in _fsdp(ranks, "sharded_solves"):
         assert res["cg_converged"] and res["minres_converged"]
         assert res["cg"] < 1e-8 and res["minres"] < 1e-8, res
+
+
+def test_sharded_eigensolvers(ranks: list[dict[str, Any]]) -> None:
+    _check_eigensolvers(ranks)
+
+
+def _check_eigensolvers(ranks: list[dict[str, Any]]) -> None:
+    """Lanczos top-5 (default basis; ncv=11, which forces thick restarts; blocks of 2) and power
+    iteration on sharded vectors find the dense eigenpairs, the same on every rank."""
+    for res in _fsdp(ranks, "sharded_eigensolvers"):
+        for name in ("lanczos_default", "lanczos_restart", "lanczos_block"):
+            lz = res[name]
+            assert lz["converged"] and lz["same_on_ranks"], (name, lz)
+            assert lz["values"] < 1e-8 and lz["vectors"] < 1e-8, (name, lz)
+        # a basis of 11 rows holds 11 products: more products means it was restarted
+        assert res["lanczos_restart"]["products"] > res["ncv"]
+        # the walk's products on two and three ranks only
+        assert ("power_walk" in res) == (len(ranks) < 4)
+        for name in ("power_walk", "power_dense") if "power_walk" in res else ("power_dense",):
+            pi = res[name]
+            assert pi["converged"] and pi["same_on_ranks"], (name, pi)
+            assert pi["value"] < 1e-10 and pi["vector"] < 1e-6, (name, pi)
+
+
+def test_sharded_trace_and_density(ranks: list[dict[str, Any]]) -> None:
+    _check_estimators(ranks)
+
+
+def _check_estimators(ranks: list[dict[str, Any]]) -> None:
+    """Trace estimators and SLQ on sharded vectors: each rank draws its piece of a probe from its
+    own stream (identical pieces would correlate a probe's entries: the "same stream" numbers
+    show that such probes would not pass), and every reduction spans the ranks."""
+    for res in _fsdp(ranks, "sharded_estimators"):
+        hu = res["hutchinson"]
+        assert hu["samples"] < 1e-12 and hu["vs_same_stream"] > 1e-2, hu
+        # 96 Gaussian probes, a seeded draw: within 4 standard errors of the dense trace
+        assert hu["estimate_minus_trace_in_stderrs"] < 4, hu
+        # rank(H) = 58 < the sketch's probes: exact up to rounding (relative to ||H||_F)
+        assert res["rank_H"] == 58
+        assert res["hutch++"]["estimate"] < 1e-12 and res["xtrace"]["estimate"] < 1e-12, res
+        slq = res["slq"]
+        assert slq["first_moment"] < 1e-12 and slq["second_moment"] < 1e-12, slq
+        assert slq["vs_same_stream"] > 1e-2, slq
+        assert slq["weights_sum"] < 1e-12 and slq["nodes_are_eigenvalues"] < 1e-10, slq
+        assert slq["steps"] < res["sizes"][0]  # the runs stopped at an exhausted Krylov space
+        for key in ("hutchinson", "hutch++", "xtrace", "slq"):
+            assert res[key]["same_on_ranks"], key
+
+
+def test_sharded_checkpoints_resume_bit_for_bit(ranks: list[dict[str, Any]]) -> None:
+    """Lanczos and SLQ checkpoints, one file per rank: a run interrupted on every rank and
+    resumed gives the uninterrupted result bit for bit, spending only the unsaved products."""
+    for res in _fsdp(ranks, "sharded_checkpoints"):
+        for name, every in (("walk_every5", 5), ("dense_restarts", None)):
+            lz = res[name]
+            assert lz["stopped"] == "_Interrupted" and lz["files_hold_pieces"], (name, lz)
+            assert lz["same"] and lz["file_removed"], (name, lz)
+            assert lz["resumed_products"] == lz["products"] - lz["saved_products"], (name, lz)
+            if every is not None:
+                assert lz["saved_products"] == every * ((lz["stop"] - 1) // every), (name, lz)
+            else:  # saved at the last thick restart before the interruption
+                assert 0 < lz["saved_products"] < lz["stop"], (name, lz)
+        sd = res["density"]
+        assert sd["stopped"] == "_Interrupted" and sd["file"] and sd["same"], sd
+        assert sd["resumed_products"] == 2 * 10  # the first group of 2 runs was saved
 
 
 def test_fsdp_failures(ranks: list[dict[str, Any]]) -> None:
