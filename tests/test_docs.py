@@ -267,6 +267,82 @@ def test_distributed_launch_block_runs_under_gloo(
     torch.testing.assert_close(values[0], expected, rtol=1e-3, atol=1e-5)
 
 
+def _fsdp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
+    # one rank of docs/distributed.md's FSDP recipe, with the variables torchrun would set
+    import torch
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(code, "docs/distributed.md block 2", "exec"), namespace)
+    found = {k: namespace[k].eigenvalues for k in ("result", "ggn_result")}  # type: ignore[attr-defined]
+    torch.save(found, f"{out}/rank{rank}.pt")
+
+
+def test_distributed_fsdp_recipe_runs_under_gloo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FSDP recipe, as written, on two CPU processes: every rank gets the same eigenvalues,
+    and they are the single-process ones (the sharded walk is exact)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn.functional as F
+    from torch import nn
+
+    import hessian_eigenthings as he
+
+    transformers = pytest.importorskip("transformers")
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if not hasattr(importlib.import_module("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("the recipe imports FSDP2's public fully_shard (torch 2.6 and later)")
+    code = _FENCE.findall((DOCS / "distributed.md").read_text())[1]
+    assert "torchrun" in code and "fully_shard" in code
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes: the recipe picks gloo
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
+    found = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for key in ("result", "ggn_result"):
+        torch.testing.assert_close(found[0][key], found[1][key], rtol=0, atol=0)
+
+    # the reference: the recipe's CPU model and data in one process
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=16,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager")
+    model = model.eval().double()
+    ids = torch.randint(0, 101, (8, 16))
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        logits = m(input_ids=x, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+    def logits_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return m(input_ids=batch[0], use_cache=False).logits[:, :-1].flatten(0, 1)
+
+    ce = he.supervised_loss_of_output(nn.CrossEntropyLoss())
+    ops = {
+        "result": he.HessianOperator(model, [ids], loss_fn),
+        "ggn_result": he.GGNOperator(model, [(ids, ids[:, 1:].flatten())], logits_fn, ce),
+    }
+    for key, op in ops.items():
+        ref = he.lanczos(op, k=5, seed=0, tol=1e-10).eigenvalues
+        torch.testing.assert_close(found[0][key], ref, rtol=1e-6, atol=0)
+
+
 def test_readme_points_only_inside_the_repository() -> None:
     text = README.read_text()
     assert "../" not in text  # e.g. a design note of the workspace, not of the repository
