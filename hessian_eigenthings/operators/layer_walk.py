@@ -753,7 +753,8 @@ class LayerWalkRunner:
             batch = self.batch_of(batch)
             if self.keyed:
                 batch, key = batch
-        state = self.walk.capture(batch)
+        with _torch_compat.math_sdpa():  # the attention the walk differentiates (see apply)
+            state = self.walk.capture(batch)
         state.key = key
         return state
 
@@ -770,7 +771,10 @@ class LayerWalkRunner:
         names = self.walk.names
         rows = []
         for j in range(vectors[0].shape[0]):
-            out = self._product(state, {n: v[j] for n, v in zip(names, vectors, strict=True)})
+            # SDPA's flash and memory-efficient kernels have no forward-mode derivative: the math
+            # kernel, whatever the user's SDPA switches (restored after)
+            with _torch_compat.math_sdpa():
+                out = self._product(state, {n: v[j] for n, v in zip(names, vectors, strict=True)})
             rows.append([out[n] for n in names])
         return [torch.stack([r[i] for r in rows]) for i in range(len(names))]
 

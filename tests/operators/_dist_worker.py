@@ -502,7 +502,7 @@ def _walk_model(kind: str) -> tuple[nn.Module, str]:
     import transformers
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind in ("gpt2", "gpt2_sdpa"):
         cfg = transformers.GPT2Config(
             n_layer=2,
             n_embd=16,
@@ -513,8 +513,9 @@ def _walk_model(kind: str) -> tuple[nn.Module, str]:
             resid_pdrop=0.0,
             embd_pdrop=0.0,
         )
+        attention = "sdpa" if kind == "gpt2_sdpa" else "eager"
         return transformers.GPT2LMHeadModel._from_config(
-            cfg, attn_implementation="eager"
+            cfg, attn_implementation=attention
         ).double().eval(), "transformer.h"
     cfg = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -587,6 +588,16 @@ def fsdp_layer_walk() -> dict[str, Any]:
         # four ranks on a 2-core CI machine are slow: products only there
         if kind == "gpt2" and WORLD < 4:
             out[kind]["lanczos"] = _lanczos_top5(op, ref)
+            # HF's default attention (SDPA), whose flash kernel has no forward-mode derivative:
+            # the walk runs its math kernel, and equals the eager model's product
+            sdpa, _ = _walk_model("gpt2_sdpa")
+            for block in sdpa.get_submodule(layers):
+                fully_shard(block)
+            fully_shard(sdpa)
+            op_sdpa = hd.FSDPHessianOperator(
+                sdpa, [_walk_batch(RANK)], _walk_lm, method="layers", layers=layers
+            )
+            out["gpt2_sdpa"] = err(op_sdpa @ pieces[0], ref_pieces[0])
     return out
 
 
