@@ -196,6 +196,32 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if _is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
+def _local_padding_rows(
+    model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], rank: int, world: int
+) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` ranges of this rank's flat shard that hold padding rows of selected
+    embeddings (NOTE [padding rows]): FSDP2 gives rank r rows ``[r·c, (r + 1)·c)``, ``c = ceil(V /
+    W)``, so the padding row is on one rank only."""
+    owners = {
+        id(m.weight): m
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None
+    }
+    ranges, offset = [], 0
+    for _, p in named_params:
+        owner = owners.get(id(p))
+        if owner is not None:
+            rows = p.shape[0]
+            pad = int(owner.padding_idx) % rows  # type: ignore[arg-type]
+            chunk = -(-rows // world)
+            if pad // chunk == rank:
+                width = math.prod(p.shape[1:])
+                start = offset + (pad - rank * chunk) * width
+                ranges.append((start, start + width))
+        offset += _local(p).numel()
+    return ranges
+
+
 @functools.lru_cache(maxsize=1)
 def _dtensor_type() -> type | None:
     try:
@@ -616,12 +642,10 @@ class ShardedMixin(DataCurvatureOperator):
         #: length of the whole (unsharded) vector; ``size`` is this rank's shard
         self.global_size = self.layout.size
         if self._binding.constant_rows:
-            # NOTE [padding rows]: the projection's columns are of the whole vector, and a
-            # shard holds some rows of the embedding only; not mapped to shards yet
-            raise ValueError(
-                f"{type(self).__name__}: a selected nn.Embedding has padding_idx, whose row is a "
-                "constant in training; sharded operators cannot project it out yet. Leave the "
-                "embedding out with param_filter, or use a DDP operator on a replicated model"
+            # NOTE [padding rows]: the projection zeroes coordinates, each held by one rank: the
+            # padding row of an embedding is on the rank whose chunk of rows holds it
+            self._binding.constant_rows = _local_padding_rows(
+                self.model, self.named_params, self._ranks.rank, self._ranks.world_size
             )
         self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
         self._size = self.layout.size

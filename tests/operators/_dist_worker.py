@@ -526,6 +526,8 @@ def _walk_model(kind: str) -> tuple[nn.Module, str]:
         vocab_size=50,
         max_position_embeddings=32,
         tie_word_embeddings=kind == "llama_tied",
+        # a padding row (NOTE [padding rows]): held by one rank's shard of the embedding
+        pad_token_id=None if kind == "llama_tied" else 1,
     )
     return transformers.LlamaForCausalLM._from_config(
         cfg, attn_implementation="eager"
@@ -579,6 +581,7 @@ def fsdp_layer_walk() -> dict[str, Any]:
         ref_pieces = torch.stack([_shard(x, ref) for x in RX])
         out[kind] = {
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "padding": model.get_input_embeddings().padding_idx is not None,
             "size_local": op.size,
             "size_global": ref.size,
             "product": err(op @ pieces[0], ref_pieces[0]),

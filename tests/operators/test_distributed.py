@@ -304,6 +304,8 @@ def _check_layer_walk(ranks: list[dict[str, Any]], lanczos: bool = True) -> None
         assert sum(r[kind]["size_local"] for r in per_rank) == per_rank[0][kind]["size_global"]
         for res in per_rank:
             assert res[kind]["tied"] == tied
+            # Llama untied has a padding row (NOTE [padding rows]), projected on its rank's shard
+            assert res[kind]["padding"] == (kind == "llama_untied")
             assert res[kind]["product"] < 1e-10 and res[kind]["block"] < 1e-10, (kind, res[kind])
             assert res[kind]["grads_none"]
     for res in per_rank if lanczos else ():
