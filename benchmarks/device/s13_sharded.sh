@@ -32,6 +32,10 @@ case "$1" in
       timeout ${DEF_TIMEOUT:-200} python3 -m benchmarks.bench_defaults $w --lengths ${LENGTHS:-1,20,100,1000} > $O/defaults_$w.jsonl 2> $O/defaults_$w.err; tail -3 $O/defaults_$w.err
     done
     ;;
+  five)
+    python3 -m pytest tests/operators/test_layer_walk.py -q -x -p no:cacheprovider 2>&1 | tail -3
+    timeout 100 $TR --workload gpt2_6l --sections products,train,reference --out $O 2>&1 | grep bench_sharded
+    ;;
   four)
     timeout 200 $TR --workload gpt2_6l --sections products,train,reference,lanczos --out $O 2>&1 | grep bench_sharded
     ;;

@@ -68,9 +68,12 @@ from hessian_eigenthings.param_utils import call_with_values
 # again; the price is the jvp's graph (about twice a training step's
 # activations of the layer) held from the forward walk to the layer's turn in
 # the backward walk. Layers are kept in order while their graphs fit
-# `keep_bytes`: by default, on CUDA, half of what is free when the walk starts
-# (free to the driver plus the allocator's unused cache), the size of a graph
-# measured as the allocation grows; none on the CPU.
+# `keep_bytes`. By default, on CUDA, that is what is free when the product
+# starts (free to the driver plus the allocator's unused cache) less the walk's
+# own working set and a tenth of the device: the first product keeps nothing
+# and reads its working set off the allocator's peak (an upper bound when an
+# earlier peak of the process was higher: then less is kept); the size of a
+# graph is measured as the allocation grows. On the CPU nothing is kept.
 # Not every forward-mode formula of torch can be differentiated in reverse:
 # layer_norm's reads its mean and inverse deviation as constants (they are
 # non-differentiable outputs of the native op), so reverse over forward drops
@@ -250,6 +253,10 @@ def _relative_gap(got: Sequence[Any], ref: Sequence[Any]) -> float:
     return worst
 
 
+#: by default kept layer graphs leave this fraction of the device free (NOTE [kept layer graphs])
+WALK_FREE_FRACTION = 0.1
+
+
 class _Keep:
     """The room left for kept layer graphs in one product (NOTE [kept layer graphs]): a layer is
     kept while the graphs kept so far plus one more of the last measured size fit ``room``."""
@@ -306,8 +313,9 @@ class LayerWalk:
         call per stage; both are the identity on one device; a sharded model gathers stage by
         stage and reduces each block to its shard (NOTE [sharded layer walk] in
         ``sharded_walk``). ``keep_bytes``: room for layers' graphs kept from the forward walk to the
-        backward walk of a Hessian product (NOTE [kept layer graphs]; None: half the free memory
-        on CUDA, none on the CPU; on the CPU a number counts layers). ``agree(x, "min" | "max")``:
+        backward walk of a Hessian product (NOTE [kept layer graphs]; None: on CUDA, what is
+        free beyond the walk's working set and a tenth of the device, none on the CPU; on the CPU
+        a number counts layers). ``agree(x, "min" | "max")``:
         ``x`` reduced over the processes that walk together (a sharded model's ranks), so that
         they keep the same layers and gather alike."""
         self.model = model
@@ -320,6 +328,8 @@ class LayerWalk:
         #: why keeping is off for this walk (its first kept layer disagreed with the recomputed one)
         self.keep_refused: str | None = None
         self._keep_checked = False
+        #: an upper bound of what a product without kept graphs allocates at its peak (CUDA)
+        self._working_bytes: int | None = None
         self._gather = gather
         self._finish = finish
         #: whether the layers' other arguments were checked to be constants (first batch)
@@ -596,16 +606,16 @@ class LayerWalk:
             room = 0
         elif room is None:
             room = 0
-            if like.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(like.device)
+            if like.device.type == "cuda" and self._working_bytes is not None:
+                free, total = torch.cuda.mem_get_info(like.device)
                 unused = _torch_compat.cuda_reserved(like.device) - _torch_compat.cuda_allocated(
                     like.device
                 )
-                room = (free + unused) // 2
+                room = max(0, free + unused - self._working_bytes - int(WALK_FREE_FRACTION * total))
         size, count = self.layer_graph_bytes, None
         if self._agree is not None:
             # ranks keep the same layers, so that their gathers pair up: as many as fit every rank
-            # (one, to measure, on the first product)
+            # (none on the first product, one to measure on the next)
             fits = (1 if room > 0 else 0) if size is None else room // max(size, 1)
             count = int(self._agree(float(min(fits, len(self.layers))), "min"))
         return _Keep(room, like.device, size, count)
@@ -614,12 +624,14 @@ class LayerWalk:
         """``H v`` by the walk of NOTE [layer walk]; ``v`` and the result by parameter name.
         Each layer's parameters are gathered once on the way forward and once back."""
         _torch_compat.load_forward_ad_decompositions()
+        like = next(iter(v.values()))
+        start = _torch_compat.cuda_allocated(like.device) if like.device.type == "cuda" else 0
         self._params = dict(self.model.named_parameters())
         out_theta, out_v = self._stage(None, v)
         result: dict[str, torch.Tensor] = {}
 
         # 1. forward walk
-        keep = self._keep(next(iter(v.values())))
+        keep = self._keep(like)
         hs, hds, pulls = self._forward_walk(
             state, v, out_theta, out_v, keep_tangents=True, keep=keep
         )
@@ -665,6 +677,8 @@ class LayerWalk:
             for n, t in g_head.items():
                 result[n] = result[n] + t
         result.update(self._done({n: result[n] for n in self.outside}))
+        if like.device.type == "cuda" and keep.count == 0:  # NOTE [kept layer graphs]
+            self._working_bytes = torch.cuda.max_memory_allocated(like.device) - start
         return {n: result[n] for n in self.names}
 
     def _pullback_tangent(

@@ -154,6 +154,23 @@ def test_kept_layer_graphs_give_the_same_product(kind: str, kept: int) -> None:
     assert float((got - ref).norm() / ref.norm()) <= tol
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_layer_graphs_by_default_on_cuda() -> None:
+    """NOTE [kept layer graphs] on CUDA by default: the first product keeps nothing (it measures
+    the walk's working set), the next ones keep what fits (here every layer), same products."""
+    model, batch = _gpt2().cuda(), {k: t.cuda() for k, t in _lm_batch().items()}
+    op = he.HessianOperator(model, [batch], _lm, engine="functional")
+    walk = LayerWalk(model, _lm, op.layout.names, "transformer.h")
+    v = torch.randn(op.size, dtype=torch.float64, device="cuda")
+    ref = op @ v
+    kept = []
+    for _ in range(3):
+        got = _walk_product(walk, op, batch, v)
+        assert float((got - ref).norm() / ref.norm()) <= 1e-10
+        kept.append(walk.kept_layers)
+    assert kept == [0, len(walk.layers), len(walk.layers)], kept
+
+
 class _NativeNorm(nn.Module):
     """A layer calling torch.layer_norm itself: its forward-mode formula does not differentiate in
     reverse, and the mode that swaps F.layer_norm does not see this call."""
