@@ -214,8 +214,17 @@ def test_readme_install_links_version_and_commands() -> None:
     assert cli.build_parser().parse_args([]).which == "LA"
 
 
-def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
-    # one rank of docs/distributed.md's launch script, with the variables torchrun would set
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_as_rank(rank: int, world: int, port: int, code: str, name: str) -> dict[str, object]:
+    """Run a launch script of docs/distributed.md as one rank, with the variables torchrun would
+    set; its namespace after."""
     import torch
 
     os.environ.update(
@@ -227,15 +236,20 @@ def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> No
     )
     torch.set_num_threads(1)
     namespace: dict[str, object] = {"__name__": "__main__"}
-    exec(compile(code, "docs/distributed.md block 1", "exec"), namespace)
+    exec(compile(code, name, "exec"), namespace)
+    return namespace
+
+
+def _ddp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
+    import torch
+
+    namespace = _run_as_rank(rank, world, port, code, "docs/distributed.md block 1")
     torch.save(namespace["result"].eigenvalues, f"{out}/rank{rank}.pt")  # type: ignore[attr-defined]
 
 
 def test_distributed_launch_block_runs_under_gloo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import socket
-
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -248,10 +262,7 @@ def test_distributed_launch_block_runs_under_gloo(
     code = _FENCE.findall((DOCS / "distributed.md").read_text())[0]
     assert "torchrun" in code
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes: the block picks gloo
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_doc_worker, args=(2, _free_port(), code, str(tmp_path)), nprocs=2, join=True)
     values = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.testing.assert_close(
         values[0], values[1], rtol=0, atol=0
@@ -268,19 +279,9 @@ def test_distributed_launch_block_runs_under_gloo(
 
 
 def _fsdp_doc_worker(rank: int, world: int, port: int, code: str, out: str) -> None:
-    # one rank of docs/distributed.md's FSDP recipe, with the variables torchrun would set
     import torch
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    namespace: dict[str, object] = {"__name__": "__main__"}
-    exec(compile(code, "docs/distributed.md block 2", "exec"), namespace)
+    namespace = _run_as_rank(rank, world, port, code, "docs/distributed.md block 2")
     found = {k: namespace[k].eigenvalues for k in ("result", "ggn_result")}  # type: ignore[attr-defined]
     torch.save(found, f"{out}/rank{rank}.pt")
 
@@ -290,8 +291,6 @@ def test_distributed_fsdp_recipe_runs_under_gloo(
 ) -> None:
     """The FSDP recipe, as written, on two CPU processes: every rank gets the same eigenvalues,
     and they are the single-process ones (the sharded walk is exact)."""
-    import socket
-
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -308,10 +307,7 @@ def test_distributed_fsdp_recipe_runs_under_gloo(
     code = _FENCE.findall((DOCS / "distributed.md").read_text())[1]
     assert "torchrun" in code and "fully_shard" in code
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes: the recipe picks gloo
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp_doc_worker, args=(2, port, code, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_fsdp_doc_worker, args=(2, _free_port(), code, str(tmp_path)), nprocs=2, join=True)
     found = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for key in ("result", "ggn_result"):
         torch.testing.assert_close(found[0][key], found[1][key], rtol=0, atol=0)

@@ -10,17 +10,16 @@ check its numbers or the exception it raised.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _dist_checks import run_checks_and_exit  # this folder: the workers run as scripts
 from torch import nn
 
 import hessian_eigenthings.operators.distributed as hd
@@ -300,23 +299,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     if not _torch_compat.fsdp2_runs_on_cpu():
         results["skip"] = f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"
-    for name, fn in CHECKS.items() if "skip" not in results else ():
-        t0 = time.perf_counter()
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-        results[name]["_seconds"] = time.perf_counter() - t0
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    # see NOTE [worker exits without the gloo teardown] in _dist_worker.py
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks_and_exit(CHECKS, CHECKS if "skip" not in results else (), out_dir, RANK, results)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ reference on the union of all ranks' data itself, so comparisons are local
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dist_checks import run_checks_and_exit  # this folder: the workers run as scripts
 from torch import nn
 
 import hessian_eigenthings.operators.distributed as hd
@@ -1009,28 +1008,7 @@ def main() -> None:
     warnings.simplefilter("error")
     # a hang becomes an error after 60 s instead of blocking CI
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    for name in only:
-        t0 = time.perf_counter()
-        try:
-            results[name] = CHECKS[name]()
-        except Exception as exc:
-            results[name] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-        results[name]["_seconds"] = time.perf_counter() - t0
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    # NOTE [worker exits without the gloo teardown]: on torch 2.4 a rank sometimes aborted while
-    # the gloo process group was torn down after the checks ("terminate called without an active
-    # exception", exit -6; every test of the module then errored at its fixture). The results are
-    # on disk and the barrier shows every rank wrote its own, so the worker leaves at once,
-    # without the teardown that can abort.
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks_and_exit(CHECKS, only, out_dir, RANK)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,13 @@ NATIVE_CRASH = (
 )
 
 
+def rank_results(world: int, out: Path, worker: str, *args: str) -> list[dict[str, Any]]:
+    """Launch ``world`` ranks of the worker script ``worker`` (in this folder) writing to ``out``;
+    what each rank wrote (``out/rank{r}.json``)."""
+    launch(world, out, [str(HERE / worker), str(out), *args])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def launch(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
     """Start ``world`` ranks of ``argv`` (a script and its arguments); kill them all at the
     deadline; relaunch once after a native crash (above)."""
@@ -143,9 +150,7 @@ def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
     world = request.param
-    out = tmp_path_factory.mktemp(f"dist{world}")
-    launch(world, out, [str(HERE / "_dist_worker.py"), str(out)])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return rank_results(world, tmp_path_factory.mktemp(f"dist{world}"), "_dist_worker.py")
 
 
 def get(ranks: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
@@ -271,10 +276,8 @@ def test_fsdp_finite_difference_equals_single_process(ranks: list[dict[str, Any]
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Four ranks for the sharded checks only (the other checks run on 2 and 3)."""
-    out = tmp_path_factory.mktemp("dist4")
     checks = "fsdp_layer_walk,fsdp_walk_sandwiches,sharded_eigensolvers,sharded_estimators"
-    launch(4, out, [str(HERE / "_dist_worker.py"), str(out), checks])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return rank_results(4, tmp_path_factory.mktemp("dist4"), "_dist_worker.py", checks)
 
 
 def test_fsdp_layer_walk_is_exact(ranks: list[dict[str, Any]]) -> None:

@@ -8,21 +8,18 @@ tests read the numbers the ranks wrote.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
-from tests.operators.test_distributed import launch
+from tests.operators.test_distributed import get, rank_results
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="needs torch.distributed with gloo",
 )
 
-HERE = Path(__file__).resolve().parent
 # float64 factors summed over the ranks agree with one process to rounding
 ROUNDING = 1e-10
 
@@ -32,19 +29,9 @@ def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
     world = request.param
-    out = tmp_path_factory.mktemp(f"kfac{world}")
-    launch(world, out, [str(HERE / "_dist_kfac_worker.py"), str(out)])
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    per_rank = rank_results(world, tmp_path_factory.mktemp(f"kfac{world}"), "_dist_kfac_worker.py")
     if "skip" in per_rank[0]:
         pytest.skip(per_rank[0]["skip"])
-    return per_rank
-
-
-def get(ranks: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
-    per_rank = [r[check] for r in ranks]
-    for rank, res in enumerate(per_rank):
-        if "error" in res:
-            pytest.fail(f"check {check} raised on rank {rank}: {res['error']}\n{res['traceback']}")
     return per_rank
 
 
