@@ -325,6 +325,34 @@ def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> 
     assert fixed._engines.next_check == float("inf") and judged == [8, 16, 32, 64]
 
 
+def test_auto_does_not_judge_on_the_cold_first_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [auto engine]: a slow first product (here a sleep in the loss's first call, as a
+    fresh process's first product is slow) does not send a short run into a trial: the run is
+    sized from the operator's second product."""
+    import time
+
+    monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 2000.0)
+    model, data = mlp(), classification_data(n=4, batch=4)
+    calls: list[int] = []
+
+    def slow_first(m: nn.Module, batch: Any) -> torch.Tensor:
+        if not calls:
+            time.sleep(0.5)
+        calls.append(1)
+        return SUP(m, batch)
+
+    op = HessianOperator(model, data, slow_first)
+    op.expect_products(10)  # 10 x 0.5 s would pass the threshold; 10 warm products do not
+    v = torch.randn(op.size, dtype=torch.float64)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    for _ in range(3):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    report = op.engine_report
+    assert report["auto"]["reason"].startswith("short run"), report
+    assert report["trial_products"] == 0 and op.engine == "autograd"
+    assert report["auto"]["timings_ms"]["autograd_first"] < 200  # the second product's time
+
+
 def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
     monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 1e9)  # never compile here
@@ -333,6 +361,9 @@ def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch
     H = dense_hessian(model, data, SUP, select_parameters(model))
     op.expect_products(500)
     v = torch.randn(op.size, dtype=torch.float64)
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    # the operator's first product is cold: nothing is judged on it (NOTE [auto engine])
+    assert op.engine_report["auto"]["reason"] == "undecided" and op.num_passes == 2
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
     report = op.engine_report
     assert set(report["auto"]["timings_ms"]) == {"autograd_first", "autograd", "functional"}
@@ -344,9 +375,9 @@ def test_auto_measures_and_chooses_on_a_long_run(monkeypatch: pytest.MonkeyPatch
     assert (
         report["trial_products"] >= 5
     )  # two more on autograd, three on functional: reported apart
-    assert (
-        op.num_passes == 2
-    )  # the run's own first product (two batches); the trial's are not counted
+    # the run's own first product (two batches); its second reuses the kept states; the trial's
+    # passes are not counted
+    assert op.num_passes == 2
     torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
 
 
@@ -393,6 +424,7 @@ def test_auto_distrusts_a_traced_product_that_disagrees(monkeypatch: pytest.Monk
     op.expect_products(500)
     H = dense_hessian(model, data, SUP, select_parameters(model))
     v = torch.randn(op.size, dtype=torch.float64)
+    op @ v  # the operator's first product: cold, never judged (NOTE [auto engine])
     with pytest.warns(engines_mod.EngineMismatchWarning):
         out = op @ v
     torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)

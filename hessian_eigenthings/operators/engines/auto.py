@@ -76,7 +76,13 @@ class Curvature(Protocol):
 # knows how many products are coming (algorithms declare their budget with
 # `op.expect_products(n)`; a bare `op @ v` assumes few):
 # - fewer than AUTO_MIN_PRODUCTS expected: "autograd" (nothing is traced);
-# - otherwise the first kept batch is timed on "autograd" and "functional"
+# - otherwise, at the operator's second product (its first is cold: the
+#   allocator, kernels and library handles warm up, and it builds the graph
+#   later products reuse; the first product of issue 27's 0.x script in a
+#   fresh process took 394 ms on one H100 and over 667 ms on another, which
+#   sent a 30-product run past the threshold below into a trial it never
+#   repaid, and made its time bimodal), the first kept batch is timed on
+#   "autograd" and "functional"
 #   (two products each after a warm-up; the results of the timing runs are
 #   the operator's own products, nothing is computed twice) and the faster
 #   one is kept;
@@ -254,6 +260,8 @@ class EngineSelector:
         ``out`` already holds ``A V`` (the decision's last product)."""
         if not self.pending:
             return False  # few products: autograd, undecided (a later budget may change that)
+        if self.seen <= V.shape[0]:
+            return False  # the operator's first product is cold: decide on the next (NOTE [auto engine])
         self.decided, self.pending = True, False
         a = self.auto
         a.expected_products = self.expected_products
