@@ -335,7 +335,7 @@ def test_auto_does_not_judge_on_the_cold_first_product(monkeypatch: pytest.Monke
     model, data = mlp(), classification_data(n=4, batch=4)
     calls: list[int] = []
 
-    def slow_first(m: nn.Module, batch: Any) -> torch.Tensor:
+    def slow_first(m: nn.Module, batch: object) -> torch.Tensor:
         if not calls:
             time.sleep(0.5)
         calls.append(1)
