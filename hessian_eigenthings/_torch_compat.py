@@ -134,6 +134,25 @@ def _current(device: torch.device, stat: str) -> int:
     )
 
 
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU flushes subnormal floats to zero (FTZ/DAZ)."""
+    return bool((torch.tensor([1e-310], dtype=torch.float64) * 1.0).item() == 0.0)
+
+
+@contextlib.contextmanager
+def denormals_kept() -> Iterator[None]:
+    """Undo a switch to flush-to-zero made inside: torch 2.4's inductor loads CPU kernels
+    built with fast-math, whose loading turns on FTZ/DAZ for the whole process (seen: a compiled
+    product on torch 2.4.1 left ``1e-310 * 1.0 == 0``; numpy then warns that float32's
+    smallest subnormal is zero). The user's floating-point mode is theirs: restored after."""
+    before = _flushes_denormals()
+    try:
+        yield
+    finally:
+        if not before and _flushes_denormals():
+            torch.set_flush_denormal(False)
+
+
 def all_gather_single(output: Any, tensor: Any, group: Any = None) -> None:
     """``output`` ← every rank's ``tensor``, rank by rank (flat). ``all_gather_into_tensor`` was
     renamed ``all_gather_single`` in torch 2.13, and the old name warns there."""

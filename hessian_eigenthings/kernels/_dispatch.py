@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -82,7 +83,11 @@ def _run_compile(
         if isinstance(n, torch.Tensor) or n is None
         else torch.full((), float(n), device=logits.device)
     )
-    with warnings.catch_warnings():
+    # inductor's CPU kernels can switch the process to flush-to-zero as they load (torch 2.4)
+    keep = (
+        _torch_compat.denormals_kept() if logits.device.type == "cpu" else contextlib.nullcontext()
+    )
+    with warnings.catch_warnings(), keep:
         # torch.compile's own machinery uses torch.jit.script internally on
         # some versions and warns about it; nothing a caller can act on.
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")

@@ -107,6 +107,10 @@ def test_empirical_fisher_functional() -> None:
     check_contract(op, dense, model)
 
 
+def _flushes_denormals() -> bool:
+    return bool((torch.tensor([1e-310], dtype=torch.float64) * 1.0).item() == 0.0)
+
+
 @compile_only
 def test_compiled_engine_matches_oracle_and_compiles_once_per_batch_size() -> None:
     model, data = mlp(), classification_data(n=10, batch=4)  # batch sizes 4, 4, 2
@@ -114,8 +118,12 @@ def test_compiled_engine_matches_oracle_and_compiles_once_per_batch_size() -> No
     H = dense_hessian(model, data, SUP, select_parameters(model))
     before = snapshot(model)
     v = torch.randn(op.size, dtype=torch.float64)
+    flushes = _flushes_denormals()
     for _ in range(3):
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    # the process's floating-point mode is the user's: torch 2.4's inductor loads CPU kernels
+    # that switch it to flush-to-zero; the compiled engine switches it back
+    assert _flushes_denormals() == flushes
     # one artifact per batch signature: the uneven last batch costs exactly one more
     assert op.engine_report["compilations"] == 2
     assert op.engine_report["fallbacks"] == 0

@@ -102,7 +102,7 @@ class CompiledRunner(FunctionalRunner):
             if not _torch_compat.compile_supported():
                 raise RuntimeError("torch.compile does not support this Python")
             compiler = _torch_compat.inductor_backend()
-            with _quiet_compile():
+            with _quiet_compile(), _torch_compat.denormals_kept():
                 fn = compiler(views_as_reshapes(tangent), list(args))
                 out = fn(*args)
             if args[0].is_cuda:
