@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch, BatchSource, batch_size
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.linalg_distributed import (
@@ -80,7 +81,7 @@ from hessian_eigenthings.operators.kronecker import (
     KroneckerOperator,
 )
 from hessian_eigenthings.operators.layer_walk import LayerWalkRunner
-from hessian_eigenthings.operators.sharded_walk import ShardGather
+from hessian_eigenthings.operators.sharded_walk import ShardGather, chunk_rows
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, RowBlock
 
 __all__ = [
@@ -211,9 +212,8 @@ def _local_padding_rows(
     for _, p in named_params:
         owner = owners.get(id(p))
         if owner is not None:
-            rows = p.shape[0]
-            pad = int(owner.padding_idx) % rows  # type: ignore[arg-type]
-            chunk = -(-rows // world)
+            pad = int(owner.padding_idx) % p.shape[0]  # type: ignore[arg-type]
+            chunk = chunk_rows(p.shape[0], world)[0]
             if pad // chunk == rank:
                 width = math.prod(p.shape[1:])
                 start = offset + (pad - rank * chunk) * width
@@ -929,13 +929,6 @@ class FSDPHessianOperator(ShardedMixin, HessianOperator):
 # each) is repeated on every rank.
 
 
-def _chunk_rows(rows: int, world: int) -> list[int]:
-    """Rows of dim 0 on each rank under FSDP2's ``torch.chunk`` split: chunks of ``ceil(d / W)``
-    rows, the last ones shorter or empty."""
-    chunk = -(-rows // world)
-    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
-
-
 class _ShardedLayer:
     """One layer's blocks over its whole parameters, and where its entries sit on the ranks.
 
@@ -955,7 +948,7 @@ class _ShardedLayer:
     ) -> None:
         self.op = op
         self.blocks = blocks
-        rows = [_chunk_rows(whole.shapes[i][0], world) for i in indices]  # per parameter, rank
+        rows = [chunk_rows(whole.shapes[i][0], world) for i in indices]  # per parameter, rank
         widths = [whole.shapes[i][1:].numel() for i in indices]
         # where each parameter's piece starts in each rank's packed pieces
         starts = [[0] * world]
@@ -1145,7 +1138,7 @@ class ShardedKroneckerMixin(KroneckerDataParallelMixin, LayerKroneckerOperator):
                 )
             placements = p.placements  # type: ignore[attr-defined]
             local = tuple(_local(p).shape)
-            rows = _chunk_rows(p.shape[0], world)[rank]
+            rows = chunk_rows(p.shape[0], world)[rank]
             if (
                 len(placements) != 1
                 or not placements[0].is_shard(0)
@@ -1221,7 +1214,7 @@ class ShardedKroneckerMixin(KroneckerDataParallelMixin, LayerKroneckerOperator):
             send = V.new_zeros(k, layer.pad)
             send[:, : mine.shape[1]] = mine
             parts = V.new_empty(self.world_size, k, layer.pad)
-            dist.all_gather(list(parts.unbind(0)), send, group=self._ranks.group)
+            _torch_compat.all_gather_single(parts.view(-1), send.view(-1), group=self._ranks.group)
             whole = parts.transpose(0, 1).reshape(k, -1).index_select(1, layer.place)
             out.index_copy_(1, layer.take, apply(layer.op, whole).index_select(1, layer.mine))
         return out

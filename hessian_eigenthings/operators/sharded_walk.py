@@ -32,15 +32,24 @@ from hessian_eigenthings import _torch_compat
 #   parameters and direction are gathered whole right before the stage, in one
 #   all-gather (each rank's shards padded to FSDP's chunk of rows and packed);
 # - a stage's blocks of H_r v (rank r's batch, mean loss over its b_r samples)
-#   are scaled by b_r / B (B = Σ_r b_r), summed over the ranks in one
-#   all-reduce, and cut to this rank's rows (FSDP2's `torch.chunk` split of
-#   dim 0): the batch-size-weighted product of the union of the batches.
+#   are scaled by b_r / B (B = Σ_r b_r) and summed over the ranks by one
+#   reduce-scatter that hands each rank its rows (FSDP2's `torch.chunk` split
+#   of dim 0): the batch-size-weighted product of the union of the batches.
 # Every rank walks the stages in one order, so the collectives match. Memory
 # per rank: the boundary activations of its own batch (values and tangents),
 # one layer and the outside parameters whole, one layer's block of the
 # product whole. Communication per vector and layer: two all-gathers (the
-# forward and the backward walk) and one all-reduce, as many as an FSDP
-# training step has per layer.
+# forward and the backward walk; one for a layer whose graph is kept, NOTE
+# [kept layer graphs]) and one reduce-scatter, as many as an FSDP training
+# step has per layer.
+
+
+def chunk_rows(rows: int, world: int) -> list[int]:
+    """Rows of dim 0 on each rank under FSDP2's ``torch.chunk`` split: chunks of ``c = ceil(d /
+    W)`` rows on the first ranks, the last ones shorter or empty (rank r holds rows ``[r·c,
+    r·c + n_r)``)."""
+    chunk = -(-rows // world)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
 
 
 def _fsdp_hooks(model: nn.Module, fsdp_cls: type) -> list[dict[Any, Any]]:
@@ -121,10 +130,8 @@ class ShardGather:
         shape only: indexing a DTensor would gather it."""
         if len(shape) == 0:
             return [1] + [0] * (self.world - 1), 1, 1
-        d = shape[0]
-        chunk = -(-d // self.world)
-        width = math.prod(shape[1:])
-        return [max(0, min(chunk, d - r * chunk)) for r in range(self.world)], chunk, width
+        rows = chunk_rows(shape[0], self.world)
+        return rows, max(rows[0], 1), math.prod(shape[1:])
 
     def gather(self, items: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Whole tensors for ``(name, shard)`` pairs (``shard`` None: the parameter itself), all
@@ -133,16 +140,18 @@ class ShardGather:
         of its padded whole, and the whole is its first ``d`` rows."""
         if not items:
             return []
-        metas, pieces = [], []
+        locals_, metas = [], []
         for name, shard in items:
             p = self._now[name]
-            local = (p.to_local() if shard is None else shard).detach()  # type: ignore[attr-defined]
+            locals_.append((p.to_local() if shard is None else shard).detach())  # type: ignore[attr-defined]
             _, chunk, width = self._rows(p.shape)
-            padded = local.new_zeros(chunk * width)
-            padded[: local.numel()] = local.reshape(-1)
-            pieces.append(padded)
             metas.append((p.shape, chunk * width, width))
-        flat = torch.cat(pieces)
+        # each piece written once into its padded slot of one send buffer
+        flat = locals_[0].new_zeros(sum(size for _, size, _ in metas))
+        offset = 0
+        for local, (_, size, _) in zip(locals_, metas, strict=True):
+            flat[offset : offset + local.numel()] = local.reshape(-1)
+            offset += size
         parts = flat.new_empty(self.world * flat.numel())
         _torch_compat.all_gather_single(parts, flat, group=self.group)
         parts = parts.view(self.world, -1)
@@ -160,14 +169,22 @@ class ShardGather:
         blocks packed rank by rank, so that rank r receives its rows of every block."""
         if not items:
             return []
-        metas, pieces = [], []
+        metas = []
         for _, block in items:
             rows, chunk, width = self._rows(block.shape)
-            padded = block.new_zeros(self.world, chunk * width)
-            padded.view(-1)[: block.numel()] = block.reshape(-1)
-            pieces.append(padded)
             metas.append((rows[self.rank], chunk * width, width, block.shape))
-        packed = torch.cat(pieces, dim=1).mul_(self._scale)
+        # each block scaled once into its padded columns of one (W, Σ c·width) send buffer
+        first = items[0][1]
+        packed = first.new_zeros(self.world, sum(size for _, size, _, _ in metas))
+        offset = 0
+        for (_, block), (_, size, _, _) in zip(items, metas, strict=True):
+            # rank r's rows are the block's r-th run of `size` numbers; only the last runs are short
+            values, slots = block.reshape(-1), packed[:, offset : offset + size]
+            full, rest = divmod(values.numel(), size)
+            torch.mul(values[: full * size].view(full, size), self._scale, out=slots[:full])
+            if rest:
+                torch.mul(values[full * size :], self._scale, out=slots[full, :rest])
+            offset += size
         mine = packed.new_empty(packed.shape[1])
         _torch_compat.reduce_scatter_single(mine, packed.view(-1), group=self.group)
         out, offset = [], 0
