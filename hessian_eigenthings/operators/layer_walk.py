@@ -31,6 +31,7 @@ from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import CallWithModel
 from hessian_eigenthings.operators.engines.functional import check_functional_model
 from hessian_eigenthings.operators.engines.runner import ProductCounts
+from hessian_eigenthings.operators.engines.tracing import batch_signature
 from hessian_eigenthings.param_utils import call_with_values
 
 # NOTE [layer walk]
@@ -70,10 +71,12 @@ from hessian_eigenthings.param_utils import call_with_values
 # the backward walk. Layers are kept in order while their graphs fit
 # `keep_bytes`. By default, on CUDA, that is what is free when the product
 # starts (free to the driver plus the allocator's unused cache) less the walk's
-# own working set and a tenth of the device: the first product keeps nothing
-# and reads its working set off the allocator's peak (an upper bound when an
-# earlier peak of the process was higher: then less is kept); the size of a
-# graph is measured as the allocation grows. On the CPU nothing is kept.
+# own working set and a tenth of the device: the first product of each batch
+# signature keeps nothing and reads its working set off the allocator's peak
+# (an upper bound when an earlier peak of the process was higher: then less is
+# kept); the size of a graph is measured as the allocation grows. Both are
+# kept per batch signature, since both grow with the batch (an uneven last
+# batch is measured on its own). On the CPU nothing is kept.
 # Not every forward-mode formula of torch can be differentiated in reverse:
 # layer_norm's reads its mean and inverse deviation as constants (they are
 # non-differentiable outputs of the native op), so reverse over forward drops
@@ -328,8 +331,10 @@ class LayerWalk:
         #: why keeping is off for this walk (its first kept layer disagreed with the recomputed one)
         self.keep_refused: str | None = None
         self._keep_checked = False
-        #: an upper bound of what a product without kept graphs allocates at its peak (CUDA)
-        self._working_bytes: int | None = None
+        #: by batch signature (a graph's size and the walk's working set grow with the batch):
+        #: an upper bound of what a product without kept graphs allocates at its peak, and one
+        #: kept layer graph's size, once measured (CUDA)
+        self._sizes: dict[Any, tuple[int | None, int | None]] = {}
         self._gather = gather
         self._finish = finish
         #: whether the layers' other arguments were checked to be constants (first batch)
@@ -599,20 +604,21 @@ class LayerWalk:
             del theta, vi
         return hs, hds, pulls
 
-    def _keep(self, like: torch.Tensor) -> _Keep:
-        """The room for this product's kept layer graphs (NOTE [kept layer graphs])."""
+    def _keep(self, like: torch.Tensor, working: int | None, size: int | None) -> _Keep:
+        """The room for this product's kept layer graphs (NOTE [kept layer graphs]), given the
+        working set and graph size measured on this batch signature."""
         room = self.keep_bytes
         if self.keep_refused is not None:
             room = 0
         elif room is None:
             room = 0
-            if like.device.type == "cuda" and self._working_bytes is not None:
+            if like.device.type == "cuda" and working is not None:
                 free, total = torch.cuda.mem_get_info(like.device)
                 unused = _torch_compat.cuda_reserved(like.device) - _torch_compat.cuda_allocated(
                     like.device
                 )
-                room = max(0, free + unused - self._working_bytes - int(WALK_FREE_FRACTION * total))
-        size, count = self.layer_graph_bytes, None
+                room = max(0, free + unused - working - int(WALK_FREE_FRACTION * total))
+        count = None
         if self._agree is not None:
             # ranks keep the same layers, so that their gathers pair up: as many as fit every rank
             # (none on the first product, one to measure on the next)
@@ -631,7 +637,9 @@ class LayerWalk:
         result: dict[str, torch.Tensor] = {}
 
         # 1. forward walk
-        keep = self._keep(like)
+        sizes_key = batch_signature(state.batch)
+        working, size = self._sizes.get(sizes_key, (None, None))
+        keep = self._keep(like, working, size)
         hs, hds, pulls = self._forward_walk(
             state, v, out_theta, out_v, keep_tangents=True, keep=keep
         )
@@ -678,7 +686,8 @@ class LayerWalk:
                 result[n] = result[n] + t
         result.update(self._done({n: result[n] for n in self.outside}))
         if like.device.type == "cuda" and keep.count == 0:  # NOTE [kept layer graphs]
-            self._working_bytes = torch.cuda.max_memory_allocated(like.device) - start
+            working = torch.cuda.max_memory_allocated(like.device) - start
+        self._sizes[sizes_key] = (working, keep.size)
         return {n: result[n] for n in self.names}
 
     def _pullback_tangent(
