@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
+
+from hessian_eigenthings.operators.engines import TRACE_STORE
+
+# NOTE [trace reuse]: no test reads or writes the user's stored programs, and none finds a program
+# another test traced (product counts and traces must not depend on the order tests run in);
+# the store's own tests point it at a temporary directory. Subprocesses inherit this.
+os.environ["HESSIAN_EIGENTHINGS_TRACE_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+    TRACE_STORE.clear()
 
 
 def mlp(d_in: int = 5, hidden: int = 7, d_out: int = 3) -> nn.Module:

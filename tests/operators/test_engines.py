@@ -282,6 +282,7 @@ def test_auto_is_autograd_for_a_bare_product() -> None:
 
 def test_auto_keeps_autograd_on_a_short_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 1e12)  # any run is short: no timing noise
+    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)
     model, data = mlp(), classification_data(n=4, batch=4)
     op = HessianOperator(model, data, SUP)
     res = lanczos(op, k=2, seed=0)
@@ -300,6 +301,7 @@ def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> 
     """NOTE [auto engine]: a loop that declares no budget is judged after AUTO_MIN_PRODUCTS
     products and at each doubling; "short run" verdicts are not final, a trial's is."""
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 1e12)  # every run short: no trial
+    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)
     monkeypatch.setattr(engines_mod, "COMPILE_PRIOR_S", 1e9)  # never compile here
     model, data = mlp(), classification_data(n=4, batch=4)
     H = dense_hessian(model, data, SUP, select_parameters(model))
@@ -340,6 +342,7 @@ def test_auto_does_not_judge_on_the_cold_first_product(monkeypatch: pytest.Monke
     import time
 
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 2000.0)
+    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)  # the threshold: 2 s
     model, data = mlp(), classification_data(n=4, batch=4)
     calls: list[int] = []
 
@@ -624,3 +627,100 @@ def test_a_value_read_that_no_input_feeds_keeps_the_program_general() -> None:
     H = dense_hessian(per_batch.model, data, _reads_the_batch, select_parameters(per_batch.model))
     torch.testing.assert_close(per_batch @ v, H @ v, rtol=1e-10, atol=1e-12)
     assert per_batch.engine_report["traces"] == 3
+
+
+# -- recording a trace (NOTE [recording a trace]) -------------------------------------------
+
+
+def _tiny_gpt2() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=8, n_head=2, vocab_size=13, n_positions=16, bos_token_id=0,
+        eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    return model, [{"input_ids": torch.randint(0, 13, (2, 6))}]
+
+
+def _hf_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return lm_loss(lambda ids: model(input_ids=ids, use_cache=False).logits, batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["mlp_hessian", "cnn_ggn", "transformer_hessian", "gpt2_hessian", "gpt2_ggn"])
+def test_recorded_programs_equal_make_fx_programs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder and make_fx trace the same product into programs that compute the same
+    numbers, for every direction; the recorded ones leave out ops nothing needs."""
+    from hessian_eigenthings.loss_fns import hf_lm_forward, hf_lm_loss_of_output
+    from hessian_eigenthings.operators.engines import FunctionalRunner
+    from hessian_eigenthings.operators.engines import tracing as tracing_mod
+
+    if case == "mlp_hessian":
+        model, data = mlp(), classification_data(n=4, batch=4)
+        op = HessianOperator(model, data, SUP)
+    elif case == "cnn_ggn":
+        model = SmallCNN().double().eval()  # batch statistics are not traced
+        data = [(torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (3,)))]
+        op = GGNOperator(model, data, supervised_forward, CE_OUT)
+    elif case == "transformer_hessian":
+        model = TinyTransformer().double()
+        data = [{"input_ids": torch.randint(0, 11, (2, 5))}]
+        op = HessianOperator(model, data, lm_loss)
+    else:
+        model, data = _tiny_gpt2()
+        if case == "gpt2_hessian":
+            op = HessianOperator(model, data, _hf_lm_loss)
+        else:
+            op = GGNOperator(model, data, hf_lm_forward(), hf_lm_loss_of_output())
+    batch = op._engine_batch(data[0])
+    programs = {}
+    for tracer in ("make_fx", "record"):
+        monkeypatch.setattr(tracing_mod, "TRACER", tracer)
+        runner = FunctionalRunner(model, op.params, op.functional_product)
+        with _torch_compat.math_sdpa():  # as the operator's guard runs a traced engine
+            programs[tracer] = (runner, runner._tracer.trace(batch, general=True))
+    for _ in range(2):
+        v = [torch.randn_like(p) for p in op.params]
+        outs = []
+        for runner, prog in programs.values():
+            with torch.no_grad():
+                kept = prog.primal(*runner._tracer.primal_inputs(batch, prog))
+                outs.append(prog.tangent(*kept, *v))
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    recorded, traced = programs["record"][1], programs["make_fx"][1]
+    assert recorded.general and traced.general
+    size = {
+        k: sum(1 for n in p.tangent.graph.nodes if n.op == "call_function")
+        for k, (_, p) in programs.items()
+    }
+    assert size["record"] <= size["make_fx"], size
+
+
+def test_recording_refuses_a_constant_that_aliases_an_input() -> None:
+    """A tensor the function reads that no recorded op made, sharing an input's storage, would
+    bake that input's present values into the program: recording refuses, make_fx traces."""
+    from hessian_eigenthings.operators.engines import tracing as tracing_mod
+
+    x = torch.randn(4, dtype=torch.float64)
+    view = x[:2]  # made before recording: a constant of the graph, aliasing the input
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return a * 2 + view.sum()
+
+    with pytest.raises(_torch_compat.RecordingError, match="shares storage"):
+        _torch_compat.record_real(f, x)
+    assert not _torch_compat.tracing()  # recording is over, even after an error
+    rec = tracing_mod.trace_real(f, [x])  # make_fx instead
+    gm = tracing_mod.to_graph_module(rec)
+    torch.testing.assert_close(gm(x)[0] if isinstance(gm(x), tuple) else gm(x), f(x))
+
+
+def test_code_that_writes_outside_the_dispatcher_sees_tracing() -> None:
+    seen = []
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        seen.append(_torch_compat.tracing())
+        return a + 1
+
+    _torch_compat.record_real(f, torch.ones(2))
+    assert seen == [True] and not _torch_compat.tracing()

@@ -16,17 +16,19 @@ of (parameters and buffers by name, batch, one tangent) returning the product
 - ``"auto"``: chosen per operator from measurement (``auto.EngineSelector``, NOTE [auto engine]).
 
 Cost: tracing is host work (about a second per thousand graph nodes), paid once per batch
-signature; a kept batch costs the primal part once (forward, plus the backward for the Hessian);
+signature, model and curvature: a later operator or process finds the program stored
+(``trace_cache``, NOTE [trace reuse]) and checks it with one product; a kept batch costs the primal part once (forward, plus the backward for the Hessian);
 each product then costs the tangent part. Kept state is about the activations the tangent part reads.
 """
 
 from hessian_eigenthings.operators.engines.auto import (
     AUTO_MIN_PRODUCTS,
     AUTO_MIN_RUN_MS,
+    AUTO_TRACE_PAYBACK,
     COMPILE_PRIOR_S,
     COMPILE_S_PER_NODE,
     COMPILED_SAVING,
-    MISMATCH_TOL,
+    TRACE_PRIOR_S_PER_MODULE,
     AutoChoice,
     EngineMismatchWarning,
     EngineSelector,
@@ -47,12 +49,14 @@ from hessian_eigenthings.operators.engines.functional import (
 )
 from hessian_eigenthings.operators.engines.runner import (
     ENGINES,
+    MISMATCH_TOL,
     AutogradRunner,
     EngineName,
     EngineUnsupportedError,
     ProductCounts,
     ProductRunner,
 )
+from hessian_eigenthings.operators.engines.trace_cache import TRACE_STORE, TraceStore
 from hessian_eigenthings.operators.engines.tracing import (
     SplitProgram,
     SplitState,
@@ -65,12 +69,15 @@ from hessian_eigenthings.operators.engines.tracing import (
 __all__ = [
     "AUTO_MIN_PRODUCTS",
     "AUTO_MIN_RUN_MS",
+    "AUTO_TRACE_PAYBACK",
     "COMPILED_SAVING",
     "COMPILE_PRIOR_S",
     "COMPILE_S_PER_NODE",
     "ENGINES",
     "MAX_COMPILATIONS",
     "MISMATCH_TOL",
+    "TRACE_PRIOR_S_PER_MODULE",
+    "TRACE_STORE",
     "AutoChoice",
     "AutogradRunner",
     "CompileFallbackWarning",
@@ -84,6 +91,7 @@ __all__ = [
     "ProductRunner",
     "SplitProgram",
     "SplitState",
+    "TraceStore",
     "Tracer",
     "batch_signature",
     "check_functional_model",

@@ -28,22 +28,19 @@ from hessian_eigenthings.operators.engines.functional import (
 )
 from hessian_eigenthings.operators.engines.runner import (
     ENGINES,
+    MISMATCH_TOL,
     AutogradRunner,
     EngineUnsupportedError,
     ProductCounts,
     ProductRunner,
     unsupported,
 )
-from hessian_eigenthings.operators.engines.tracing import SplitProgram
+from hessian_eigenthings.operators.engines.trace_cache import TRACE_STORE, structure_key
+from hessian_eigenthings.operators.engines.tracing import SplitProgram, selected_names
 
 
 class EngineMismatchWarning(RuntimeWarning):
     """``auto``'s timing runs gave different products on two engines: it keeps ``autograd``."""
-
-
-#: relative difference between two engines' products beyond which ``auto`` distrusts the traced
-#: one (rounding differs between engines, a wrong trace differs by O(1))
-MISMATCH_TOL: dict[torch.dtype, float] = {torch.float64: 1e-8, torch.float32: 1e-3}
 
 
 class Curvature(Protocol):
@@ -80,8 +77,16 @@ class Curvature(Protocol):
 #   allocator, kernels and library handles warm up, and it builds the graph
 #   later products reuse; the first product of issue 27's 0.x script in a
 #   fresh process took 394 ms on one H100 and over 667 ms on another, which
-#   sent a 30-product run past the threshold below into a trial it never
-#   repaid, and made its time bimodal), the first kept batch is timed on
+#   sent a 30-product run into a trial it never repaid, and made its time
+#   bimodal): a "short run" — expected products × that product's time under
+#   AUTO_TRACE_PAYBACK × what a trace is expected to cost — stays on
+#   "autograd" (a trial that finds nothing faster then costs at most about a
+#   third more than the run would have cost without it); the expected
+#   trace cost is a stored program's load or the model's last trace (NOTE
+#   [trace reuse]), else TRACE_PRIOR_S_PER_MODULE per leaf module, at most
+#   AUTO_MIN_RUN_MS (a 5-module MLP expects 0.5 s, not 20 s: its bare loops of
+#   1000 GGN products stayed on a path 1.5-4x slower than the traced one);
+# - a longer run: the first kept batch is timed on
 #   "autograd" and "functional"
 #   (two products each after a warm-up; the results of the timing runs are
 #   the operator's own products, nothing is computed twice) and the faster
@@ -98,11 +103,11 @@ class Curvature(Protocol):
 # assumes as many more are coming as were made (a loop that has run n products
 # is as likely to stop before n more as after) and decides as above. A "short
 # run" verdict is not final, so a loop that keeps going reaches the trial once
-# its products so far have taken AUTO_MIN_RUN_MS; a trial's verdict is final.
-# Each check costs one synchronised product; the loop pays at most about
-# AUTO_MIN_RUN_MS on the slower engine before the trial (ski rental: never
-# more than twice what knowing its length would have cost, trace included,
-# when a trace costs about AUTO_MIN_RUN_MS or less).
+# its products so far have taken about AUTO_TRACE_PAYBACK × the trace's
+# expected cost; a trial's verdict is final. Each check costs one
+# synchronised product; the loop pays at most about AUTO_TRACE_PAYBACK × the
+# trace's expected cost on the slower engine before the trial (ski rental: a bounded multiple of what knowing its
+# length would have cost, trace included, when the estimate is right).
 
 AUTO_MIN_PRODUCTS = 8
 COMPILE_PRIOR_S = 8.0
@@ -119,6 +124,9 @@ class AutoChoice:
     timings_ms: dict[str, float] = field(default_factory=dict)
     compile_estimate_s: float | None = None
     reason: str = "few products expected"
+    #: what a trace was expected to cost when the run's length was judged, and why
+    trace_estimate_s: float | None = None
+    trace_estimate_from: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +137,10 @@ class AutoChoice:
             if self.compile_estimate_s is None
             else round(self.compile_estimate_s, 1),
             "reason": self.reason,
+            "trace_estimate_s": None
+            if self.trace_estimate_s is None
+            else round(self.trace_estimate_s, 3),
+            "trace_estimate_from": self.trace_estimate_from,
         }
 
 
@@ -150,7 +162,16 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
+#: the most a trace is expected to cost (the threshold of a "short run" where nothing is known)
 AUTO_MIN_RUN_MS = 20_000.0
+#: a run is long enough for a trial when its products on autograd are expected to take this many
+#: times what a trace is expected to cost: a trial that finds no faster engine then costs the run
+#: at most about 1 / AUTO_TRACE_PAYBACK more (the facade's 0.x scripts must never be slower)
+AUTO_TRACE_PAYBACK = 3.0
+#: a first trace's expected cost per leaf module where none was recorded (H100 host, torch 2.11:
+#: 0.02 s on a 5-module MLP GGN, 0.06 s on ResNet-18's GGN, 0.11-0.17 s on GPT-2 12L's GGN and
+#: Hessian)
+TRACE_PRIOR_S_PER_MODULE = 0.1
 
 #: the operator's product of a row block ``V (k, n)`` into ``out`` (one pass over the data)
 BlockProduct = Callable[[torch.Tensor, torch.Tensor], None]
@@ -278,10 +299,13 @@ class EngineSelector:
             self.decided = False  # judged again later (NOTE [auto engine])
             raise
         a.timings_ms["autograd_first"] = first / V.shape[0]
-        if first / V.shape[0] * self.expected_products < AUTO_MIN_RUN_MS:
+        trace_ms, why = self.trace_estimate_ms()
+        a.trace_estimate_s, a.trace_estimate_from = trace_ms / 1e3, why
+        if first / V.shape[0] * self.expected_products < AUTO_TRACE_PAYBACK * trace_ms:
             a.chosen, a.reason = (
                 "autograd",
-                f"short run: expected products x product time under {AUTO_MIN_RUN_MS / 1e3:.0f} s",
+                f"short run: expected products x product time under {AUTO_TRACE_PAYBACK:g} x "
+                f"the trace's expected {trace_ms / 1e3:.2g} s",
             )
             self.decided = False  # judged again if the run goes on (NOTE [auto engine])
             return True
@@ -294,6 +318,20 @@ class EngineSelector:
         finally:
             counts.passes, counts.forwards = passes, forwards
         return True
+
+    def trace_estimate_ms(self) -> tuple[float, str]:
+        """What a trace is expected to cost before the functional engine's first product, and
+        why (NOTE [auto engine]): a stored or recorded figure of this model and curvature (NOTE
+        [trace reuse]), else TRACE_PRIOR_S_PER_MODULE per leaf module; at most AUTO_MIN_RUN_MS."""
+        if not self.functional:
+            return AUTO_MIN_RUN_MS, "no functional engine"
+        names = selected_names(self.model, self.params)
+        known = TRACE_STORE.expected_s(structure_key(self.model, names, self.product))
+        if known is not None:
+            return min(AUTO_MIN_RUN_MS, known[0] * 1e3), known[1]
+        leaves = sum(1 for m in self.model.modules() if next(m.children(), None) is None)
+        prior = TRACE_PRIOR_S_PER_MODULE * max(1, leaves) * 1e3
+        return min(AUTO_MIN_RUN_MS, prior), f"prior: {leaves} leaf modules"
 
     def _refusal(self, keeps_states: bool) -> str | None:
         """Why ``auto`` keeps autograd without a trial, if it does."""

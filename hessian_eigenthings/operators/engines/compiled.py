@@ -20,6 +20,7 @@ import torch
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.operators.engines.functional import FunctionalRunner
+from hessian_eigenthings.operators.engines.trace_cache import inductor_cache_base
 from hessian_eigenthings.operators.engines.tracing import SplitProgram, SplitState
 
 
@@ -219,10 +220,7 @@ def _quiet_compile() -> Iterator[None]:
 
 
 def _record_path() -> str:
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}"
-    )
-    return os.path.join(base, "hessian_eigenthings_compile_times.json")
+    return os.path.join(inductor_cache_base(), "hessian_eigenthings_compile_times.json")
 
 
 def record_compile(prog: SplitProgram, k: int, seconds: float) -> None:

@@ -22,6 +22,10 @@ from hessian_eigenthings.batching import Batch
 EngineName = Literal["auto", "autograd", "functional", "compiled", "layers"]
 ENGINES: tuple[str, ...] = ("auto", "autograd", "functional", "compiled", "layers")
 
+#: relative difference between a traced product and its reference beyond which the traced one is
+#: distrusted (rounding differs between engines, a wrong trace differs by O(1))
+MISMATCH_TOL: dict[torch.dtype, float] = {torch.float64: 1e-8, torch.float32: 1e-3}
+
 #: ``apply(state, vectors, retain)`` of the runner interface
 Apply = Callable[[Any, list[torch.Tensor], bool], Sequence[torch.Tensor | None]]
 

@@ -1,15 +1,18 @@
 """Tracing a curvature's pure product into a program split by the direction (NOTE [tangent split]).
 
 :class:`Tracer` traces ``product(state, batch, tangent)`` (parameters and buffers by registered
-name) with ``make_fx`` into one aten graph and splits it into the part that reads only
-parameters and data (run once per kept batch) and the part that reads the direction (run per
-product). Cost: host work, about a second per thousand graph nodes, once per batch signature.
+name) into one aten graph (``trace_real``: recorded, NOTE [recording a trace] in ``_torch_compat``,
+or by ``make_fx``) and splits it into the part that reads only parameters and data (run once per
+kept batch) and the part that reads the direction (run per product). Cost: host work once per
+batch signature, the ops' own time plus tens of microseconds per graph node when recorded (about
+a millisecond per node through ``make_fx``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,53 +58,182 @@ PureProduct = Callable[[dict[str, torch.Tensor], Batch, list[torch.Tensor]], Seq
 # (7.5 s), and every further batch traced again.
 
 
+Recording = _torch_compat.Recording
+Ref = _torch_compat.Ref
+
+
+def from_graph_module(gm: torch.fx.GraphModule) -> Recording:
+    """``gm`` (an aten graph of call_function nodes, as make_fx writes) as a :class:`Recording`."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    rec = Recording(len(phs))
+    env: dict[torch.fx.Node, Ref] = dict(zip(phs, rec.inputs, strict=True))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            env[node] = Ref("constant", len(rec.constants))
+            rec.constants.append(value)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            base = env[node.args[0]]
+            env[node] = Ref("op", base.i, int(node.args[1]))
+        elif node.op == "call_function":
+            reads: list[Ref] = []
+
+            def sub(x: torch.fx.Node, reads: list[Ref] = reads) -> Any:
+                reads.append(env[x])
+                return env[x]
+
+            args = torch.fx.node.map_arg(node.args, sub)
+            kwargs = torch.fx.node.map_arg(node.kwargs, sub)
+            env[node] = Ref("op", len(rec.ops))
+            rec.ops.append((node.target, args, dict(kwargs), reads))
+        elif node.op == "output":
+            out = node.args[0]
+            rec.sequence = isinstance(out, (list, tuple))
+            rec.outputs = [env[x] for x in (out if rec.sequence else [out])]
+        elif node.op != "placeholder":
+            raise ValueError(f"unexpected {node.op} node {node.name} in an aten graph")
+    return rec
+
+
+def _mutates(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _live(rec: Recording, roots: Sequence[Ref], among: Sequence[bool] | None = None) -> list[bool]:
+    """Ops needed for ``roots`` (and ops that write into their arguments), among ``among``."""
+    ops = rec.ops
+    needed = {r.i for r in roots if r.kind == "op"}
+    live = [False] * len(ops)
+    for j in range(len(ops) - 1, -1, -1):
+        if among is not None and not among[j]:
+            continue
+        func, _, _, reads = ops[j]
+        if j in needed or _mutates(func):
+            live[j] = True
+            needed.update(r.i for r in reads if r.kind == "op")
+    return live
+
+
+def _emit(
+    rec: Recording,
+    root: nn.Module,
+    live: Sequence[bool],
+    placeholders: Sequence[tuple[Ref, str]],
+    outputs: Sequence[Ref],
+    sequence: bool,
+) -> torch.fx.GraphModule:
+    """A GraphModule running the ``live`` ops of ``rec`` from ``placeholders`` to ``outputs``."""
+    graph = torch.fx.Graph()
+    env: dict[int, torch.fx.Node] = {}
+    op_node: dict[int, torch.fx.Node] = {}
+    for r, name in placeholders:
+        env[id(r)] = graph.placeholder(name)
+
+    def node(r: Ref) -> torch.fx.Node:
+        n = env.get(id(r))
+        if n is None:
+            if r.kind == "constant":
+                n = graph.get_attr(f"_tensor_constant{r.i}")
+            elif r.item < 0:
+                n = op_node[r.i]
+            else:
+                n = graph.call_function(operator.getitem, (op_node[r.i], r.item))
+            env[id(r)] = n
+        return n
+
+    def sub(x: Any) -> Any:
+        if isinstance(x, Ref):
+            return node(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)([sub(a) for a in x]) if x else x
+        if isinstance(x, dict):
+            return {k: sub(v) for k, v in x.items()}
+        return x
+
+    for j, (func, args, kwargs, _) in enumerate(rec.ops):
+        if live[j]:
+            op_node[j] = graph.call_function(func, sub(args), sub(kwargs))
+    results = [node(r) for r in outputs]
+    graph.output(tuple(results) if sequence else results[0])
+    return torch.fx.GraphModule(root, graph)
+
+
+def _constants_root(rec: Recording) -> nn.Module:
+    root = nn.Module()
+    for i, c in enumerate(rec.constants):
+        setattr(root, f"_tensor_constant{i}", c)
+    return root
+
+
+def to_graph_module(rec: Recording) -> torch.fx.GraphModule:
+    """``rec`` as one GraphModule of its inputs (ops nothing needs are left out)."""
+    return _emit(
+        rec,
+        _constants_root(rec),
+        _live(rec, rec.outputs),
+        [(r, f"arg{r.i}") for r in rec.inputs],
+        rec.outputs,
+        rec.sequence,
+    )
+
+
+def split_recording(
+    rec: Recording, n_primal: int
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """``rec(primals..., tangents...)`` as ``primal(primals...) -> kept`` and
+    ``tangent(kept..., tangents...)`` (NOTE [tangent split]); returns both and the number of
+    kept values. Ops nothing needs are left out of both."""
+    ops = rec.ops
+    tangent_inputs = {id(r) for r in rec.inputs[n_primal:]}
+    dep = [False] * len(ops)
+    for j, (_, _, _, reads) in enumerate(ops):
+        dep[j] = any((r.kind == "op" and dep[r.i]) or id(r) in tangent_inputs for r in reads)
+
+    def is_dep(r: Ref) -> bool:
+        return (r.kind == "op" and dep[r.i]) or id(r) in tangent_inputs
+
+    live = _live(rec, rec.outputs)
+    tangent_live = [lv and d for lv, d in zip(live, dep, strict=True)]
+    boundary: list[Ref] = []
+    seen: set[int] = set()
+    for reads in [ops[j][3] for j in range(len(ops)) if tangent_live[j]] + [rec.outputs]:
+        for r in reads:
+            if not is_dep(r) and id(r) not in seen and r.kind != "constant":
+                seen.add(id(r))
+                boundary.append(r)
+    primal_live = _live(
+        rec, boundary, among=[lv and not d for lv, d in zip(live, dep, strict=True)]
+    )
+    root = _constants_root(rec)
+    primal = _emit(
+        rec,
+        root,
+        primal_live,
+        [(r, f"arg{r.i}") for r in rec.inputs[:n_primal]],
+        boundary,
+        True,
+    )
+    tangent = _emit(
+        rec,
+        root,
+        tangent_live,
+        [(r, f"kept_{i}") for i, r in enumerate(boundary)]
+        + [(r, f"arg{r.i}") for r in rec.inputs[n_primal:]],
+        rec.outputs,
+        rec.sequence,
+    )
+    return primal, tangent, len(boundary)
+
+
 def split_by_tangent(
     gm: torch.fx.GraphModule, n_primal: int
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
     """``gm(primals..., tangents...)`` as ``primal(primals...) -> kept`` and
     ``tangent(kept..., tangents...)``; returns both and the number of kept values."""
-    graph = gm.graph
-    ph = [n for n in graph.nodes if n.op == "placeholder"]
-    dep: set[torch.fx.Node] = set(ph[n_primal:])
-    for n in graph.nodes:
-        if n.op not in ("placeholder", "output", "get_attr") and any(
-            a in dep for a in n.all_input_nodes
-        ):
-            dep.add(n)
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    boundary: list[torch.fx.Node] = []
-    seen: set[torch.fx.Node] = set()
-    for n in graph.nodes:
-        if n in dep or n is out_node:
-            for a in n.all_input_nodes:
-                if a not in dep and a not in seen:
-                    seen.add(a)
-                    boundary.append(a)
-    primal_graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    primal_inputs = set(ph[:n_primal])
-    for n in graph.nodes:
-        if n in dep or n.op == "output" or (n.op == "placeholder" and n not in primal_inputs):
-            continue
-        env[n] = primal_graph.node_copy(n, lambda x: env[x])
-    primal_graph.output(tuple(env[b] for b in boundary))
-    primal_graph.eliminate_dead_code()
-    tangent_graph = torch.fx.Graph()
-    env2: dict[torch.fx.Node, torch.fx.Node] = {}
-    for i, b in enumerate(boundary):
-        p = tangent_graph.placeholder(f"kept_{i}")
-        p.meta = dict(b.meta)
-        env2[b] = p
-    for n in graph.nodes:
-        if n in dep:
-            env2[n] = tangent_graph.node_copy(n, lambda x: env2[x])
-    tangent_graph.output(torch.fx.node.map_arg(out_node.args[0], lambda x: env2[x]))
-    tangent_graph.eliminate_dead_code()
-    return (
-        torch.fx.GraphModule(gm, primal_graph),
-        torch.fx.GraphModule(gm, tangent_graph),
-        len(boundary),
-    )
+    return split_recording(from_graph_module(gm), n_primal)
 
 
 @dataclass
@@ -128,6 +260,8 @@ class SplitProgram:
     blocks: dict[int, torch.fx.GraphModule] = field(default_factory=dict)
     #: compiled tangent parts by k (None: compiling failed, the eager one runs)
     compiled: dict[int, Any] = field(default_factory=dict)
+    #: (structure, key) where the program is stored (NOTE [trace reuse]); None: not stored
+    cache_key: tuple[str, str] | None = None
 
 
 @dataclass
@@ -192,22 +326,14 @@ def batch_identity(batch: Batch, model: nn.Module, reads_state: bool = True) -> 
 _HOST_READS = ("_local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.allclose", "aten.item")
 
 
-def reads_inputs(gm: torch.fx.GraphModule, first: int | None = None) -> bool:
-    """Whether a host read in ``gm`` depends on one of its inputs (the ``first`` ones only, if
+def reads_inputs(rec: Recording, first: int | None = None) -> bool:
+    """Whether a host read in ``rec`` depends on one of its inputs (the ``first`` ones only, if
     given; NOTE [what a specialized program read])."""
-    depends: dict[torch.fx.Node, bool] = {}
-    position = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            depends[node] = first is None or position < first
-            position += 1
-            continue
-        depends[node] = any(depends.get(a, False) for a in node.all_input_nodes)
-        if (
-            node.op == "call_function"
-            and depends[node]
-            and any(h in str(node.target) for h in _HOST_READS)
-        ):
+    inputs = {id(r) for r in (rec.inputs if first is None else rec.inputs[:first])}
+    depends = [False] * len(rec.ops)
+    for j, (func, _, _, reads) in enumerate(rec.ops):
+        depends[j] = any((r.kind == "op" and depends[r.i]) or id(r) in inputs for r in reads)
+        if depends[j] and any(h in str(func) for h in _HOST_READS):
             return True
     return False
 
@@ -215,6 +341,22 @@ def reads_inputs(gm: torch.fx.GraphModule, first: int | None = None) -> bool:
 def is_data_dependent(exc: BaseException) -> bool:
     text = str(exc)
     return "data-dependent" in text or "_local_scalar_dense" in text or "data dependent" in text
+
+
+#: how programs are traced: "record" (``_torch_compat.record_real``, NOTE [recording a trace]; make_fx
+#: where recording fails) or "make_fx"
+TRACER = "record"
+
+
+def trace_real(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Recording:
+    """``fn(*args)`` as a :class:`Recording` of aten ops in real mode, by TRACER (reading tensor
+    values allowed)."""
+    if TRACER == "record":
+        try:
+            return _torch_compat.record_real(fn, *args)
+        except Exception:  # make_fx traces it (or raises the function's own error)
+            pass
+    return from_graph_module(_torch_compat.make_fx_real(fn, data_dependent_ok=True)(*args))
 
 
 def selected_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
@@ -243,8 +385,6 @@ class Tracer:
         return others, state
 
     def trace(self, batch: Batch, general: bool) -> SplitProgram:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         others, state = self.inputs()
         names = self.names
         n_sel, n_other = len(names), len(others)
@@ -276,14 +416,13 @@ class Tracer:
         _torch_compat.load_forward_ad_decompositions()
         t0 = time.perf_counter()
         with ElementwiseLosses():  # NOTE [losses without forward-mode rules]
-            gm = _torch_compat.make_fx_real(product, data_dependent_ok=True)(*primals, *tangents)
+            rec = trace_real(product, (*primals, *tangents))
         takes_batch = general
         # a general trace whose Python read an input's value: this batch's program only
-        general = general and not reads_inputs(gm)
-        reads_state = not general and reads_inputs(gm, first=n_sel + n_other)
-        primal, tangent, num_kept = split_by_tangent(gm, len(primals))
+        general = general and not reads_inputs(rec)
+        reads_state = not general and reads_inputs(rec, first=n_sel + n_other)
+        primal, tangent, num_kept = split_recording(rec, len(primals))
         trace_s = time.perf_counter() - t0
-        del make_fx
         key = hashlib.sha1(tangent.code.encode()).hexdigest()[:16]
         return SplitProgram(
             primal,
@@ -292,7 +431,7 @@ class Tracer:
             key,
             general,
             trace_s,
-            len(gm.graph.nodes),
+            len(rec.ops),
             reads_state=reads_state,
             takes_batch=takes_batch,
         )

@@ -1,0 +1,50 @@
+#!/bin/bash
+# Session 14, #27 on one GPU: trace reuse, auto's threshold, the facade in fresh processes.
+# Usage: bash benchmarks/device/s14_defaults.sh STAGE   (the .whl and .real0x folders carried)
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>/dev/null \
+  || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; }
+export OMP_NUM_THREADS=8 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+O=${OUT:-/tmp/out}; mkdir -p $O
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
+python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
+cat $O/gpus.txt
+case "$1" in
+  one)
+    python3 -m pytest tests/operators/test_trace_cache.py -q -x -p no:cacheprovider 2>&1 | tail -2
+    timeout 260 python3 -m benchmarks.bench_trace_reuse gpt2_large --engines functional > $O/reuse_gpt2_large.jsonl 2> $O/reuse_gpt2_large.err
+    timeout 200 python3 -m benchmarks.bench_trace_reuse gpt2 --curvatures hessian --engines compiled > $O/reuse_gpt2_compiled.jsonl 2> $O/reuse_gpt2_compiled.err
+    python3 - <<'PY'
+import json, os
+O = os.environ.get("OUT", "/tmp/out")
+for f in ("reuse_gpt2_large.jsonl", "reuse_gpt2_compiled.jsonl"):
+    for line in open(os.path.join(O, f)):
+        r = json.loads(line); rep = r.get("report", {})
+        print(r["workload"], r["curvature"], r["engine"], r["process"], r.get("first_s"), r.get("second_ms"),
+              r.get("autograd_ms"), rep.get("trace_s"), rep.get("traces_reused"), rep.get("reuse_check_s"),
+              rep.get("compile_s"), r.get("error"))
+PY
+    ;;
+  two)
+    for st in cold warm; do
+      timeout 200 python3 -m benchmarks.bench_defaults mlp --store $st > $O/defaults_mlp_$st.jsonl 2> $O/defaults_mlp_$st.err
+      grep default_vs_best $O/defaults_mlp_$st.jsonl | python3 -c "import sys,json;[print('$st', r['cell'], r['mode'], r['length'], r['best'], round(r['ratio'],2)) for r in map(json.loads, sys.stdin)]"
+    done
+    for i in $(seq 1 ${FRESH:-10}); do
+      timeout 60 python3 -m benchmarks.real0x --real-0x .real0x --device cuda --repeats 1 --warmup 0 --only readme_cnn_default_gpu.py --out $O/fresh_$i > /dev/null 2>&1
+    done
+    python3 - <<'PY'
+import json, os, glob
+O = os.environ.get("OUT", "/tmp/out")
+for f in sorted(glob.glob(os.path.join(O, "fresh_*", "real0x.json"))):
+    r = json.load(open(f))["rows"][0]
+    print(f.split("/")[-2], r["facade"]["median_s"], r["0x"]["median_s"], r["facade-aa"]["median_s"], r["ratio_facade_over_0x"], r["agrees"], r["0x"]["error"], r["facade"]["error"])
+PY
+    ;;
+  three)
+    for st in warm cold; do
+      timeout 270 python3 -m benchmarks.bench_defaults resnet18 --store $st --lengths 1,20,100 > $O/defaults_resnet18_$st.jsonl 2> $O/defaults_resnet18_$st.err
+      grep default_vs_best $O/defaults_resnet18_$st.jsonl | python3 -c "import sys,json;[print('$st', r['cell'], r['mode'], r['length'], r['best'], round(r['ratio'],2)) for r in map(json.loads, sys.stdin)]"
+    done
+    ;;
+esac
