@@ -16,9 +16,9 @@ Before any timed cell, one untimed product and a 3-product lanczos per curvature
 process's one-time costs (first operator, first lanczos), which otherwise fell on the first
 engine timed (auto: 34 against 5.6 ms for one Hessian product on the MLP, H200, session 13).
 
-``--store cold`` (the default): no program is stored, so every traced cell traces, as a user's
-first run does; ``--store warm``: the warm-up stores each curvature's program on disk and every
-cell starts as a new process would, finding it there (NOTE [trace reuse]).
+``--record cold`` (the default): no trace time is recorded, so ``auto`` estimates a trace from
+the model's size in every cell, as in a user's first run; ``--record warm``: the warm-up traces
+each curvature once and records its time (NOTE [trace times]), as an earlier run would have.
 
 Then, per curvature, mode and length, ``default_vs_best`` = auto's time / the best fixed
 engine's. The gradient and a 0.x-style Hessian product are timed first, in the same process.
@@ -58,16 +58,17 @@ def main() -> None:
     ap.add_argument("--lengths", default="1,20,100,1000")
     ap.add_argument("--lanczos-lengths", default="20,100")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--store", choices=("cold", "warm"), default="cold",
-                    help="cold: no stored traces (every cell traces, as a first run); warm: programs "
-                    "stored on disk by the warm-up, each cell a new process finding them there")
-    ap.add_argument("--store-dir", default="/tmp/he_trace_store")
+    ap.add_argument("--record", choices=("cold", "warm"), default="cold",
+                    help="cold: no trace time recorded (auto estimates a trace from the model's size, as "
+                    "in a first run); warm: the warm-up traces each curvature once and records its time, "
+                    "as an earlier run would have")
+    ap.add_argument("--record-dir", default="/tmp/he_trace_times")
     args = ap.parse_args()
     import os
 
-    from hessian_eigenthings.operators.engines import TRACE_STORE, trace_cache
+    from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
 
-    os.environ[trace_cache.ENV] = "0" if args.store == "cold" else args.store_dir
+    os.environ[trace_times.ENV] = "0" if args.record == "cold" else args.record_dir
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -81,7 +82,7 @@ def main() -> None:
 
     emit({"cell": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
           "torch": torch.__version__, "tf32": False, "params": sum(p.numel() for p in params),
-          "store": args.store})
+          "record": args.record})
     v_list = [torch.randn_like(p) for p in params]
 
     def hvp_0x() -> Any:
@@ -101,7 +102,8 @@ def main() -> None:
     engines = args.engines.split(",")
 
     def fresh(curv: str, eng: str) -> Any:
-        TRACE_STORE.clear()  # every cell as a new process: traces come from the disk or are made
+        if args.record == "cold":
+            TRACE_TIMES.clear()  # every cell as a first run: no trace time known
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -120,12 +122,12 @@ def main() -> None:
         _sync()
         emit({"cell": f"{curv}_warmup", "s": time.perf_counter() - t0})
         del op
-        if args.store == "warm":  # the program stored on disk, as an earlier run left it
+        if args.record == "warm":  # the trace's time recorded, as an earlier run left it
             op = fresh(curv, "functional")
             t0 = time.perf_counter()
             op @ torch.ones(op.size, device=op.device)
             _sync()
-            emit({"cell": f"{curv}_store", "s": time.perf_counter() - t0, "report": op.engine_report})
+            emit({"cell": f"{curv}_record", "s": time.perf_counter() - t0, "report": op.engine_report})
             del op
 
     for curv in args.curvatures.split(","):

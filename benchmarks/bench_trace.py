@@ -4,7 +4,7 @@
         [--curvatures hessian,ggn] [--repeats 3] > rows.jsonl
 
 Per workload and curvature, both tracers trace the operator's pure product on one batch,
-alternately (``--repeats`` times each, in one process; nothing stored: NOTE [trace reuse] is off),
+alternately (``--repeats`` times each, in one process),
 and each program's product for one direction is compared with the other's. Rows: graph nodes,
 trace seconds (median and all), the ratio of medians, the largest relative difference. The GPT-2
 workloads are HF GPT-2 (vocabulary 50257, eager attention) on 1 x 8 tokens so that the ops' own
@@ -86,7 +86,7 @@ def main() -> None:
     from hessian_eigenthings.operators import GGNOperator, HessianOperator
     from hessian_eigenthings.operators.engines import tracing
     from hessian_eigenthings.operators.engines.functional import FunctionalRunner
-    from hessian_eigenthings.operators.engines.trace_cache import ENV, TRACE_STORE
+    from hessian_eigenthings.operators.engines.trace_times import ENV
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="mlp,resnet18,gpt2_4l,gpt2_12l_narrow,gpt2_12l")
@@ -118,7 +118,6 @@ def main() -> None:
             nodes: dict[str, int] = {}
             for _ in range(args.repeats):
                 for tracer in ("make_fx", "record"):
-                    TRACE_STORE.clear()
                     tracing.TRACER = tracer
                     runner = FunctionalRunner(model, op.params, op.functional_product)
                     prog = runner._tracer.trace(batch, general=True)

@@ -1,15 +1,15 @@
 """What a traced engine's first product costs in a first process and in the next ones (issue 27).
 
     python -m benchmarks.bench_trace_reuse WORKLOAD [--curvatures hessian,ggn]
-        [--engines functional,compiled] [--processes 2] [--store-dir DIR] > rows.jsonl
+        [--engines functional,compiled] [--processes 2] [--record-dir DIR] > rows.jsonl
 
 For each curvature and engine, ``--processes`` fresh Python processes run one after another with
-one program store (``HESSIAN_EIGENTHINGS_TRACE_CACHE=DIR``, emptied first) and one inductor cache
-(``TORCHINDUCTOR_CACHE_DIR``, as set by the caller): each builds the operator, times its first
-product (trace or load and check, primal part, compile) and its second one, and reports
-``engine_report``. The first process traces; the next ones find the program on disk (NOTE [trace
-reuse]) and, for ``compiled``, inductor's cached artifact. One autograd product is timed first
-in every process (imports and CUDA context are not the engine's). TF32 off.
+one record of trace times (``HESSIAN_EIGENTHINGS_TRACE_TIMES=DIR``, emptied first) and one
+inductor cache (``TORCHINDUCTOR_CACHE_DIR``, as set by the caller): each builds the operator,
+times its first product (trace, primal part, compile) and its second one, and reports
+``engine_report``. Every process traces (recording, NOTE [recording a trace]); for ``compiled``,
+the next processes' identical programs find inductor's cached artifact. One autograd product is
+timed first in every process (imports and CUDA context are not the engine's). TF32 off.
 """
 
 from __future__ import annotations
@@ -91,18 +91,18 @@ def main() -> None:
     ap.add_argument("--engines", default="functional,compiled")
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--store-dir", default="/tmp/he_trace_reuse")
+    ap.add_argument("--record-dir", default="/tmp/he_trace_reuse")
     ap.add_argument("--child", nargs=2, metavar=("CURVATURE", "ENGINE"))
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.workload, *args.child, args.scale)), flush=True)
         return
-    from hessian_eigenthings.operators.engines import trace_cache
+    from hessian_eigenthings.operators.engines import trace_times
 
     for curv in args.curvatures.split(","):
         for engine in args.engines.split(","):
-            shutil.rmtree(args.store_dir, ignore_errors=True)
-            env = {**os.environ, trace_cache.ENV: args.store_dir}
+            shutil.rmtree(args.record_dir, ignore_errors=True)
+            env = {**os.environ, trace_times.ENV: args.record_dir}
             for n in range(args.processes):
                 cmd = [
                     sys.executable,

@@ -8,18 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from hessian_eigenthings.operators.engines import TRACE_STORE
+from hessian_eigenthings.operators.engines import TRACE_TIMES
 
-# NOTE [trace reuse]: no test reads or writes the user's stored programs, and none finds a program
-# another test traced (product counts and traces must not depend on the order tests run in);
-# the store's own tests point it at a temporary directory. Subprocesses inherit this.
-os.environ["HESSIAN_EIGENTHINGS_TRACE_CACHE"] = "0"
+# NOTE [trace times]: no test reads or writes the user's record of trace times, and none sees a
+# time another test recorded (auto's choices must not depend on the order tests run in); the
+# record's own tests point it at a temporary directory. Subprocesses inherit this.
+os.environ["HESSIAN_EIGENTHINGS_TRACE_TIMES"] = "0"
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-    TRACE_STORE.clear()
+    TRACE_TIMES.clear()
 
 
 def mlp(d_in: int = 5, hidden: int = 7, d_out: int = 3) -> nn.Module:

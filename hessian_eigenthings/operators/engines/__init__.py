@@ -15,10 +15,11 @@ of (parameters and buffers by name, batch, one tangent) returning the product
   inductor (NOTE [compile policy]).
 - ``"auto"``: chosen per operator from measurement (``auto.EngineSelector``, NOTE [auto engine]).
 
-Cost: tracing is host work (about a second per thousand graph nodes), paid once per batch
-signature, model and curvature: a later operator or process finds the program stored
-(``trace_cache``, NOTE [trace reuse]) and checks it with one product; a kept batch costs the primal part once (forward, plus the backward for the Hessian);
-each product then costs the tangent part. Kept state is about the activations the tangent part reads.
+Cost: tracing is host work (the product's own ops once, plus recording each op: NOTE [recording a
+trace]), paid once per batch signature, and its time is remembered for ``auto`` (``trace_times``,
+NOTE [trace times]); a kept batch costs the primal part once (forward, plus the backward for the
+Hessian); each product then costs the tangent part. Kept state is about the activations the
+tangent part reads.
 """
 
 from hessian_eigenthings.operators.engines.auto import (
@@ -56,7 +57,7 @@ from hessian_eigenthings.operators.engines.runner import (
     ProductCounts,
     ProductRunner,
 )
-from hessian_eigenthings.operators.engines.trace_cache import TRACE_STORE, TraceStore
+from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, TraceTimes
 from hessian_eigenthings.operators.engines.tracing import (
     SplitProgram,
     SplitState,
@@ -77,7 +78,7 @@ __all__ = [
     "MAX_COMPILATIONS",
     "MISMATCH_TOL",
     "TRACE_PRIOR_S_PER_MODULE",
-    "TRACE_STORE",
+    "TRACE_TIMES",
     "AutoChoice",
     "AutogradRunner",
     "CompileFallbackWarning",
@@ -91,7 +92,7 @@ __all__ = [
     "ProductRunner",
     "SplitProgram",
     "SplitState",
-    "TraceStore",
+    "TraceTimes",
     "Tracer",
     "batch_signature",
     "check_functional_model",

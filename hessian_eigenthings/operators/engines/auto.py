@@ -35,7 +35,7 @@ from hessian_eigenthings.operators.engines.runner import (
     ProductRunner,
     unsupported,
 )
-from hessian_eigenthings.operators.engines.trace_cache import TRACE_STORE, structure_key
+from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import SplitProgram, selected_names
 
 
@@ -82,8 +82,8 @@ class Curvature(Protocol):
 #   AUTO_TRACE_PAYBACK × what a trace is expected to cost — stays on
 #   "autograd" (a trial that finds nothing faster then costs at most about a
 #   third more than the run would have cost without it); the expected
-#   trace cost is a stored program's load or the model's last trace (NOTE
-#   [trace reuse]), else TRACE_PRIOR_S_PER_MODULE per leaf module, at most
+#   trace cost is this model's last trace time (NOTE [trace times], kept
+#   across processes), else TRACE_PRIOR_S_PER_MODULE per leaf module, at most
 #   AUTO_MIN_RUN_MS (a 5-module MLP expects 0.5 s, not 20 s: its bare loops of
 #   1000 GGN products stayed on a path 1.5-4x slower than the traced one);
 # - a longer run: the first kept batch is timed on
@@ -321,14 +321,14 @@ class EngineSelector:
 
     def trace_estimate_ms(self) -> tuple[float, str]:
         """What a trace is expected to cost before the functional engine's first product, and
-        why (NOTE [auto engine]): a stored or recorded figure of this model and curvature (NOTE
-        [trace reuse]), else TRACE_PRIOR_S_PER_MODULE per leaf module; at most AUTO_MIN_RUN_MS."""
+        why (NOTE [auto engine]): this model and curvature's last trace time (NOTE [trace times]),
+        else TRACE_PRIOR_S_PER_MODULE per leaf module; at most AUTO_MIN_RUN_MS."""
         if not self.functional:
             return AUTO_MIN_RUN_MS, "no functional engine"
         names = selected_names(self.model, self.params)
-        known = TRACE_STORE.expected_s(structure_key(self.model, names, self.product))
+        known = TRACE_TIMES.expected_s(structure_key(self.model, names, self.product))
         if known is not None:
-            return min(AUTO_MIN_RUN_MS, known[0] * 1e3), known[1]
+            return min(AUTO_MIN_RUN_MS, known * 1e3), "this model's last trace"
         leaves = sum(1 for m in self.model.modules() if next(m.children(), None) is None)
         prior = TRACE_PRIOR_S_PER_MODULE * max(1, leaves) * 1e3
         return min(AUTO_MIN_RUN_MS, prior), f"prior: {leaves} leaf modules"

@@ -9,23 +9,15 @@ product. Kept state: about the activations the tangent part reads.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.loss_fns.forward_rules import ElementwiseLosses
-from hessian_eigenthings.operators.engines.runner import MISMATCH_TOL, EngineUnsupportedError
-from hessian_eigenthings.operators.engines.trace_cache import (
-    TRACE_STORE,
-    TraceStore,
-    program_key,
-    structure_key,
-)
+from hessian_eigenthings.operators.engines.runner import EngineUnsupportedError
+from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import (
     MAX_SPECIALIZED,
     PureProduct,
@@ -81,7 +73,6 @@ class FunctionalRunner:
         params: Sequence[torch.Tensor],
         product: PureProduct,
         batch_of: Callable[[Batch], Batch] | None = None,
-        store: TraceStore | None = None,
     ) -> None:
         self.model = model
         self.batch_of = batch_of
@@ -95,13 +86,7 @@ class FunctionalRunner:
         #: tracing time spent, and programs traced (for cost checks and reports)
         self.trace_s = 0.0
         self.num_traces = 0
-        #: NOTE [trace reuse]: where programs come from, their checks' time, checks failed
-        self._store = store if store is not None else TRACE_STORE
         self._structure: str | None = None
-        self._unchecked: set[int] = set()
-        self.reused = {"process": 0, "disk": 0}
-        self.check_s = 0.0
-        self.reuse_failed = 0
 
     def program(self, batch: Batch) -> SplitProgram:
         sig = batch_signature(batch) if self._general_ok else None
@@ -115,16 +100,7 @@ class FunctionalRunner:
             if kept_ident == idents[kept_prog.reads_state]:
                 return kept_prog
         prog = None
-        stored_key = None
         if key is not None:
-            stored_key = program_key(self.structure(), key)
-            found = self._store.get(self.structure(), stored_key)
-            if found is not None:  # NOTE [trace reuse]: checked on its first batch (prepare)
-                prog, source = found
-                self.reused[source] += 1
-                self._unchecked.add(id(prog))
-                self._programs[key] = prog
-                return prog
             try:
                 prog = self._tracer.trace(batch, general=True)
             except RuntimeError as exc:
@@ -137,9 +113,8 @@ class FunctionalRunner:
         self.num_traces += 1
         if prog.general and key is not None:
             self._programs[key] = prog
-            assert stored_key is not None
-            self._store.note_time(self.structure(), "trace_s", prog.trace_s)
-            self._store.put(self.structure(), stored_key, prog)
+            # what this model's trace cost, for auto's estimate (NOTE [trace times])
+            TRACE_TIMES.note(self.structure(), prog.trace_s)
         elif not prog.general:
             self._specialized = [
                 *self._specialized[-(MAX_SPECIALIZED - 1) :],
@@ -148,38 +123,10 @@ class FunctionalRunner:
         return prog
 
     def structure(self) -> str:
-        """The store's key of this runner's model and curvature (NOTE [trace reuse]), made once."""
+        """The key of this runner's model and curvature (NOTE [trace times]), made once."""
         if self._structure is None:
             self._structure = structure_key(self.model, self._tracer.names, self._tracer.product)
         return self._structure
-
-    def _checked(self, batch: Batch, prog: SplitProgram, kept: tuple[torch.Tensor, ...]) -> bool:
-        """NOTE [trace reuse]: ``prog`` (found, not traced) computes what the pure product computes
-        for a fixed direction on ``batch`` (the caller's RNG untouched)."""
-        t0 = time.perf_counter()
-        others, state = self._tracer.inputs()
-        del others
-        # a pseudo-random pool (prime length) tiled over each parameter: cheap on large models
-        pool = torch.randn(65521, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        tangent = []
-        for n in self._tracer.names:
-            t = state[n]
-            reps = -(-t.numel() // pool.numel())
-            tangent.append(pool.to(t).repeat(reps)[: t.numel()].reshape(t.shape))
-        with torch.no_grad():
-            got = list(prog.tangent(*kept, *tangent))
-        _torch_compat.load_forward_ad_decompositions()
-        with ElementwiseLosses():  # as traced (NOTE [losses without forward-mode rules])
-            ref = [r.detach() for r in self._tracer.product(state, batch, tangent)]
-        self.check_s += time.perf_counter() - t0
-        if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref, strict=False)):
-            return False
-        num = sum(
-            float(torch.linalg.vector_norm(g - r)) ** 2 for g, r in zip(got, ref, strict=True)
-        )
-        den = sum(float(torch.linalg.vector_norm(r)) ** 2 for r in ref)
-        tol = MISMATCH_TOL.get(ref[0].dtype if ref else torch.float32, 5e-2)
-        return num <= tol**2 * den if den > 0 else num == 0.0
 
     def adopt(self, other: FunctionalRunner) -> None:
         """Take over ``other``'s traced programs (switching engines costs no second trace)."""
@@ -188,7 +135,7 @@ class FunctionalRunner:
             other._general_ok,
             other._specialized,
         )
-        self._unchecked, self._structure = other._unchecked, other._structure
+        self._structure = other._structure
 
     def prepare(self, batch: Batch, params: Sequence[torch.Tensor] | None = None) -> SplitState:
         del params  # the program reads the parameters as inputs of its own
@@ -198,15 +145,6 @@ class FunctionalRunner:
         prog = self.program(batch)
         with torch.no_grad():
             kept = tuple(prog.primal(*self._tracer.primal_inputs(batch, prog)))
-        if id(prog) in self._unchecked:
-            self._unchecked.discard(id(prog))
-            if not self._checked(batch, prog, kept):  # NOTE [trace reuse]: trace it again
-                self.reuse_failed += 1
-                self._store.drop(prog)
-                self._programs = {k: p for k, p in self._programs.items() if p is not prog}
-                prog = self.program(batch)
-                with torch.no_grad():
-                    kept = tuple(prog.primal(*self._tracer.primal_inputs(batch, prog)))
         return SplitState(prog, kept)
 
     def tangent_fn(
@@ -222,7 +160,6 @@ class FunctionalRunner:
             batched = torch.func.vmap(prog.tangent, in_dims=dims)
             graph = to_graph_module(trace_real(batched, args))
             prog.blocks[k] = graph
-            self._store.write(prog)  # a stored program keeps its block widths (NOTE [trace reuse])
         return graph
 
     def apply(
@@ -259,10 +196,4 @@ class FunctionalRunner:
             "traces": self.num_traces,
             "trace_s": round(self.trace_s, 3),
         }
-        if any(self.reused.values()) or self.reuse_failed:
-            out.update(
-                traces_reused=dict(self.reused),
-                reuse_check_s=round(self.check_s, 3),
-                reuse_failed=self.reuse_failed,
-            )
         return out

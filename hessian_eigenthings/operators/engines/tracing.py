@@ -260,8 +260,6 @@ class SplitProgram:
     blocks: dict[int, torch.fx.GraphModule] = field(default_factory=dict)
     #: compiled tangent parts by k (None: compiling failed, the eager one runs)
     compiled: dict[int, Any] = field(default_factory=dict)
-    #: (structure, key) where the program is stored (NOTE [trace reuse]); None: not stored
-    cache_key: tuple[str, str] | None = None
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""Trace times remembered for ``auto`` (NOTE [trace times]), and recorded programs being the same
+in every process (what lets inductor's cache serve a second process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hessian_eigenthings.loss_fns import supervised_loss, supervised_loss_of_output
+from hessian_eigenthings.operators import GGNOperator, HessianOperator
+from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
+from hessian_eigenthings.operators.engines import auto as engines_mod
+from tests.conftest import classification_data, mlp
+
+CE = nn.CrossEntropyLoss()
+SUP = supervised_loss(CE)
+CE_OUT = supervised_loss_of_output(CE)
+
+
+@pytest.fixture
+def record_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "record"
+    monkeypatch.setenv(trace_times.ENV, str(folder))
+    return folder
+
+
+def _structure(op: HessianOperator | GGNOperator) -> str:
+    return op._engines._make("functional").structure()  # type: ignore[union-attr]
+
+
+def test_a_trace_records_its_time_for_this_model(record_dir: Path) -> None:
+    model, data = mlp(), classification_data(n=8, batch=4)
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    key = _structure(op)
+    seconds = op.engine_report["trace_s"]
+    assert TRACE_TIMES.expected_s(key) == pytest.approx(seconds, abs=1e-3)
+    path = record_dir / trace_times.FILE
+    assert json.loads(path.read_text())[key] == pytest.approx(seconds, abs=1e-3)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(record_dir.stat().st_mode) == 0o700
+    TRACE_TIMES.clear()  # as a new process: the file answers
+    assert TRACE_TIMES.expected_s(key) == pytest.approx(seconds, abs=1e-3)
+    # another curvature of the same model is another key
+    ggn = GGNOperator(model, data, lambda m, b: m(b[0]), CE_OUT)
+    assert TRACE_TIMES.expected_s(_structure(ggn)) is None
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from torch import nn
+    from hessian_eigenthings.loss_fns import supervised_loss
+    from hessian_eigenthings.operators import HessianOperator
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))) for _ in range(2)]
+    op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()))
+    estimate = op._engines.trace_estimate_ms()
+    with op.using_engine("functional"):
+        op @ torch.ones(op.size, dtype=torch.float64)
+        runner = op._engine_selector.runner
+        keys = [p.key for p in runner._programs.values()]
+        report = op.engine_report
+    print(json.dumps({"estimate": estimate, "report": report, "keys": keys}))
+    """
+)
+
+
+def test_a_second_process_expects_the_first_ones_trace_and_records_the_same_program(
+    record_dir: Path,
+) -> None:
+    env = {**os.environ, trace_times.ENV: str(record_dir)}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, check=True
+        )
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0]["estimate"][1].startswith("prior")
+    assert runs[1]["estimate"][1] == "this model's last trace"
+    assert runs[1]["estimate"][0] == pytest.approx(runs[0]["report"]["trace_s"] * 1e3, abs=1.0)
+    # the same program code in both (inductor's cache keys compiled artifacts on it)
+    assert runs[0]["keys"] == runs[1]["keys"] and runs[0]["keys"]
+
+
+def test_what_changes_a_program_changes_its_key() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    names = [n for n, _ in model.named_parameters()]
+    op = HessianOperator(model, classification_data(n=4, batch=4), SUP)
+    base = trace_times.structure_key(model, names, op.functional_product)
+    # the same model's values changed: same key (values are inputs of the program)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert trace_times.structure_key(model, names, op.functional_product) == base
+    assert trace_times.structure_key(model, names[:2], op.functional_product) != base
+    other = mlp(hidden=9)
+    assert trace_times.structure_key(other, names, op.functional_product) != base
+    model.eval()
+    assert trace_times.structure_key(model, names, op.functional_product) != base
+    model.train()
+    ggn = GGNOperator(model, classification_data(n=4, batch=4), lambda m, b: m(b[0]), CE_OUT)
+    assert trace_times.structure_key(model, names, ggn.functional_product) != base
+    other_loss = HessianOperator(
+        model, classification_data(n=4, batch=4), supervised_loss(nn.MultiMarginLoss())
+    )
+    assert trace_times.structure_key(model, names, other_loss.functional_product) != base
+
+
+def test_a_record_others_could_write_is_not_read(record_dir: Path) -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    path = record_dir / trace_times.FILE
+    path.chmod(0o666)
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.expected_s(_structure(op)) is None
+
+
+def test_nothing_is_written_when_the_record_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(trace_times.ENV, "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    assert trace_times.record_dir() is None
+    assert not list(tmp_path.rglob(trace_times.FILE))
+    assert TRACE_TIMES.expected_s(_structure(op)) is not None  # the process still knows
+
+
+def test_auto_expects_this_models_last_trace(record_dir: Path) -> None:
+    del record_dir
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    ms, why = op._engines.trace_estimate_ms()
+    leaves = sum(1 for m in model.modules() if next(m.children(), None) is None)
+    assert why == f"prior: {leaves} leaf modules"
+    assert ms == pytest.approx(engines_mod.TRACE_PRIOR_S_PER_MODULE * leaves * 1e3)
+    traced = HessianOperator(model, data, SUP, engine="functional")
+    traced @ torch.randn(op.size, dtype=torch.float64)
+    ms, why = op._engines.trace_estimate_ms()
+    assert why == "this model's last trace"
+    assert ms == pytest.approx(traced.engine_report["trace_s"] * 1e3, abs=1.0)
+
+
+def test_the_record_keeps_the_most_recent_models(
+    record_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_times, "MAX_RECORDS", 2)
+    keys = []
+    for hidden in (4, 5, 6):
+        model, data = mlp(hidden=hidden), classification_data(n=4, batch=4)
+        op = HessianOperator(model, data, SUP, engine="functional")
+        op @ torch.randn(op.size, dtype=torch.float64)
+        keys.append(_structure(op))
+    assert list(json.loads((record_dir / trace_times.FILE).read_text())) == keys[1:]
