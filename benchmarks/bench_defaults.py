@@ -12,9 +12,11 @@ Per curvature and engine, from a fresh operator (trace and compile included):
 - ``lanczos``: one ``lanczos(op, k=min(10, n // 3), max_iter=n, tol=1e-12)`` per ``n`` of
   ``--lanczos-lengths`` (its budget is declared, so ``auto`` may choose differently per n).
 
-Before any timed cell, one untimed product and a 3-product lanczos per curvature take the
-process's one-time costs (first operator, first lanczos), which otherwise fell on the first
-engine timed (auto: 34 against 5.6 ms for one Hessian product on the MLP, H200, session 13).
+Before any timed cell, one untimed product and a 3-product lanczos per curvature, and one traced
+product, take the process's one-time costs (first operator, first lanczos, the first trace's
+loading of forward-mode decompositions), which otherwise fell on the first engine timed (auto: 34
+against 5.6 ms for one Hessian product on the MLP, H200, session 13; a trace of 0.72 against
+0.08 s on the CPU, session 14).
 
 ``--record cold`` (the default): no trace time is recorded, so ``auto`` estimates a trace from
 the model's size in every cell, as in a user's first run; ``--record warm``: the warm-up traces
@@ -66,9 +68,12 @@ def main() -> None:
     args = ap.parse_args()
     import os
 
-    from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
-
-    os.environ[trace_times.ENV] = "0" if args.record == "cold" else args.record_dir
+    try:
+        from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
+    except ImportError:  # a release before trace times (before/after runs): nothing to set
+        TRACE_TIMES = trace_times = None
+    if trace_times is not None:
+        os.environ[trace_times.ENV] = "0" if args.record == "cold" else args.record_dir
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -102,7 +107,7 @@ def main() -> None:
     engines = args.engines.split(",")
 
     def fresh(curv: str, eng: str) -> Any:
-        if args.record == "cold":
+        if args.record == "cold" and TRACE_TIMES is not None:
             TRACE_TIMES.clear()  # every cell as a first run: no trace time known
         gc.collect()
         if device == "cuda":
@@ -122,13 +127,15 @@ def main() -> None:
         _sync()
         emit({"cell": f"{curv}_warmup", "s": time.perf_counter() - t0})
         del op
-        if args.record == "warm":  # the trace's time recorded, as an earlier run left it
-            op = fresh(curv, "functional")
-            t0 = time.perf_counter()
-            op @ torch.ones(op.size, device=op.device)
-            _sync()
-            emit({"cell": f"{curv}_record", "s": time.perf_counter() - t0, "report": op.engine_report})
-            del op
+        # the process's first trace loads torch's forward-mode decompositions (0.6 s on a CPU);
+        # it falls on no cell either. With --record warm the trace's time is kept, as an earlier
+        # run would have left it (NOTE [trace times])
+        op = fresh(curv, "functional")
+        t0 = time.perf_counter()
+        op @ torch.ones(op.size, device=op.device)
+        _sync()
+        emit({"cell": f"{curv}_warmup_trace", "s": time.perf_counter() - t0, "report": op.engine_report})
+        del op
 
     for curv in args.curvatures.split(","):
         times: dict[tuple[str, int], dict[str, float]] = {}
