@@ -55,7 +55,7 @@ FORMAT = 1
 
 
 def inductor_cache_base() -> str:
-    """Inductor's on-disk cache directory (the compile-time record and stored traces live beside it)."""
+    """Inductor's on-disk cache directory (the compile-time and trace-time records live in it)."""
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}"
     )
