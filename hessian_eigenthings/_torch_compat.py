@@ -247,25 +247,25 @@ def make_fx_real(fn: Callable[..., Any], *, data_dependent_ok: bool) -> Callable
 # NOTE [recording a trace]
 # `make_fx` in real mode costs about a millisecond of host time per aten op
 # (proxies, a fake tensor per value for node metadata, decomposition checks):
-# 13.7-21 s on GPT-2 12L. The traced engines need less: the aten ops that run,
-# in order, with their arguments. `record_real` runs the function under a
-# dispatch mode at the bottom of the dispatcher (below autograd and functorch,
-# where make_fx's mode sits), so it sees the same ops on plain tensors, and it
-# writes each straight into an FX graph: a tensor's node is looked up by the
-# tensor object (the values that reach the mode are the same objects the
-# function's ops return, inputs included), an op's result is mapped to its
-# node (an in-place op maps its operand to the new node), and a tensor never
-# seen before is a constant of the graph. `tracing()` is true inside (code
-# that writes into tensors outside the dispatcher, such as Triton kernels or
-# preallocated outputs, takes its functional path, as under make_fx). Python's
-# dispatcher is on, as under
-# make_fx (decompositions registered in Python run), and autocast's weight
-# cache is off. No metadata is recorded; inductor makes its own.
-# A constant that shares storage with an input would bake today's parameter
-# values into the program: recording then fails (`RecordingError`) and the
-# caller traces with make_fx. Measured on the CPU (HF GPT-2 2 layers d768,
-# 16 tokens, Hessian): the same 2690 nodes, bit-identical products, 0.9 s
-# against 1.6 s, most of it the ops' own CPU time.
+# 13.7-21 s on GPT-2 12L on an H100 host. The traced engines need less: the
+# aten ops that run, in order, with their arguments. `record_real` runs the
+# function under a dispatch mode at the bottom of the dispatcher (below
+# autograd and functorch, where make_fx's mode sits), so it sees the same ops
+# on plain tensors, and appends each to a list (`Recording`): a value is found
+# by its tensor object (through a weak reference, so nothing is kept alive),
+# an op's results become new values (an in-place op's operand is its new
+# result from then on), and a tensor no recorded op made is a constant.
+# `tracing()` is true inside: code that writes into tensors outside the
+# dispatcher (Triton kernels, preallocated outputs) takes its functional
+# path, as under make_fx. Python's dispatcher is on (decompositions
+# registered in Python run) and autocast's weight cache is off, as under
+# make_fx. No metadata is recorded; inductor makes its own. A constant that
+# shares storage with an input would bake today's parameter values into the
+# program: recording refuses it (`RecordingError`) and the caller traces with
+# make_fx. `tracing.split_recording` makes the FX programs of only the ops
+# they need. Measured on the CPU (torch 2.13, `benchmarks/bench_trace.py`):
+# GPT-2 12L's graph at d64, Hessian, 13,591 ops, 4.41 s -> 1.02 s; the
+# products are bit-identical.
 
 
 #: recordings in progress (``tracing()`` is true inside one)
@@ -292,7 +292,6 @@ class Recording:
     ``constants`` it reads. ``tracing.split_recording`` makes FX graphs of it."""
 
     def __init__(self, num_inputs: int) -> None:
-        self.num_inputs = num_inputs
         self.inputs = [Ref("input", i) for i in range(num_inputs)]
         self.ops: list[tuple[Any, Any, Any, list[Ref]]] = []
         self.outputs: list[Ref] = []

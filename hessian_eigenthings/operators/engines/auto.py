@@ -106,8 +106,9 @@ class Curvature(Protocol):
 # its products so far have taken about AUTO_TRACE_PAYBACK × the trace's
 # expected cost; a trial's verdict is final. Each check costs one
 # synchronised product; the loop pays at most about AUTO_TRACE_PAYBACK × the
-# trace's expected cost on the slower engine before the trial (ski rental: a bounded multiple of what knowing its
-# length would have cost, trace included, when the estimate is right).
+# trace's expected cost on the slower engine before the trial (ski rental: a
+# bounded multiple of what knowing its length would have cost, trace
+# included, when the estimate is right).
 
 AUTO_MIN_PRODUCTS = 8
 COMPILE_PRIOR_S = 8.0
@@ -168,9 +169,10 @@ AUTO_MIN_RUN_MS = 20_000.0
 #: times what a trace is expected to cost: a trial that finds no faster engine then costs the run
 #: at most about 1 / AUTO_TRACE_PAYBACK more (the facade's 0.x scripts must never be slower)
 AUTO_TRACE_PAYBACK = 3.0
-#: a first trace's expected cost per leaf module where none was recorded (H100 host, torch 2.11:
-#: 0.02 s on a 5-module MLP GGN, 0.06 s on ResNet-18's GGN, 0.11-0.17 s on GPT-2 12L's GGN and
-#: Hessian)
+#: a first trace's expected cost per leaf module where none was recorded: what make_fx traces
+#: cost on an H100 host, torch 2.11 (0.02 s on a 5-module MLP GGN, 0.06 s on ResNet-18's GGN,
+#: 0.11-0.17 s on GPT-2 12L's GGN and Hessian). Recorded traces (NOTE [recording a trace]) cost
+#: 2-6x less on the CPU, so this errs long (a later trial) until a real trace time is recorded
 TRACE_PRIOR_S_PER_MODULE = 0.1
 
 #: the operator's product of a row block ``V (k, n)`` into ``out`` (one pass over the data)
@@ -217,6 +219,8 @@ class EngineSelector:
         #: a bare loop is judged next (NOTE [auto engine]); the operator's data loop counts
         self.seen = 0
         self.next_check: float = AUTO_MIN_PRODUCTS if engine == "auto" else float("inf")
+        #: the model-and-curvature key of NOTE [trace times], made at the first judgement
+        self._structure: str | None = None
         if engine in ("functional", "compiled", "layers"):
             self.runner = self._make(engine)
 
@@ -325,8 +329,10 @@ class EngineSelector:
         else TRACE_PRIOR_S_PER_MODULE per leaf module; at most AUTO_MIN_RUN_MS."""
         if not self.functional:
             return AUTO_MIN_RUN_MS, "no functional engine"
-        names = selected_names(self.model, self.params)
-        known = TRACE_TIMES.expected_s(structure_key(self.model, names, self.product))
+        if self._structure is None:  # a bare loop is judged several times: fingerprint once
+            names = selected_names(self.model, self.params)
+            self._structure = structure_key(self.model, names, self.product)
+        known = TRACE_TIMES.expected_s(self._structure)
         if known is not None:
             return min(AUTO_MIN_RUN_MS, known * 1e3), "this model's last trace"
         leaves = sum(1 for m in self.model.modules() if next(m.children(), None) is None)

@@ -191,9 +191,4 @@ class FunctionalRunner:
         return self.tangent_fn(prog, k, args)(*args)
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "engine": self.name,
-            "traces": self.num_traces,
-            "trace_s": round(self.trace_s, 3),
-        }
-        return out
+        return {"engine": self.name, "traces": self.num_traces, "trace_s": round(self.trace_s, 3)}

@@ -180,6 +180,15 @@ def to_graph_module(rec: Recording) -> torch.fx.GraphModule:
     )
 
 
+def _depends(rec: Recording, inputs: Sequence[Ref]) -> list[bool]:
+    """For each op of ``rec``, whether it reads (transitively) one of ``inputs``."""
+    ids = {id(r) for r in inputs}
+    dep = [False] * len(rec.ops)
+    for j, (_, _, _, reads) in enumerate(rec.ops):
+        dep[j] = any((r.kind == "op" and dep[r.i]) or id(r) in ids for r in reads)
+    return dep
+
+
 def split_recording(
     rec: Recording, n_primal: int
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
@@ -188,9 +197,7 @@ def split_recording(
     kept values. Ops nothing needs are left out of both."""
     ops = rec.ops
     tangent_inputs = {id(r) for r in rec.inputs[n_primal:]}
-    dep = [False] * len(ops)
-    for j, (_, _, _, reads) in enumerate(ops):
-        dep[j] = any((r.kind == "op" and dep[r.i]) or id(r) in tangent_inputs for r in reads)
+    dep = _depends(rec, rec.inputs[n_primal:])
 
     def is_dep(r: Ref) -> bool:
         return (r.kind == "op" and dep[r.i]) or id(r) in tangent_inputs
@@ -327,13 +334,11 @@ _HOST_READS = ("_local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.all
 def reads_inputs(rec: Recording, first: int | None = None) -> bool:
     """Whether a host read in ``rec`` depends on one of its inputs (the ``first`` ones only, if
     given; NOTE [what a specialized program read])."""
-    inputs = {id(r) for r in (rec.inputs if first is None else rec.inputs[:first])}
-    depends = [False] * len(rec.ops)
-    for j, (func, _, _, reads) in enumerate(rec.ops):
-        depends[j] = any((r.kind == "op" and depends[r.i]) or id(r) in inputs for r in reads)
-        if depends[j] and any(h in str(func) for h in _HOST_READS):
-            return True
-    return False
+    depends = _depends(rec, rec.inputs if first is None else rec.inputs[:first])
+    return any(
+        d and any(h in str(func) for h in _HOST_READS)
+        for d, (func, _, _, _) in zip(depends, rec.ops, strict=True)
+    )
 
 
 def is_data_dependent(exc: BaseException) -> bool:
@@ -352,6 +357,8 @@ def trace_real(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Recordin
     if TRACER == "record":
         try:
             return _torch_compat.record_real(fn, *args)
+        except torch.cuda.OutOfMemoryError:
+            raise  # a second tracer would run out of memory too
         except Exception:  # make_fx traces it (or raises the function's own error)
             pass
     return from_graph_module(_torch_compat.make_fx_real(fn, data_dependent_ok=True)(*args))
