@@ -6,9 +6,9 @@
 
 Per curvature and engine, from a fresh operator (trace and compile included):
 
-- ``loop``: a bare ``op @ v`` loop of max(lengths) products; the row gives the wall time after
-  each of ``lengths`` products (a loop declares no length, so the cumulative times of one loop
-  are the times of loops of those lengths; ``auto`` judges the loop as it goes);
+- ``loop``: a bare ``op @ v`` loop of n products per n of ``lengths``, each from a fresh operator
+  (a loop declares no length; ``auto`` judges it as it goes, and on a rerun from what the same
+  loop left in its record, NOTE [what auto remembers]);
 - ``lanczos``: one ``lanczos(op, k=min(10, n // 3), max_iter=n, tol=1e-12)`` per ``n`` of
   ``--lanczos-lengths`` (its budget is declared, so ``auto`` may choose differently per n).
 
@@ -18,9 +18,11 @@ loading of forward-mode decompositions), which otherwise fell on the first engin
 against 5.6 ms for one Hessian product on the MLP, H200, session 13; a trace of 0.72 against
 0.08 s on the CPU, session 14).
 
-``--record cold`` (the default): no trace time is recorded, so ``auto`` estimates a trace from
-the model's size in every cell, as in a user's first run; ``--record warm``: the warm-up traces
-each curvature once and records its time (NOTE [trace times]), as an earlier run would have.
+``--record cold`` (the default): every ``auto`` cell starts with nothing recorded, as a user's
+first run, and keeps what it learns in its own folder under ``--record-dir``; ``--record rerun``
+(after a cold process with the same ``--record-dir``): every ``auto`` cell starts from what its
+cold run left, as the same script run again; ``--record warm``: the warm-up traces each curvature
+once and records its time (NOTE [trace times]), as an earlier run would have.
 
 Then, per curvature, mode and length, ``default_vs_best`` = auto's time / the best fixed
 engine's. The gradient and a 0.x-style Hessian product are timed first, in the same process.
@@ -60,20 +62,37 @@ def main() -> None:
     ap.add_argument("--lengths", default="1,20,100,1000")
     ap.add_argument("--lanczos-lengths", default="20,100")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--record", choices=("cold", "warm"), default="cold",
-                    help="cold: no trace time recorded (auto estimates a trace from the model's size, as "
-                    "in a first run); warm: the warm-up traces each curvature once and records its time, "
-                    "as an earlier run would have")
+    ap.add_argument("--record", choices=("cold", "rerun", "warm"), default="cold",
+                    help="cold: each cell as a first run (nothing recorded; what it learns is kept per "
+                    "cell under --record-dir); rerun: each cell as the same script run again (it reads "
+                    "what its cold run left); warm: the warm-up traces each curvature once and records "
+                    "its time, as an earlier run would have")
     ap.add_argument("--record-dir", default="/tmp/he_trace_times")
     args = ap.parse_args()
     import os
+    import shutil
 
     try:
         from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
     except ImportError:  # a release before trace times (before/after runs): nothing to set
         TRACE_TIMES = trace_times = None
-    if trace_times is not None:
-        os.environ[trace_times.ENV] = "0" if args.record == "cold" else args.record_dir
+
+    def use_record(cell: str | None) -> None:
+        """Where auto's record lives for the next cell (NOTE [what auto remembers])."""
+        if trace_times is None:
+            return
+        TRACE_TIMES.clear()  # every cell a new run of a script: the process's memory is not kept
+        if args.record == "warm":
+            os.environ[trace_times.ENV] = args.record_dir
+        elif cell is None:
+            os.environ[trace_times.ENV] = "0"
+        else:
+            folder = os.path.join(args.record_dir, cell)
+            if args.record == "cold":
+                shutil.rmtree(folder, ignore_errors=True)
+            os.environ[trace_times.ENV] = folder
+
+    use_record(None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -106,9 +125,9 @@ def main() -> None:
     lanczos_lengths = [int(n) for n in args.lanczos_lengths.split(",") if n]
     engines = args.engines.split(",")
 
-    def fresh(curv: str, eng: str) -> Any:
-        if args.record == "cold" and TRACE_TIMES is not None:
-            TRACE_TIMES.clear()  # every cell as a first run: no trace time known
+    def fresh(curv: str, eng: str, cell: str | None = None) -> Any:
+        if args.record != "warm" or cell is None:
+            use_record(cell if eng == "auto" else None)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -141,22 +160,20 @@ def main() -> None:
         times: dict[tuple[str, int], dict[str, float]] = {}
         for eng in engines:
             try:
-                op = fresh(curv, eng)
-                v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
-                at: dict[int, float] = {}
-                _sync()
-                t0 = time.perf_counter()
-                for i in range(1, lengths[-1] + 1):
-                    op @ v
-                    if i in lengths:
-                        _sync()
-                        at[i] = time.perf_counter() - t0
-                emit({"cell": f"{curv}_loop", "engine": eng, "s_at": at, "report": op.engine_report})
-                for n, s in at.items():
+                for n in lengths:  # one loop per length: a loop run again is judged by its own record
+                    op = fresh(curv, eng, f"{curv}-loop-{n}")
+                    v = torch.randn(op.size, device=op.device, generator=torch.Generator(op.device).manual_seed(0))
+                    _sync()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        op @ v
+                    _sync()
+                    s = time.perf_counter() - t0
+                    emit({"cell": f"{curv}_loop", "engine": eng, "length": n, "s": s, "report": op.engine_report})
                     times.setdefault(("loop", n), {})[eng] = s
-                del op
+                    del op
                 for n in lanczos_lengths:
-                    op = fresh(curv, eng)
+                    op = fresh(curv, eng, f"{curv}-lanczos-{n}")
                     _sync()
                     t0 = time.perf_counter()
                     with warnings.catch_warnings():

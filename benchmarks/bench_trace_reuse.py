@@ -7,7 +7,8 @@ For each curvature and engine, ``--processes`` fresh Python processes run one af
 one record of trace times (``HESSIAN_EIGENTHINGS_TRACE_TIMES=DIR``, emptied first) and one
 inductor cache (``TORCHINDUCTOR_CACHE_DIR``, as set by the caller): each builds the operator,
 times its first product (trace, primal part, compile) and its second one, and reports
-``engine_report``. Every process traces (recording, NOTE [recording a trace]); for ``compiled``,
+``engine_report`` and inductor's cache counters (``BENCH_TRACE_REUSE_PROFILE=1``: a cProfile of
+the first product on stderr). Every process traces (recording, NOTE [recording a trace]); for ``compiled``,
 the next processes' identical programs find inductor's cached artifact. One autograd product is
 timed first in every process (imports and CUDA context are not the engine's). TF32 off.
 """
@@ -63,10 +64,21 @@ def child(workload: str, curv: str, engine: str, scale: float) -> dict[str, Any]
     autograd_ms = (time.perf_counter() - t0) * 1e3
     del warm
     op = make(engine)
+    prof = None
+    if os.environ.get("BENCH_TRACE_REUSE_PROFILE"):
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     out = op @ v
     _sync()
     first = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
     t0 = time.perf_counter()
     op @ v
     _sync()
@@ -81,6 +93,21 @@ def child(workload: str, curv: str, engine: str, scale: float) -> dict[str, Any]
         "second_ms": round(second_ms, 2),
         "rel_err_vs_autograd": err,
         "report": op.engine_report,
+        "inductor_counters": _inductor_counters(),
+    }
+
+
+def _inductor_counters() -> dict[str, int]:
+    """Inductor's and AOT autograd's cache hits, misses and bypasses in this process."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return {}
+    return {
+        f"{group}.{key}": int(n)
+        for group in ("inductor", "aot_autograd")
+        for key, n in counters[group].items()
+        if "cache" in key or "fxgraph" in key
     }
 
 
@@ -125,6 +152,8 @@ def main() -> None:
                     "process": n + 1,
                     "process_wall_s": round(wall, 2),
                 }
+                if os.environ.get("BENCH_TRACE_REUSE_PROFILE"):
+                    sys.stderr.write(f"--- {curv} {engine} process {n + 1}\n" + proc.stderr[-20000:])
                 if proc.returncode == 0:
                     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
                 else:

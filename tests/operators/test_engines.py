@@ -3,7 +3,9 @@ and the global precision switches as found, and ``auto`` / ``compiled`` behave a
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +141,38 @@ def test_compiled_ggn_block() -> None:
     V = torch.randn(op.size, 3, dtype=torch.float64)
     torch.testing.assert_close(op @ V, dense @ V, rtol=1e-10, atol=1e-10)
     assert op.engine_report["compilations"] == 1  # one batch signature, one block width
+
+
+@compile_only
+def test_a_program_compiled_again_is_found_in_inductors_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [inductor's caches for an aten graph]: without the compiler's tracing context every
+    # compilation bypassed inductor's FX graph cache ("No shape env"), so a second process
+    # compiled from scratch
+    if not _torch_compat.inductor_graph_cache_on():
+        pytest.skip("this torch's inductor keeps no graph cache by default")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    first = HessianOperator(model, data, SUP, engine="compiled")
+    hits = _torch_compat.inductor_cache_hits()
+    torch.testing.assert_close(first @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert _torch_compat.inductor_cache_hits() == hits  # a new directory: nothing to find
+    (prog,) = first._engines.runner._programs.values()
+    spent = first.engine_report["compile_s"]
+    # the record of a first compilation is read as the cache hit it makes of the next one
+    assert compiled_mod.recorded_compile_s(prog, 1) == pytest.approx(
+        compiled_mod.CACHED_COMPILE_FRACTION * spent, rel=0.01, abs=6e-3
+    )
+    second = HessianOperator(model, data, SUP, engine="compiled")
+    torch.testing.assert_close(second @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert _torch_compat.inductor_cache_hits() == hits + 1
+    assert second.engine_report["compilations"] == 1
+    assert compiled_mod.recorded_compile_s(prog, 1) == pytest.approx(
+        second.engine_report["compile_s"], rel=0.01, abs=6e-3
+    )
 
 
 # -- fallbacks, refusals and the model-state guarantees --------------------------------------
@@ -328,6 +362,11 @@ def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> 
     assert report["reason"].startswith("measured faster")
     assert set(report["timings_ms"]) == {"autograd_first", "autograd", "functional"}
     assert op.engine == report["chosen"]
+    # what the run learnt is kept for the next (NOTE [what auto remembers])
+    facts = op._engines.facts()
+    t = report["timings_ms"]
+    assert facts["products"] == 64
+    assert facts["functional_ratio"] == pytest.approx(t["functional"] / t["autograd"], rel=1e-2)
     # an engine given explicitly is never judged
     fixed = HessianOperator(model, data, SUP, engine="autograd")
     for _ in range(20):
@@ -420,6 +459,63 @@ def test_auto_compiles_when_it_pays_and_falls_back_on_failure(
     torch.testing.assert_close(out, H @ v, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out2, H @ v, rtol=1e-10, atol=1e-10)
     assert "compiled" in op.engine_report["auto"]["timings_ms"]
+
+
+def test_auto_remembers_a_loops_length_and_the_engines_ratio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [what auto remembers]: a loop run again is judged at its second product, as long as
+    the last one, and goes to the functional engine at the break-even without a second trial."""
+    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)  # a first run: all short
+    monkeypatch.setattr(engines_mod, "TRACE_IMPORT_PRIOR_S", 0.0)
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    first = HessianOperator(model, data, SUP)
+    for _ in range(40):
+        first @ v
+    assert first.engine == "autograd"
+    assert first._engines.facts() == {"products": 32.0}
+    # an earlier trial found the functional engine at half autograd's time, a trace cheap
+    first._engines.note_facts(functional_ratio=0.5, trace_s=1e-6)
+    judged = []
+    real = engines_mod.EngineSelector.before_block
+    monkeypatch.setattr(
+        engines_mod.EngineSelector,
+        "before_block",
+        lambda self, *a, **kw: judged.append(self.seen) or real(self, *a, **kw),
+    )
+    again = HessianOperator(model, data, SUP)
+    for _ in range(3):
+        torch.testing.assert_close(again @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert judged == [2]
+    report = again.engine_report
+    assert again.engine == "functional"
+    assert report["auto"]["expected_products"] == 32
+    assert report["auto"]["expected_from"] == "this model's last run"
+    assert report["auto"]["reason"].startswith("faster in this model's last trial")
+    assert report["auto"]["functional_ratio"] == 0.5
+    assert report["trial_products"] == 1  # one check of agreement, no timing runs
+    assert set(report["auto"]["timings_ms"]) == {"autograd_first"}
+    # a ratio that says the functional engine was not faster: the first run's rule again
+    first._engines.note_facts(functional_ratio=1.3)
+    third = HessianOperator(model, data, SUP)
+    for _ in range(3):
+        third @ v
+    assert third.engine == "autograd"
+    assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
+
+
+def test_auto_expects_torch_funcs_first_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo  # noqa: F401 - imported, as after any trace
+
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    ms, why = op._engines.trace_estimate_ms()
+    monkeypatch.delitem(sys.modules, "torch._dynamo")
+    ms_fresh, why_fresh = op._engines.trace_estimate_ms()
+    assert ms_fresh == pytest.approx(ms + engines_mod.TRACE_IMPORT_PRIOR_S * 1e3)
+    assert why_fresh == why + ", and torch.func's first import"
 
 
 def test_auto_distrusts_a_traced_product_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,7 +45,7 @@ def test_a_trace_records_its_time_for_this_model(record_dir: Path) -> None:
     seconds = op.engine_report["trace_s"]
     assert TRACE_TIMES.expected_s(key) == pytest.approx(seconds, abs=1e-3)
     path = record_dir / trace_times.FILE
-    assert json.loads(path.read_text())[key] == pytest.approx(seconds, abs=1e-3)
+    assert json.loads(path.read_text())[key] == {"trace_s": pytest.approx(seconds, abs=1e-3)}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(record_dir.stat().st_mode) == 0o700
     TRACE_TIMES.clear()  # as a new process: the file answers
@@ -53,6 +53,21 @@ def test_a_trace_records_its_time_for_this_model(record_dir: Path) -> None:
     # another curvature of the same model is another key
     ggn = GGNOperator(model, data, lambda m, b: m(b[0]), CE_OUT)
     assert TRACE_TIMES.expected_s(_structure(ggn)) is None
+
+
+def test_a_record_holds_what_auto_learnt_and_reads_older_ones(record_dir: Path) -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    key = _structure(HessianOperator(model, data, SUP))
+    TRACE_TIMES.note(key, 0.25)
+    TRACE_TIMES.note_facts(key, functional_ratio=0.4, products=64.0)
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.facts(key) == {"trace_s": 0.25, "functional_ratio": 0.4, "products": 64.0}
+    # session 14's records held a trace time alone; unknown or negative entries are dropped
+    path = record_dir / trace_times.FILE
+    path.write_text(json.dumps({key: 0.5, "other": {"trace_s": -1.0, "colour": 2.0}}))
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.facts(key) == {"trace_s": 0.5}
+    assert TRACE_TIMES.facts("other") == {}
 
 
 _SCRIPT = textwrap.dedent(

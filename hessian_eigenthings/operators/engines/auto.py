@@ -9,6 +9,7 @@ product function, never the operator: a trial receives the product to time as an
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -110,6 +111,30 @@ class Curvature(Protocol):
 # bounded multiple of what knowing its length would have cost, trace
 # included, when the estimate is right).
 
+# NOTE [what auto remembers]
+# A first run cannot be within a few percent of the best engine at every
+# length of a loop that declares none: a trace is a fixed price paid before
+# the faster products, so whichever product count `auto` switches at, a loop
+# that stops soon after loses (the ski-rental bound; on the GPU MLP's GGN, a
+# product of 2.1 ms on autograd against 0.5 ms traced and a trace of about
+# 20 ms, no switching point keeps both the 20- and the 100-product loop
+# within 40% of the best). What a run learns therefore goes into the record
+# of NOTE [trace times], beside the trace's time, under the same key:
+# - `functional_ratio`: the functional engine's product time over autograd's,
+#   as the last trial measured it. With it, a run is long enough for the
+#   functional engine at the break-even (expected products × autograd's
+#   product time × (1 − ratio) over the trace's expected cost), not at
+#   AUTO_TRACE_PAYBACK × the trace, and no second trial is run where
+#   compiling cannot pay: one functional product is checked against the
+#   autograd product of the same direction, and kept if they agree;
+# - `products`: how many products an `auto` operator of this model had made
+#   when last counted (at 8, 16, 32, ... products). A run that declares no
+#   length is judged at its second product as if it declared that many, so
+#   a script run again switches at once instead of after its first doublings.
+# A first run behaves as NOTE [auto engine] says. The record is a guess about
+# the next run; a wrong one costs at most one trace that does not pay, or a
+# few doublings on autograd, after which the run's own counts take over.
+
 AUTO_MIN_PRODUCTS = 8
 COMPILE_PRIOR_S = 8.0
 COMPILE_S_PER_NODE = 0.008
@@ -128,6 +153,10 @@ class AutoChoice:
     #: what a trace was expected to cost when the run's length was judged, and why
     trace_estimate_s: float | None = None
     trace_estimate_from: str = ""
+    #: where ``expected_products`` came from: declared, this model's last run, or products so far
+    expected_from: str = "declared"
+    #: the functional/autograd product-time ratio an earlier run's trial measured, where one was used
+    functional_ratio: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -142,6 +171,10 @@ class AutoChoice:
             if self.trace_estimate_s is None
             else round(self.trace_estimate_s, 3),
             "trace_estimate_from": self.trace_estimate_from,
+            "expected_from": self.expected_from,
+            "functional_ratio": None
+            if self.functional_ratio is None
+            else round(self.functional_ratio, 3),
         }
 
 
@@ -169,11 +202,17 @@ AUTO_MIN_RUN_MS = 20_000.0
 #: times what a trace is expected to cost: a trial that finds no faster engine then costs the run
 #: at most about 1 / AUTO_TRACE_PAYBACK more (the facade's 0.x scripts must never be slower)
 AUTO_TRACE_PAYBACK = 3.0
-#: a first trace's expected cost per leaf module where none was recorded: what make_fx traces
-#: cost on an H100 host, torch 2.11 (0.02 s on a 5-module MLP GGN, 0.06 s on ResNet-18's GGN,
-#: 0.11-0.17 s on GPT-2 12L's GGN and Hessian). Recorded traces (NOTE [recording a trace]) cost
-#: 2-6x less on the CPU, so this errs long (a later trial) until a real trace time is recorded
-TRACE_PRIOR_S_PER_MODULE = 0.1
+#: a first trace's expected cost per leaf module where none was recorded: what recorded traces
+#: (NOTE [recording a trace]) cost on an H200 host, torch 2.11 (Hessian / GGN: 0.027 / 0.019 s on
+#: a 5-module MLP, 0.51 / 0.15 s on ResNet-18's 52 modules, 2.0 / 0.83 s on GPT-2 12L's ~137):
+#: errs long for GGNs until a real trace time is recorded
+TRACE_PRIOR_S_PER_MODULE = 0.015
+#: added where a process has not imported torch._dynamo yet: torch.func's transforms import it on
+#: their first use (0.65 s on a 2-core CPU host, torch 2.13), which the first trace pays
+TRACE_IMPORT_PRIOR_S = 0.6
+#: a run expected to save less than this on a compiled product does not consider compiling
+#: before a trial has timed it (the least a compilation was seen to cost, a cache hit included)
+MIN_COMPILE_S = 1.0
 
 #: the operator's product of a row block ``V (k, n)`` into ``out`` (one pass over the data)
 BlockProduct = Callable[[torch.Tensor, torch.Tensor], None]
@@ -218,7 +257,7 @@ class EngineSelector:
         #: products (single directions) seen while ``auto`` is undecided, and the count at which
         #: a bare loop is judged next (NOTE [auto engine]); the operator's data loop counts
         self.seen = 0
-        self.next_check: float = AUTO_MIN_PRODUCTS if engine == "auto" else float("inf")
+        self.next_check: float = 2 if engine == "auto" else float("inf")
         #: the model-and-curvature key of NOTE [trace times], made at the first judgement
         self._structure: str | None = None
         if engine in ("functional", "compiled", "layers"):
@@ -261,13 +300,39 @@ class EngineSelector:
 
     def judge_loop(self) -> None:
         """A loop of ``seen`` products so far: expect as many more, decide on the next block, and
-        judge again when the count doubles (NOTE [auto engine])."""
-        if self.decided:
-            self.next_check = float("inf")
+        judge again when the count doubles (NOTE [auto engine]). The first look, at the second
+        product of a run that declared no length, expects as many products as this model's last
+        counted run made (NOTE [what auto remembers]); each later one records the count."""
+        if self.seen < AUTO_MIN_PRODUCTS:
+            self.next_check = AUTO_MIN_PRODUCTS
+            if not self.decided and self.expected_products < AUTO_MIN_PRODUCTS:
+                known = self.facts().get("products", 0.0)
+                if known >= AUTO_MIN_PRODUCTS:
+                    self.expect(int(known))
+                    self.auto.expected_from = "this model's last run"
             return
+        self.note_facts(products=float(self.seen))
         self.next_check = 2 * self.seen
+        if self.decided:
+            return
         if self.seen > self.expected_products:
             self.expect(self.seen)
+            self.auto.expected_from = "products so far"
+
+    def structure(self) -> str:
+        """This model and curvature's key (NOTE [trace times]); fingerprinted once."""
+        if self._structure is None:
+            names = selected_names(self.model, self.params)
+            self._structure = structure_key(self.model, names, self.product)
+        return self._structure
+
+    def facts(self) -> dict[str, float]:
+        """What earlier runs recorded of this model and curvature (NOTE [what auto remembers])."""
+        return TRACE_TIMES.facts(self.structure()) if self.functional else {}
+
+    def note_facts(self, **facts: float) -> None:
+        if self.functional:
+            TRACE_TIMES.note_facts(self.structure(), **facts)
 
     def before_block(
         self,
@@ -302,23 +367,40 @@ class EngineSelector:
         except BaseException:
             self.decided = False  # judged again later (NOTE [auto engine])
             raise
-        a.timings_ms["autograd_first"] = first / V.shape[0]
+        per = first / V.shape[0]
+        a.timings_ms["autograd_first"] = per
         trace_ms, why = self.trace_estimate_ms()
         a.trace_estimate_s, a.trace_estimate_from = trace_ms / 1e3, why
-        if first / V.shape[0] * self.expected_products < AUTO_TRACE_PAYBACK * trace_ms:
+        ratio = self.facts().get("functional_ratio")
+        if ratio is not None and ratio < 1.0:  # NOTE [what auto remembers]: the break-even
+            a.functional_ratio = ratio
+            short = per * self.expected_products * (1.0 - ratio) < trace_ms
+            rule = f"expected saving at the last run's functional/autograd ratio {ratio:.2f} under"
+        else:
+            short = per * self.expected_products < AUTO_TRACE_PAYBACK * trace_ms
+            rule = f"expected products x product time under {AUTO_TRACE_PAYBACK:g} x"
+        if short:
             a.chosen, a.reason = (
                 "autograd",
-                f"short run: expected products x product time under {AUTO_TRACE_PAYBACK:g} x "
-                f"the trace's expected {trace_ms / 1e3:.2g} s",
+                f"short run: {rule} the trace's expected {trace_ms / 1e3:.2g} s",
             )
             self.decided = False  # judged again if the run goes on (NOTE [auto engine])
             return True
-        self.next_check = float("inf")
+        # the last run's trial measured the engines: no second trial where compiling cannot pay,
+        # one check of agreement
+        known = ratio is not None and ratio < 1.0 and (
+            not _torch_compat.compile_supported()
+            or per * ratio * COMPILED_SAVING * self.expected_products < MIN_COMPILE_S * 1e3
+        )
         # the trial runs single products (a few per engine, whatever the block width) into a
         # scratch row; they are reported (trial_products), not counted as the run's
         passes, forwards = counts.passes, counts.forwards
         try:
-            _Trial(self, product, on_switch).run(V[:1], out[:1].clone(), out[:1].clone())
+            if known:
+                assert ratio is not None
+                _Trial(self, product, on_switch).adopt_functional(V[:1], out[:1], ratio)
+            else:
+                _Trial(self, product, on_switch).run(V[:1], out[:1].clone(), out[:1].clone())
         finally:
             counts.passes, counts.forwards = passes, forwards
         return True
@@ -326,18 +408,20 @@ class EngineSelector:
     def trace_estimate_ms(self) -> tuple[float, str]:
         """What a trace is expected to cost before the functional engine's first product, and
         why (NOTE [auto engine]): this model and curvature's last trace time (NOTE [trace times]),
-        else TRACE_PRIOR_S_PER_MODULE per leaf module; at most AUTO_MIN_RUN_MS."""
+        else TRACE_PRIOR_S_PER_MODULE per leaf module (and TRACE_IMPORT_PRIOR_S where torch.func's
+        first use is still to come); at most AUTO_MIN_RUN_MS."""
         if not self.functional:
             return AUTO_MIN_RUN_MS, "no functional engine"
-        if self._structure is None:  # a bare loop is judged several times: fingerprint once
-            names = selected_names(self.model, self.params)
-            self._structure = structure_key(self.model, names, self.product)
-        known = TRACE_TIMES.expected_s(self._structure)
+        known = self.facts().get("trace_s")
         if known is not None:
             return min(AUTO_MIN_RUN_MS, known * 1e3), "this model's last trace"
         leaves = sum(1 for m in self.model.modules() if next(m.children(), None) is None)
-        prior = TRACE_PRIOR_S_PER_MODULE * max(1, leaves) * 1e3
-        return min(AUTO_MIN_RUN_MS, prior), f"prior: {leaves} leaf modules"
+        prior = TRACE_PRIOR_S_PER_MODULE * max(1, leaves)
+        why = f"prior: {leaves} leaf modules"
+        if "torch._dynamo" not in sys.modules:
+            prior += TRACE_IMPORT_PRIOR_S
+            why += ", and torch.func's first import"
+        return min(AUTO_MIN_RUN_MS, prior * 1e3), why
 
     def _refusal(self, keeps_states: bool) -> str | None:
         """Why ``auto`` keeps autograd without a trial, if it does."""
@@ -388,6 +472,50 @@ class _Trial:
             best = min(best, ms)
         return best
 
+    def _agree(self, out: torch.Tensor, reference: torch.Tensor) -> bool:
+        """Whether the functional product ``out`` agrees with autograd's ``reference``; if not,
+        back to autograd, with a warning."""
+        sel, a = self.sel, self.sel.auto
+        diff = float(
+            torch.linalg.vector_norm(out - reference)
+            / torch.linalg.vector_norm(reference).clamp_min(1e-30)
+        )
+        if diff <= MISMATCH_TOL.get(out.dtype, 5e-2):
+            return True
+        sel._switch("autograd", self.on_switch)
+        a.chosen, a.reason = (
+            "autograd",
+            f"the functional product differed from autograd's by {diff:.1e} (relative)",
+        )
+        warnings.warn(
+            f"{sel.owner}: engine='auto' compared the traced product with autograd's and they "
+            f"differ by {diff:.1e} (relative); keeping engine='autograd'. A loss or model that writes into "
+            "preallocated buffers or reads global state can do this; please report it",
+            EngineMismatchWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return False
+
+    def adopt_functional(self, V: torch.Tensor, reference: torch.Tensor, ratio: float) -> None:
+        """The functional engine without timing the engines again (an earlier run's trial found it
+        faster, NOTE [what auto remembers]): one product, checked against autograd's
+        ``reference`` of the same direction."""
+        sel, a = self.sel, self.sel.auto
+        scratch = torch.empty_like(reference)
+        try:
+            sel._switch("functional", self.on_switch)
+            self._pass(V, scratch)
+        except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
+            sel._switch("autograd", self.on_switch)
+            a.chosen, a.reason = (
+                "autograd",
+                f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
+            )
+            return
+        if self._agree(scratch, reference):
+            a.chosen = "functional"
+            a.reason = f"faster in this model's last trial (functional/autograd {ratio:.2f})"
+
     def run(self, V: torch.Tensor, out: torch.Tensor, reference: torch.Tensor) -> None:
         sel = self.sel
         a = sel.auto
@@ -401,24 +529,9 @@ class _Trial:
                 f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
             )
             return
-        diff = float(
-            torch.linalg.vector_norm(out - reference)
-            / torch.linalg.vector_norm(reference).clamp_min(1e-30)
-        )
-        if not diff <= MISMATCH_TOL.get(out.dtype, 5e-2):
-            sel._switch("autograd", self.on_switch)
-            a.chosen, a.reason = (
-                "autograd",
-                f"the functional product differed from autograd's by {diff:.1e} (relative)",
-            )
-            warnings.warn(
-                f"{sel.owner}: engine='auto' compared the traced product with autograd's and they "
-                f"differ by {diff:.1e} (relative); keeping engine='autograd'. A loss or model that writes into "
-                "preallocated buffers or reads global state can do this; please report it",
-                EngineMismatchWarning,
-                stacklevel=user_stacklevel(),
-            )
+        if not self._agree(out, reference):
             return
+        sel.note_facts(functional_ratio=a.timings_ms["functional"] / a.timings_ms["autograd"])
         best = min(("autograd", "functional"), key=lambda name: a.timings_ms[name])
         runner = sel.runner
         assert isinstance(runner, FunctionalRunner)

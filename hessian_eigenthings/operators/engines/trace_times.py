@@ -277,18 +277,26 @@ def _own_file(path: str) -> bool:
 
 
 class TraceTimes:
-    """Trace times by model-and-curvature key, in the process and on disk (NOTE [trace times])."""
+    """What was learnt of each model-and-curvature key, in the process and on disk (NOTE [trace
+    times], NOTE [what auto remembers]): ``trace_s`` (a trace's time), ``functional_ratio`` (the
+    functional engine's product time over autograd's in ``auto``'s last trial) and ``products``
+    (how many products an ``auto`` operator of it had made when last counted)."""
 
     def __init__(self) -> None:
-        self._times: dict[str, float] = {}
+        self._facts: dict[str, dict[str, float]] = {}
 
     def clear(self) -> None:
-        """Forget the process's times (the file is left as it is)."""
-        self._times.clear()
+        """Forget the process's facts (the file is left as it is)."""
+        self._facts.clear()
 
     def note(self, structure: str, seconds: float) -> None:
         """Record that tracing ``structure``'s product took ``seconds``."""
-        self._times[structure] = round(seconds, 4)
+        self.note_facts(structure, trace_s=round(seconds, 4))
+
+    def note_facts(self, structure: str, **facts: float) -> None:
+        """Record facts of ``structure`` (merged into what is known of it)."""
+        entry = {**self.facts(structure), **facts}
+        self._facts[structure] = entry
         folder = record_dir()
         if folder is None or not _private_dir(folder, create=True):
             return
@@ -296,7 +304,7 @@ class TraceTimes:
         try:
             data = self._read(path)
             data.pop(structure, None)  # most recent last: the oldest go first
-            data[structure] = self._times[structure]
+            data[structure] = entry
             data = dict(list(data.items())[-MAX_RECORDS:])
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
@@ -307,25 +315,39 @@ class TraceTimes:
             pass
 
     @staticmethod
-    def _read(path: str) -> dict[str, float]:
+    def _read(path: str) -> dict[str, Any]:
         if not _own_file(path):
             return {}
         with open(path) as f:
             data = json.load(f)
         return data if isinstance(data, dict) else {}
 
-    def expected_s(self, structure: str) -> float | None:
-        """What tracing ``structure``'s product cost last time (``None``: never recorded)."""
-        if structure in self._times:
-            return self._times[structure]
+    def facts(self, structure: str) -> dict[str, float]:
+        """What is known of ``structure`` (empty: nothing recorded)."""
+        if structure in self._facts:
+            return dict(self._facts[structure])
         folder = record_dir()
         if folder is None:
-            return None
+            return {}
         with contextlib.suppress(OSError, ValueError, TypeError):
             value = self._read(os.path.join(folder, FILE)).get(structure)
-            if value is not None:
-                return float(value)
-        return None
+            if isinstance(value, (int, float)):  # a record of session 14: a trace time alone
+                return {"trace_s": float(value)}
+            if isinstance(value, dict):
+                return {
+                    k: float(v)
+                    for k, v in value.items()
+                    if k in FACTS and isinstance(v, (int, float)) and v >= 0
+                }
+        return {}
+
+    def expected_s(self, structure: str) -> float | None:
+        """What tracing ``structure``'s product cost last time (``None``: never recorded)."""
+        return self.facts(structure).get("trace_s")
+
+
+#: what a record may hold of a key
+FACTS = ("trace_s", "functional_ratio", "products")
 
 
 #: the process's record (tests clear it, and point HESSIAN_EIGENTHINGS_TRACE_TIMES elsewhere)
