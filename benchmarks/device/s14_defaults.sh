@@ -19,6 +19,13 @@ case "$1" in
       python3 -c "import json,sys;[print({k:v for k,v in json.loads(l).items() if k in ('workload','process','first_s','second_ms','autograd_ms','inductor_counters','error')}, json.loads(l).get('report',{}).get('compile_s')) for l in open(sys.argv[1])]" $O/reuse_${w}_compiled.jsonl
     done
     ;;
+  defaults)
+    # session 15: a first run (cold) and the same script again (rerun): WORKLOAD LENGTHS ENGINES CURVS
+    for st in cold rerun; do
+      timeout ${T:-280} python3 -m benchmarks.bench_defaults $2 --record $st --record-dir /tmp/rec_$2 --lengths ${3:-1,20,100,1000} --engines ${4:-auto,autograd,functional,compiled} --curvatures ${5:-hessian,ggn,ef} > $O/defaults_$2_$st.jsonl 2> $O/defaults_$2_$st.err
+      grep default_vs_best $O/defaults_$2_$st.jsonl | python3 -c "import sys,json;[print('$st', r['cell'], r['mode'], r['length'], r['best'], round(r['ratio'],2)) for r in map(json.loads, sys.stdin)]"
+    done
+    ;;
   tests)
     python3 -m pytest tests/operators/test_trace_times.py tests/operators/test_engines.py -q -x -p no:cacheprovider 2>&1 | tail -2
     ;;
@@ -38,11 +45,7 @@ for f in ("reuse_gpt2_large.jsonl", "reuse_gpt2_compiled.jsonl"):
               rep.get("compile_s"), r.get("error"))
 PY
     ;;
-  two)
-    for st in cold warm; do
-      timeout 200 python3 -m benchmarks.bench_defaults mlp --record $st > $O/defaults_mlp_$st.jsonl 2> $O/defaults_mlp_$st.err
-      grep default_vs_best $O/defaults_mlp_$st.jsonl | python3 -c "import sys,json;[print('$st', r['cell'], r['mode'], r['length'], r['best'], round(r['ratio'],2)) for r in map(json.loads, sys.stdin)]"
-    done
+  facade)
     for i in $(seq 1 ${FRESH:-10}); do
       timeout 60 python3 -m benchmarks.real0x --real-0x .real0x --device cuda --repeats 1 --warmup 0 --only readme_cnn_default_gpu.py --out $O/fresh_$i > /dev/null 2>&1
     done

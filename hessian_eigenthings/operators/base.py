@@ -150,6 +150,7 @@ class DataCurvatureOperator(DataOperatorSetup):
                 out[:first],
                 product=self._rows,
                 keeps_states=keeps,
+                cold=2 if keeps and self._records_graphs(sel.runner) else 1,
                 on_switch=self.clear_cache,
                 counts=self.counts,
             ):
@@ -187,6 +188,18 @@ class DataCurvatureOperator(DataOperatorSetup):
             self._per_vector_bytes = max(self._per_vector_bytes or 0.0, peak / (stop - start))
         return stop
 
+    def _records_graphs(self, runner: ProductRunner) -> bool:
+        """Whether ``runner``'s products on kept states are recorded as CUDA graphs (NOTE [CUDA
+        graphs]): a traced runner's products are plain tensor programs, recordable whatever the
+        curvature."""
+        return bool(
+            self.cuda_graphs
+            and self._device.type == "cuda"
+            and RNG_RESTORABLE
+            and getattr(runner, "recordable", True)
+            and (runner.traced or self.supports_cuda_graphs)
+        )
+
     def _pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
         """One pass over the data for the row block ``V`` (k, n), written into ``out``.
 
@@ -195,15 +208,7 @@ class DataCurvatureOperator(DataOperatorSetup):
         one chunk this is a single copy into the buffer.
         """
         runner = (self.__dict__.get("_engine_selector") or self._engines).runner
-        # CUDA-graph recordings (NOTE [CUDA graphs]): a traced runner's products are plain tensor
-        # programs, recordable whatever the curvature
-        graphs = (
-            self.cuda_graphs
-            and self._device.type == "cuda"
-            and RNG_RESTORABLE
-            and getattr(runner, "recordable", True)
-            and (runner.traced or self.supports_cuda_graphs)
-        )
+        graphs = self._records_graphs(runner)
         # the model's reuse key, read once per pass under its switches when a state is kept
         key = bool(self._states.entries) and self._reuse_enabled()
         rows = RowBlock(self.layout, V)

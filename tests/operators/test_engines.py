@@ -506,6 +506,29 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
 
 
+def test_auto_times_no_product_that_records_a_cuda_graph() -> None:
+    """Where the second product on a kept state records a CUDA graph, ``auto`` times the third
+    (NOTE [auto engine])."""
+    model, data = mlp(), classification_data(n=4, batch=4)
+    op = HessianOperator(model, data, SUP)
+    op.expect_products(10_000)
+    v = torch.randn(op.size, dtype=torch.float64)
+    op @ v
+    sel = op._engines
+    V = v[None].clone()
+    out = torch.empty_like(V)
+
+    def decide() -> bool:
+        sel.seen += 1
+        return sel.before_block(
+            V, out, product=op._rows, keeps_states=True, on_switch=op.clear_cache,
+            counts=op.counts, cold=2,
+        )
+
+    assert not decide() and sel.auto.reason == "undecided"  # the second: a recording
+    assert decide() and "autograd_first" in sel.auto.timings_ms  # the third is timed
+
+
 def test_auto_expects_torch_funcs_first_import(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo  # noqa: F401 - imported, as after any trace
 

@@ -79,14 +79,17 @@ class Curvature(Protocol):
 #   later products reuse; the first product of issue 27's 0.x script in a
 #   fresh process took 394 ms on one H100 and over 667 ms on another, which
 #   sent a 30-product run into a trial it never repaid, and made its time
-#   bimodal): a "short run" — expected products × that product's time under
+#   bimodal; where products on a kept state are recorded as CUDA graphs, at
+#   the third, since the second records: on an H200 the MLP's second product
+#   took 3-5 ms against 0.8 ms replayed, and sent Hessian runs whose engines
+#   are equally fast into trials): a "short run" — expected products × that product's time under
 #   AUTO_TRACE_PAYBACK × what a trace is expected to cost — stays on
 #   "autograd" (a trial that finds nothing faster then costs at most about a
 #   third more than the run would have cost without it); the expected
 #   trace cost is this model's last trace time (NOTE [trace times], kept
 #   across processes), else TRACE_PRIOR_S_PER_MODULE per leaf module, at most
-#   AUTO_MIN_RUN_MS (a 5-module MLP expects 0.5 s, not 20 s: its bare loops of
-#   1000 GGN products stayed on a path 1.5-4x slower than the traced one);
+#   AUTO_MIN_RUN_MS (a 5-module MLP expects 0.08 s, not 20 s: its bare loops
+#   of 1000 GGN products stayed on a path 1.5-4x slower than the traced one);
 # - a longer run: the first kept batch is timed on
 #   "autograd" and "functional"
 #   (two products each after a warm-up; the results of the timing runs are
@@ -205,8 +208,9 @@ AUTO_TRACE_PAYBACK = 3.0
 #: a first trace's expected cost per leaf module where none was recorded: what recorded traces
 #: (NOTE [recording a trace]) cost on an H200 host, torch 2.11 (Hessian / GGN: 0.027 / 0.019 s on
 #: a 5-module MLP, 0.51 / 0.15 s on ResNet-18's 52 modules, 2.0 / 0.83 s on GPT-2 12L's ~137):
-#: errs long for GGNs until a real trace time is recorded
+#: products of first derivatives only (GGN, Fisher) take TRACE_PRIOR_FIRST_ORDER of it
 TRACE_PRIOR_S_PER_MODULE = 0.015
+TRACE_PRIOR_FIRST_ORDER = 0.4
 #: added where a process has not imported torch._dynamo yet: torch.func's transforms import it on
 #: their first use (0.65 s on a 2-core CPU host, torch 2.13), which the first trace pays
 TRACE_IMPORT_PRIOR_S = 0.6
@@ -233,6 +237,8 @@ class EngineSelector:
         self.device = curvature.device
         self.auto_trials = bool(getattr(curvature, "auto_trials", True))
         self.model = curvature.model
+        #: a product of second derivatives (the Hessian): a longer trace (TRACE_PRIOR_FIRST_ORDER)
+        self.second_order = bool(getattr(curvature, "needs_double_backward", True))
         self.params = list(curvature.params)
         self.product = curvature.functional_product
         self.batch_of = curvature._engine_batch
@@ -343,15 +349,17 @@ class EngineSelector:
         keeps_states: bool,
         on_switch: Callable[[], None],
         counts: ProductCounts,
+        cold: int = 1,
     ) -> bool:
         """``auto``: decide on this block if the run is long enough (NOTE [auto engine]), timing
         ``product`` (``on_switch`` drops the operator's kept states when the runner changes;
-        ``keeps_states``: whether its batches are kept between products). Returns True when
-        ``out`` already holds ``A V`` (the decision's last product)."""
+        ``keeps_states``: whether its batches are kept between products; ``cold``: how many
+        products come before a representative one: 2 where the second records a CUDA graph).
+        Returns True when ``out`` already holds ``A V`` (the decision's last product)."""
         if not self.pending:
             return False  # few products: autograd, undecided (a later budget may change that)
-        if self.seen <= V.shape[0]:
-            return False  # the operator's first product is cold: decide on the next (NOTE [auto engine])
+        if self.seen <= cold * V.shape[0]:
+            return False  # the operator's first products are cold: decide later (NOTE [auto engine])
         self.decided, self.pending = True, False
         a = self.auto
         a.expected_products = self.expected_products
@@ -418,6 +426,9 @@ class EngineSelector:
         leaves = sum(1 for m in self.model.modules() if next(m.children(), None) is None)
         prior = TRACE_PRIOR_S_PER_MODULE * max(1, leaves)
         why = f"prior: {leaves} leaf modules"
+        if not self.second_order:
+            prior *= TRACE_PRIOR_FIRST_ORDER
+            why += " (first derivatives)"
         if "torch._dynamo" not in sys.modules:
             prior += TRACE_IMPORT_PRIOR_S
             why += ", and torch.func's first import"
