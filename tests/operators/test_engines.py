@@ -331,6 +331,18 @@ def test_auto_keeps_autograd_on_a_short_run(monkeypatch: pytest.MonkeyPatch) -> 
     )
 
 
+def _judgements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The product counts at which ``auto``'s selector is asked to decide, as they come."""
+    judged: list[int] = []
+    real = engines_mod.EngineSelector.before_block
+    monkeypatch.setattr(
+        engines_mod.EngineSelector,
+        "before_block",
+        lambda self, *a, **kw: judged.append(self.seen) or real(self, *a, **kw),
+    )
+    return judged
+
+
 def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [auto engine]: a loop that declares no budget is judged after AUTO_MIN_PRODUCTS
     products and at each doubling; "short run" verdicts are not final, a trial's is."""
@@ -341,13 +353,7 @@ def test_auto_judges_a_bare_loop_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> 
     H = dense_hessian(model, data, SUP, select_parameters(model))
     op = HessianOperator(model, data, SUP)
     v = torch.randn(op.size, dtype=torch.float64)
-    judged = []
-    real = engines_mod.EngineSelector.before_block
-    monkeypatch.setattr(
-        engines_mod.EngineSelector,
-        "before_block",
-        lambda self, *a, **kw: judged.append(self.seen) or real(self, *a, **kw),
-    )
+    judged = _judgements(monkeypatch)
     for _ in range(40):
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
     assert judged == [8, 16, 32]
@@ -478,13 +484,7 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert first._engines.facts() == {"products": 32.0}
     # an earlier trial found the functional engine at half autograd's time, a trace cheap
     first._engines.note_facts(functional_ratio=0.5, trace_s=1e-6)
-    judged = []
-    real = engines_mod.EngineSelector.before_block
-    monkeypatch.setattr(
-        engines_mod.EngineSelector,
-        "before_block",
-        lambda self, *a, **kw: judged.append(self.seen) or real(self, *a, **kw),
-    )
+    judged = _judgements(monkeypatch)
     again = HessianOperator(model, data, SUP)
     for _ in range(3):
         torch.testing.assert_close(again @ v, H @ v, rtol=1e-10, atol=1e-10)
@@ -498,7 +498,7 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert report["trial_products"] == 1  # one check of agreement, no timing runs
     assert set(report["auto"]["timings_ms"]) == {"autograd_first"}
     # a ratio that says the functional engine was not faster: the first run's rule again
-    first._engines.note_facts(functional_ratio=1.3)
+    first._engines.note_facts(functional_ratio=1.3, trace_s=1e6)
     third = HessianOperator(model, data, SUP)
     for _ in range(3):
         third @ v

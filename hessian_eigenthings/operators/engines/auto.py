@@ -507,6 +507,14 @@ class _Trial:
         )
         return False
 
+    def _failed(self, exc: BaseException) -> None:
+        """The functional engine failed: back to autograd, saying why."""
+        self.sel._switch("autograd", self.on_switch)
+        self.sel.auto.chosen, self.sel.auto.reason = (
+            "autograd",
+            f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
+        )
+
     def adopt_functional(self, V: torch.Tensor, reference: torch.Tensor, ratio: float) -> None:
         """The functional engine without timing the engines again (an earlier run's trial found it
         faster, NOTE [what auto remembers]): one product, checked against autograd's
@@ -517,11 +525,7 @@ class _Trial:
             sel._switch("functional", self.on_switch)
             self._pass(V, scratch)
         except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
-            sel._switch("autograd", self.on_switch)
-            a.chosen, a.reason = (
-                "autograd",
-                f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
-            )
+            self._failed(exc)
             return
         if self._agree(scratch, reference):
             a.chosen = "functional"
@@ -534,11 +538,7 @@ class _Trial:
         try:
             a.timings_ms["functional"] = self._time("functional", V, out, warm=False)
         except (RuntimeError, NotImplementedError, EngineUnsupportedError) as exc:
-            sel._switch("autograd", self.on_switch)
-            a.chosen, a.reason = (
-                "autograd",
-                f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
-            )
+            self._failed(exc)
             return
         if not self._agree(out, reference):
             return
