@@ -26,6 +26,17 @@ case "$1" in
       grep default_vs_best $O/defaults_$2_$st.jsonl | python3 -c "import sys,json;[print('$st', r['cell'], r['mode'], r['length'], r['best'], round(r['ratio'],2)) for r in map(json.loads, sys.stdin)]"
     done
     ;;
+  perproduct)
+    # session 15: per-product figures on this card (the compiled engine, the head's alignment,
+    # KFAC's factor pass, the fused kernel's defaults)
+    timeout 60 python3 -m benchmarks.head_alignment > $O/head_alignment.jsonl 2>&1; cat $O/head_alignment.jsonl
+    timeout 120 python3 -m benchmarks.bench_kfac --device cuda --workloads resnet18 --factors --out $O/kfac.json > $O/kfac.log 2>&1; tail -12 $O/kfac.log
+    for w in resnet18 gpt2 gpt2_large; do
+      timeout ${T:-150} python3 -m benchmarks.bench_engines $w --curvatures hessian --engines autograd,functional,compiled --reps 5 > $O/engines_$w.jsonl 2> $O/engines_$w.err
+      python3 -c "import json,sys;[print('$w', {k:v for k,v in json.loads(l).items() if k in ('cell','engine','ms','first_s','rel_diff','error')}) for l in open(sys.argv[1])]" $O/engines_$w.jsonl
+    done
+    timeout 150 python3 benchmarks/bench_kernels.py --out $O/kernels --sweep none > $O/kernels.log 2>&1; tail -25 $O/kernels.log
+    ;;
   tests)
     python3 -m pytest tests/operators/test_trace_times.py tests/operators/test_engines.py -q -x -p no:cacheprovider 2>&1 | tail -2
     ;;

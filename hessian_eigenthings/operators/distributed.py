@@ -481,6 +481,8 @@ class KroneckerDataParallelMixin:
         scalings = super()._compute_scalings  # type: ignore[misc]
         return self._agreed(lambda: scalings(bases))
 
+    sums_over_processes = True
+
     def _sum_over_processes(self, sums: list[torch.Tensor], total: float) -> float:
         self._exchanged = True
         table = self._ranks.exchange([0.0, float(total)])

@@ -64,7 +64,7 @@ this module only turns the pass's inputs and output gradients into factors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -254,23 +254,32 @@ class _KFACFactors(LayerKroneckerOperator):
             total = self._pass.run(visit, on_input)
         G_of: dict[str, torch.Tensor] = {}
         A_of: dict[str, torch.Tensor] = {}
+        # one process: a factor's weights and the division by the total are one scaling, none
+        # with one batch (NOTE [factor weights applied late]); data parallel: the sums first
+        alone = not self.sums_over_processes and total > 0
+        divisor = total if alone else 1.0
         for layer in self._pass.layers:
             name = layer.name
             if name in sums_G:  # a layer that ran has both (A only with a weight)
-                G_of[name] = sums_G[name].mean(1.0)
+                G_of[name] = sums_G[name].mean(divisor)
                 if name in sums_A:
-                    A_of[name] = sums_A[name].mean(1.0)
+                    A_of[name] = sums_A[name].mean(divisor)
             else:  # it never ran in the forward: its GGN block is zero
                 m, q = self._pass.matrix_shape(layer)
                 G_of[name] = self._zero_factor(m)
                 if layer.weight is not None:
                     A_of[name] = self._zero_factor(q + int(layer.joint))
+        if alone:
+            return G_of, A_of
         # the sums over this process's batches, then over the processes' (data parallel)
         total = self._sum_over_processes([*G_of.values(), *A_of.values()], total)
         for factors in (G_of, A_of):
             for name, f in factors.items():
                 factors[name] = f.div_(total)
         return G_of, A_of
+
+    #: whether factor sums are summed over processes before they are divided (data parallel)
+    sums_over_processes: ClassVar[bool] = False
 
     def _sum_over_processes(self, sums: list[torch.Tensor], total: float) -> float:
         """Sum ``sums`` (in place) and ``total`` over the processes of a data-parallel pass;
