@@ -252,31 +252,31 @@ class _KFACFactors(LayerKroneckerOperator):
             sums_A.clear()
             sums_G.clear()
             total = self._pass.run(visit, on_input)
-        G_of: dict[str, torch.Tensor] = {}
-        A_of: dict[str, torch.Tensor] = {}
-        # one process: a factor's weights and the division by the total are one scaling, none
-        # with one batch (NOTE [factor weights applied late]); data parallel: the sums first
-        alone = not self.sums_over_processes and total > 0
-        divisor = total if alone else 1.0
+        G_of: dict[str, WeightedSum | torch.Tensor] = {}
+        A_of: dict[str, WeightedSum | torch.Tensor] = {}
         for layer in self._pass.layers:
             name = layer.name
             if name in sums_G:  # a layer that ran has both (A only with a weight)
-                G_of[name] = sums_G[name].mean(divisor)
+                G_of[name] = sums_G[name]
                 if name in sums_A:
-                    A_of[name] = sums_A[name].mean(divisor)
+                    A_of[name] = sums_A[name]
             else:  # it never ran in the forward: its GGN block is zero
                 m, q = self._pass.matrix_shape(layer)
                 G_of[name] = self._zero_factor(m)
                 if layer.weight is not None:
                     A_of[name] = self._zero_factor(q + int(layer.joint))
-        if alone:
-            return G_of, A_of
-        # the sums over this process's batches, then over the processes' (data parallel)
-        total = self._sum_over_processes([*G_of.values(), *A_of.values()], total)
-        for factors in (G_of, A_of):
-            for name, f in factors.items():
-                factors[name] = f.div_(total)
-        return G_of, A_of
+        means = iter(self._means([*G_of.values(), *A_of.values()], total))
+        return {n: next(means) for n in G_of}, {n: next(means) for n in A_of}
+
+    def _means(self, sums: list[WeightedSum | torch.Tensor], total: float) -> list[torch.Tensor]:
+        """Each weighted sum over the batches divided by the total weight (a plain tensor: a sum
+        of zeros). One process: one scaling per sum, none with one batch (NOTE [factor weights
+        applied late]); data parallel: the sums are summed over the processes first."""
+        if not self.sums_over_processes and total > 0:
+            return [s.mean(total) if isinstance(s, WeightedSum) else s for s in sums]
+        values = [s.mean(1.0) if isinstance(s, WeightedSum) else s for s in sums]
+        total = self._sum_over_processes(values, total)
+        return [v.div_(total) for v in values]
 
     #: whether factor sums are summed over processes before they are divided (data parallel)
     sums_over_processes: ClassVar[bool] = False
@@ -352,7 +352,7 @@ class EKFACOperator(_KFACFactors):
         return self._public_factors(self._kfac_blocks)
 
     def _compute_scalings(self, bases: list[Eigen]) -> list[torch.Tensor]:
-        sums: list[torch.Tensor | None] = [None] * len(self._blocks)
+        sums = [WeightedSum() for _ in self._blocks]
         by_layer: dict[str, list[int]] = {}
         for i, b in enumerate(self._blocks):
             by_layer.setdefault(b.module, []).append(i)
@@ -367,16 +367,17 @@ class EKFACOperator(_KFACFactors):
                 else:
                     a_rot = a @ U_A  # (N, P, q)
                     value = self._rotated_moment(g_rot, a_rot)
-                sums[i] = value.mul_(size) if sums[i] is None else sums[i].add_(value.mul_(size))  # type: ignore[union-attr]
+                sums[i].add(value, size)
 
         total = self._pass.run(visit, None)
         # a block whose layer never ran is zero (its KFAC block is)
-        scalings = [
-            s if s is not None else b_D.new_zeros(b_D.shape)
-            for s, (b_D, _, _) in zip(sums, bases, strict=True)
-        ]
-        total = self._sum_over_processes(scalings, total)
-        return [s.div_(total) for s in scalings]
+        return self._means(
+            [
+                s if s.value is not None else b_D.new_zeros(b_D.shape)
+                for s, (b_D, _, _) in zip(sums, bases, strict=True)
+            ],
+            total,
+        )
 
     @staticmethod
     def _rotated_moment(g_rot: torch.Tensor, a_rot: torch.Tensor) -> torch.Tensor:

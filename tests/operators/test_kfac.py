@@ -501,8 +501,8 @@ def test_tiny_gpt2_blocks_on_one_token_are_the_ggn_blocks(separate: bool) -> Non
 
 def test_one_batch_factors_are_scaled_once_on_one_process() -> None:
     """NOTE [factor weights applied late]: with one batch on one process a factor's batch weight
-    and the division by the total cancel, so the factor pass launches no division and rescales
-    only the input factors (their mean over rows). The data-parallel split of session 13 had
+    and the division by the total cancel, so the factor pass (and EKFAC's scaling pass) launches
+    no division and rescales only the input factors (their mean over rows). The data-parallel split of session 13 had
     added a multiply and a divide per factor (ResNet-18 on an H200: 14.0 against 12.6 ms)."""
     from collections import Counter
 
@@ -525,6 +525,11 @@ def test_one_batch_factors_are_scaled_once_on_one_process() -> None:
     linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert counted.ops["aten.div_"] == 0
     assert counted.ops["aten.mul_"] == linear  # the input factors' 1 / rows
+    # EKFAC's second pass (its scalings) too
+    with Count() as counted:
+        EKFACOperator(model, data, supervised_forward, CE, fisher_type="empirical")
+    assert counted.ops["aten.div_"] == 0
+    assert counted.ops["aten.mul_"] == linear
     # the factors are the same means as those of the general path: the same samples in two
     # batches take the weighted sum and the final division
     split = KFACOperator(model, [(X[:2], y[:2]), (X[2:], y[2:])], supervised_forward, CE, fisher_type="empirical")
