@@ -181,3 +181,13 @@ def test_the_record_keeps_the_most_recent_models(
         op @ torch.randn(op.size, dtype=torch.float64)
         keys.append(_structure(op))
     assert list(json.loads((record_dir / trace_times.FILE).read_text())) == keys[1:]
+
+
+def test_the_records_live_in_inductors_own_cache_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # inductor names its default directory by the login name; $USER is unset in many containers
+    cache_dir_utils = pytest.importorskip("torch._inductor.runtime.cache_dir_utils")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("USER", raising=False)
+    assert trace_times.inductor_cache_base() == cache_dir_utils.default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "relative/cache")
+    assert trace_times.inductor_cache_base() == os.path.abspath("relative/cache")

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import hashlib
 import inspect
 import json
 import os
+import re
 import stat
 import sys
+import tempfile
 import types
 from collections.abc import Callable
 from typing import Any
@@ -55,10 +58,19 @@ FORMAT = 1
 
 
 def inductor_cache_base() -> str:
-    """Inductor's on-disk cache directory (the compile-time and trace-time records live in it)."""
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}"
-    )
+    """Inductor's on-disk cache directory (the compile-time and trace-time records live in it):
+    ``$TORCHINDUCTOR_CACHE_DIR``, else the default inductor derives (the temporary directory and
+    the login name, as ``getpass`` finds it; ``$USER`` alone is unset in many containers), without
+    importing inductor or creating the directory."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env:
+        return os.path.abspath(env)
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        getuid = getattr(os, "getuid", None)
+        user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def record_dir() -> str | None:
