@@ -481,9 +481,12 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     for _ in range(40):
         first @ v
     assert first.engine == "autograd"
-    assert first._engines.facts() == {"products": 32.0}
-    # an earlier trial found the functional engine at half autograd's time, a trace cheap
-    first._engines.note_facts(functional_ratio=0.5, trace_s=1e-6)
+    assert set(first._engines.facts()) == {"products", "autograd_ms"}
+    assert first._engines.facts()["products"] == 32.0
+    assert first._engines.facts()["autograd_ms"] > 0
+    # an earlier trial found the functional engine at half autograd's time, a trace cheap; the
+    # recorded product time is too small to pass the break-even, so the run is measured first
+    first._engines.note_facts(functional_ratio=0.5, trace_s=1e-6, autograd_ms=1e-12)
     judged = _judgements(monkeypatch)
     again = HessianOperator(model, data, SUP)
     for _ in range(3):
@@ -497,6 +500,10 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert report["auto"]["functional_ratio"] == 0.5
     assert report["trial_products"] == 1  # one check of agreement, no timing runs
     assert set(report["auto"]["timings_ms"]) == {"autograd_first"}
+    # the run noted its own product time: the next run decides before timing anything
+    assert again._engines.facts()["autograd_ms"] == pytest.approx(
+        report["auto"]["timings_ms"]["autograd_first"], abs=1e-3
+    )
     # a ratio that says the functional engine was not faster: the first run's rule again
     first._engines.note_facts(functional_ratio=1.3, trace_s=1e6)
     third = HessianOperator(model, data, SUP)
@@ -504,6 +511,64 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
         third @ v
     assert third.engine == "autograd"
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
+
+
+def test_auto_decides_before_the_first_product_from_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [what auto remembers]: with the trace time, the ratio and autograd's product time
+    recorded, a declared run past the break-even is functional from its first product: no
+    autograd pass, no timing, no check; a recorded time under the break-even is measured."""
+    model, data = mlp(), classification_data(n=8, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    seed = HessianOperator(model, data, SUP)
+    seed._engines.note_facts(functional_ratio=0.5, trace_s=0.01, autograd_ms=1.0)
+    prepared: list[int] = []
+    real = engines_mod.AutogradRunner.prepare
+    monkeypatch.setattr(
+        engines_mod.AutogradRunner,
+        "prepare",
+        lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
+    )
+    op = HessianOperator(model, data, SUP)
+    op.expect_products(100)  # 100 x 1 ms x (1 - 0.5) = 50 ms saved against a 10 ms trace
+    for _ in range(3):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    report = op.engine_report
+    assert op.engine == "functional" and not prepared
+    assert report["trial_products"] == 0 and op.num_passes == 2  # the first product's two batches
+    assert report["auto"]["reason"].endswith("decided before the first product")
+    assert report["auto"]["timings_ms"] == {"autograd_recorded": 1.0}
+    assert report["auto"]["functional_ratio"] == 0.5 and report["traces"] == 1
+    # 10 products save 5 ms against a 10 ms trace: measured as a first run would be
+    short = HessianOperator(model, data, SUP)
+    short.expect_products(10)
+    for _ in range(3):
+        torch.testing.assert_close(short @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert short.engine == "autograd" and prepared
+    assert "autograd_first" in short.engine_report["auto"]["timings_ms"]
+
+
+def test_auto_from_records_falls_back_when_the_functional_engine_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    seed = HessianOperator(model, data, SUP)
+    seed._engines.note_facts(functional_ratio=0.5, trace_s=0.01, autograd_ms=1.0)
+
+    def broken(self: object, *a: object, **kw: object) -> object:
+        raise RuntimeError("injected trace failure")
+
+    monkeypatch.setattr(engines_mod.FunctionalRunner, "prepare", broken)
+    op = HessianOperator(model, data, SUP)
+    op.expect_products(100)
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    assert op.engine == "autograd"
+    assert "injected trace failure" in op.engine_report["auto"]["reason"]
+    torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
 
 
 def test_auto_times_no_product_that_records_a_cuda_graph() -> None:

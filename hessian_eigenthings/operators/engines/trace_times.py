@@ -359,7 +359,7 @@ class TraceTimes:
 
 
 #: what a record may hold of a key
-FACTS = ("trace_s", "functional_ratio", "products")
+FACTS = ("trace_s", "functional_ratio", "products", "autograd_ms")
 
 
 #: the process's record (tests clear it, and point HESSIAN_EIGENTHINGS_TRACE_TIMES elsewhere)
