@@ -16,6 +16,7 @@ times are what a second process would pay where the programs' inputs are known w
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -109,29 +110,30 @@ def parent(args: argparse.Namespace) -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "trace_s": prog.trace_s,
-        "primal_nodes": len(prog.primal.graph.nodes),
-        "tangent_nodes": len(prog.tangent.graph.nodes),
+        "primal_nodes": prog.primal.num_nodes,
+        "tangent_nodes": prog.tangent.num_nodes,
         "first_functional_s": first_functional,
         "functional_ms": functional_ms,
     }
     os.makedirs(args.dir, exist_ok=True)
     primal_pt2, primal_so, row["aot_compile_primal_s"] = _compile(
-        views_as_reshapes(prog.primal), primal_in, os.path.join(args.dir, "primal.pt2")
+        views_as_reshapes(prog.primal.module), primal_in, os.path.join(args.dir, "primal.pt2")
     )
     # one direction's tangent inputs as the functional runner passes them
     directions = seen["directions"]
     tangent_args = (*state.kept, *directions)
     tangent_pt2, tangent_so, row["aot_compile_tangent_s"] = _compile(
-        views_as_reshapes(prog.tangent), tangent_args, os.path.join(args.dir, "tangent.pt2")
+        views_as_reshapes(prog.tangent.module), tangent_args, os.path.join(args.dir, "tangent.pt2")
     )
     torch.save(
         {"primal": list(primal_in), "directions": list(directions), "ref": ref.cpu()},
         os.path.join(args.dir, "inputs.pt"),
     )
     print(json.dumps(row), flush=True)
-    runs = [(primal_so, tangent_so)] * args.processes + [(primal_pt2, tangent_pt2)]
-    for i, (primal_file, tangent_file) in enumerate(runs):
-        env = dict(os.environ, PYTHONPATH=os.getcwd())
+    runs = [(primal_so, tangent_so, "")] * args.processes + [(primal_so, tangent_so, "1")]
+    runs += [(primal_pt2, tangent_pt2, "")]
+    for i, (primal_file, tangent_file, preimport) in enumerate(runs):
+        env = dict(os.environ, PYTHONPATH=os.getcwd(), AOTI_REUSE_PREIMPORT=preimport)
         cmd = [sys.executable, "-X", "faulthandler", "-m", "benchmarks.aoti_reuse", "--child"]
         cmd += [args.dir, primal_file, tangent_file]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -140,12 +142,23 @@ def parent(args: argparse.Namespace) -> None:
             print(json.dumps({**err, "stdout": out.stdout[-2000:]}), flush=True)
             continue
         child_row = json.loads(out.stdout.strip().splitlines()[-1])
+        child_row["preimport"] = bool(preimport)
         child_row.update(child=i, workload=args.workload, curvature=args.curvature)
         print(json.dumps(child_row), flush=True)
+    if torch.cuda.is_available():  # the library loaded by the process that compiled it
+        t0 = time.perf_counter()
+        lib = torch._C._aoti.AOTIModelContainerRunnerCuda(tangent_so, 1, "cuda")
+        out_in = lib.run([*state.kept, *directions])
+        torch.cuda.synchronize()
+        flat = torch.cat([o.reshape(-1) for o in out_in]).cpu()
+        err = float((flat - ref.reshape(-1).cpu()).norm() / ref.norm().cpu())
+        print(json.dumps({"in_process_load_and_run_s": time.perf_counter() - t0, "rel_err": err}))
 
 
 def child(folder: str, primal_so: str, tangent_so: str) -> None:
     t_start = time.perf_counter()
+    if os.environ.get("AOTI_REUSE_PREIMPORT"):
+        importlib.import_module("torch._inductor.codecache")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

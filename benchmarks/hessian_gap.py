@@ -164,7 +164,7 @@ def main() -> None:
         parts = [t[0] for t in op.layout.split_rows(v.unsqueeze(0))]
         targs = (*kept, *parts)
         info = {"kept": len(kept), "kept_mib": _nbytes(kept) / 2**20, "nodes": prog.nodes,
-                "tangent_nodes": len(prog.tangent.graph.nodes), "primal_nodes": len(prog.primal.graph.nodes)}
+                "tangent_nodes": prog.tangent.num_nodes, "primal_nodes": prog.primal.num_nodes}
         if eng == "functional":
             op_graph = prog.tangent
             emit({"variant": "tangent_eager", "ms": median_ms(_bound(prog.tangent, targs), args.reps),
@@ -189,7 +189,7 @@ def main() -> None:
             if "dynamo" not in skip:
                 try:
                     t0 = time.perf_counter()
-                    dyn = torch.compile(prog.tangent, fullgraph=True, dynamic=False)
+                    dyn = torch.compile(prog.tangent.module, fullgraph=True, dynamic=False)
                     o = dyn(*targs)
                     cs = time.perf_counter() - t0
                     emit({"variant": "tangent_dynamo", "ms": median_ms(_bound(dyn, targs), args.reps),

@@ -262,8 +262,8 @@ def make_fx_real(fn: Callable[..., Any], *, data_dependent_ok: bool) -> Callable
 # make_fx. No metadata is recorded; inductor makes its own. A constant that
 # shares storage with an input would bake today's parameter values into the
 # program: recording refuses it (`RecordingError`) and the caller traces with
-# make_fx. `tracing.split_recording` makes the FX programs of only the ops
-# they need. Measured on the CPU (torch 2.13, `benchmarks/bench_trace.py`):
+# make_fx. `tracing.split_recording` writes the programs of only the ops
+# they need (NOTE [programs written directly]). Measured on the CPU (torch 2.13, `benchmarks/bench_trace.py`):
 # GPT-2 12L's graph at d64, Hessian, 13,591 ops, 4.41 s -> 1.02 s; the
 # products are bit-identical.
 
@@ -289,7 +289,7 @@ class Ref:
 class Recording:
     """An aten program as a list: ``ops[j] = (func, args, kwargs, reads)`` with values as
     :class:`Ref` (``reads``: the refs among its arguments), ``outputs`` as refs, and the
-    ``constants`` it reads. ``tracing.split_recording`` makes FX graphs of it."""
+    ``constants`` it reads. ``tracing.split_recording`` makes programs of it."""
 
     def __init__(self, num_inputs: int) -> None:
         self.inputs = [Ref("input", i) for i in range(num_inputs)]

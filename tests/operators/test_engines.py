@@ -646,6 +646,72 @@ def test_split_by_tangent_separates_primal_work() -> None:
     assert not any("sin" in o or "exp" in o or "cos" in o for o in ops), ops
 
 
+def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_read() -> None:
+    """NOTE [programs written directly]: the Python a program is written as computes what its FX
+    graph computes, counts the graph's nodes, and deletes every value it makes after its last
+    read (what FX's code frees); odd arguments (a keyword that Python reserves, infinities,
+    dtypes, sizes) pass through."""
+    from hessian_eigenthings.operators.engines import tracing as tracing_mod
+
+    def f(x: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+        a = torch.sin(x) * torch.exp(x)
+        m, _ = torch.max(a.view(2, 2), dim=1)  # a multi-output op: one output picked, one not
+        c = torch.clamp(a * t, min=-float("inf"), max=3.0).to(torch.float32).reshape(torch.Size([4]))
+        return [c.double() + t * t, m.sum() * t]
+
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    rec = _torch_compat.record_real(f, x, t)
+    primal, tangent, num_kept = tracing_mod.split_recording(rec, 1)
+    for prog in (primal, tangent):
+        assert prog.num_nodes == len(prog.graph.nodes)
+    kept = primal(x)
+    assert len(kept) == num_kept
+    for a, b in zip(tangent(*kept, t), tangent.module(*kept, t), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(list(tangent(*kept, t)), f(x, t))
+    import re
+
+    name = re.compile(r"\b[av]\d+(?:_\d+)?\b")
+    for prog in (primal, tangent):
+        lines = [ln.strip() for ln in prog.code.splitlines()[1:]]
+        returned = set(name.findall(lines[-1]))
+        made = [ln.split(" = ")[0] for ln in lines if " = " in ln]
+        dels = {n: ln[4:].split(", ") for n, ln in enumerate(lines) if ln.startswith("del ")}
+        deleted = [v for vs in dels.values() for v in vs]
+        assert sorted(deleted) == sorted(v for v in made if v not in returned), prog.code
+        for n, vs in dels.items():  # right after the last line that reads (or makes) each value
+            for v in vs:
+                uses = [k for k, ln in enumerate(lines) if k not in dels and v in name.findall(ln)]
+                assert max(uses) == n - 1, (v, prog.code)
+    # a keyword Python reserves, as a function recorded by another tracer may carry
+    odd = _torch_compat.Recording(1)
+    odd.ops.append((lambda a, **kw: a + kw["from"], (odd.inputs[0],), {"from": 2.0}, [odd.inputs[0]]))
+    odd.outputs = [_torch_compat.Ref("op", 0)]
+    odd.sequence = False
+    live = [True]
+    prog = tracing_mod.Program(odd, nn.Module(), live, [(odd.inputs[0], "x")], odd.outputs, False)
+    torch.testing.assert_close(prog(x), x + 2.0)
+
+
+def test_a_trace_leaves_the_cycle_collector_as_found() -> None:
+    import gc
+
+    model, data = mlp(), classification_data(n=4, batch=4)
+    assert gc.get_freeze_count() == 0
+    op = HessianOperator(model, data, SUP, engine="functional")
+    op @ torch.randn(op.size, dtype=torch.float64)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    # a process that froze objects of its own keeps them frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        op = HessianOperator(model, data, SUP, engine="functional")
+        op @ torch.randn(op.size, dtype=torch.float64)
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_no_warning_filter_is_left_behind() -> None:
     model, data = mlp(), classification_data(n=4, batch=4)
     filters = list(warnings.filters)

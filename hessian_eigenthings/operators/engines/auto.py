@@ -194,7 +194,7 @@ def compile_estimate(prog: SplitProgram, k: int) -> float:
     recorded = recorded_compile_s(prog, k)
     if recorded is not None:
         return recorded
-    return COMPILE_PRIOR_S + COMPILE_S_PER_NODE * len(prog.tangent.graph.nodes)
+    return COMPILE_PRIOR_S + COMPILE_S_PER_NODE * prog.tangent.num_nodes
 
 
 def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:

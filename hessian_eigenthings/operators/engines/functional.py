@@ -20,6 +20,7 @@ from hessian_eigenthings.operators.engines.runner import EngineUnsupportedError
 from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import (
     MAX_SPECIALIZED,
+    Program,
     PureProduct,
     SplitProgram,
     SplitState,
@@ -149,7 +150,7 @@ class FunctionalRunner:
 
     def tangent_fn(
         self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]
-    ) -> torch.fx.GraphModule:
+    ) -> Program | torch.fx.GraphModule:
         """The tangent part for k directions: a graph of its own per k (vmap traced away), so
         each block width is one plain graph to run or compile."""
         if k == 1:

@@ -10,12 +10,15 @@ a millisecond per node through ``make_fx``).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from keyword import iskeyword
 from typing import Any
 
 import torch
@@ -161,6 +164,149 @@ def _emit(
     return torch.fx.GraphModule(root, graph)
 
 
+# NOTE [programs written directly]
+# The primal and tangent programs run as Python functions written from the
+# recording's live ops: one line per op, calling the op's overload (a global of
+# the function, not `torch.ops.aten.<name>.<overload>` looked up per call), and
+# a `del` after each value's last use, so intermediates are freed as early as
+# in FX's code. FX graphs (`Program.module`) are built only when something asks
+# for one (the compiled engine hands it to inductor; benchmarks and tests read
+# its nodes): on GPT-2 12L's graph at d64 (CPU, torch 2.13), making the two
+# GraphModules (nodes, FX's code, its compilation) took about half of the
+# 0.86 s trace.
+
+_LITERALS = (bool, int, str, type(None))
+
+
+class Program:
+    """The live ops of a recording between ``placeholders`` and ``outputs``, as a Python
+    function (NOTE [programs written directly]); ``module``: the same program as an FX
+    GraphModule, made on first use."""
+
+    def __init__(
+        self,
+        rec: Recording,
+        root: nn.Module,
+        live: Sequence[bool],
+        placeholders: Sequence[tuple[Ref, str]],
+        outputs: Sequence[Ref],
+        sequence: bool,
+    ) -> None:
+        self._parts = (rec, root, live, placeholders, outputs, sequence)
+        self._module: torch.fx.GraphModule | None = None
+        self.code, env = _write(rec, live, placeholders, outputs, sequence)
+        scope: dict[str, Any] = {}
+        exec(compile(self.code, "<hessian_eigenthings program>", "exec"), env, scope)
+        self.fn: Callable[..., Any] = scope["program"]
+        #: what the FX graph would count: placeholders, ops, their picked outputs, constants, output
+        self.num_nodes: int = env.pop("__nodes__")
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.fn(*args)
+
+    @property
+    def module(self) -> torch.fx.GraphModule:
+        if self._module is None:
+            self._module = _emit(*self._parts)
+        return self._module
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.module.graph
+
+
+def _write(
+    rec: Recording,
+    live: Sequence[bool],
+    placeholders: Sequence[tuple[Ref, str]],
+    outputs: Sequence[Ref],
+    sequence: bool,
+) -> tuple[str, dict[str, Any]]:
+    """The source of ``program(...)`` and its globals (NOTE [programs written directly])."""
+    env: dict[str, Any] = {}
+    bound: dict[int, str] = {}
+
+    def bind(value: Any, prefix: str) -> str:
+        name = bound.get(id(value))
+        if name is None:
+            name = f"{prefix}{len(bound)}"
+            bound[id(value)] = name
+            env[name] = value
+        return name
+
+    names: dict[int, str] = {}  # id(ref) -> variable
+    args = []
+    for i, (r, _) in enumerate(placeholders):
+        names[id(r)] = f"a{i}"
+        args.append(f"a{i}")
+    picked: set[tuple[int, int]] = set()
+    consts: set[int] = set()
+
+    def var(r: Ref) -> str:
+        known = names.get(id(r))
+        if known is not None:
+            return known
+        if r.kind == "constant":
+            consts.add(r.i)
+            return bind(rec.constants[r.i], "c")
+        if r.item < 0:
+            return f"v{r.i}"
+        picked.add((r.i, r.item))
+        return f"v{r.i}_{r.item}"
+
+    def src(x: Any) -> str:
+        if isinstance(x, Ref):
+            return var(x)
+        t = type(x)
+        if t in _LITERALS or (t is float and x == x and abs(x) != float("inf")):
+            return repr(x)
+        if isinstance(x, list):  # FX's immutable lists too (a make_fx trace)
+            return "[" + ", ".join(src(a) for a in x) + "]"
+        if isinstance(x, tuple) and t is not torch.Size:
+            return "(" + "".join(src(a) + ", " for a in x) + ")"
+        return bind(x, "k")
+
+    lines: list[tuple[str, list[str], str]] = []  # (code, names read, name defined)
+    for j, (func, a, kw, _) in enumerate(rec.ops):
+        if not live[j]:
+            continue
+        named = [f"{k}={src(v)}" for k, v in kw.items() if k.isidentifier() and not iskeyword(k)]
+        odd = [f"{k!r}: {src(v)}" for k, v in kw.items() if not k.isidentifier() or iskeyword(k)]
+        call = ", ".join([src(x) for x in a] + named + (["**{" + ", ".join(odd) + "}"] if odd else []))
+        read = [var(r) for r in rec.ops[j][3] if r.kind != "constant"]
+        lines.append((f"v{j} = {bind(func, 'f')}({call})", read, f"v{j}"))
+    result = [var(r) for r in outputs]
+    # picked outputs of multi-output ops: taken right after the op, the tuple dropped
+    by_op: dict[int, list[int]] = {}
+    for i, item in sorted(picked):
+        by_op.setdefault(i, []).append(item)
+    body: list[tuple[str, list[str], str]] = []
+    for code, read, name in lines:
+        body.append((code, read, name))
+        j = int(name[1:])
+        for item in by_op.get(j, ()):
+            body.append((f"v{j}_{item} = v{j}[{item}]", [name], f"v{j}_{item}"))
+    last: dict[str, int] = {}
+    for n, (_, read, name) in enumerate(body):
+        last.setdefault(name, n)
+        for v in read:
+            last[v] = n
+    keep = set(result) | set(args)
+    dead_after: dict[int, list[str]] = {}
+    for v, n in last.items():
+        if v not in keep:
+            dead_after.setdefault(n, []).append(v)
+    out = ["def program(" + ", ".join(args) + "):"]
+    for n, (code, _, _) in enumerate(body):
+        out.append("    " + code)
+        if n in dead_after:
+            out.append("    del " + ", ".join(dead_after[n]))
+    ret = "(" + "".join(r + ", " for r in result) + ")" if sequence else result[0]
+    out.append(f"    return {ret}")
+    env["__nodes__"] = len(placeholders) + len(lines) + len(picked) + len(consts) + 1
+    return "\n".join(out) + "\n", env
+
+
 def _constants_root(rec: Recording) -> nn.Module:
     root = nn.Module()
     for i, c in enumerate(rec.constants):
@@ -189,9 +335,7 @@ def _depends(rec: Recording, inputs: Sequence[Ref]) -> list[bool]:
     return dep
 
 
-def split_recording(
-    rec: Recording, n_primal: int
-) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+def split_recording(rec: Recording, n_primal: int) -> tuple[Program, Program, int]:
     """``rec(primals..., tangents...)`` as ``primal(primals...) -> kept`` and
     ``tangent(kept..., tangents...)`` (NOTE [tangent split]); returns both and the number of
     kept values. Ops nothing needs are left out of both."""
@@ -215,7 +359,7 @@ def split_recording(
         rec, boundary, among=[lv and not d for lv, d in zip(live, dep, strict=True)]
     )
     root = _constants_root(rec)
-    primal = _emit(
+    primal = Program(
         rec,
         root,
         primal_live,
@@ -223,7 +367,7 @@ def split_recording(
         boundary,
         True,
     )
-    tangent = _emit(
+    tangent = Program(
         rec,
         root,
         tangent_live,
@@ -235,9 +379,7 @@ def split_recording(
     return primal, tangent, len(boundary)
 
 
-def split_by_tangent(
-    gm: torch.fx.GraphModule, n_primal: int
-) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+def split_by_tangent(gm: torch.fx.GraphModule, n_primal: int) -> tuple[Program, Program, int]:
     """``gm(primals..., tangents...)`` as ``primal(primals...) -> kept`` and
     ``tangent(kept..., tangents...)``; returns both and the number of kept values."""
     return split_recording(from_graph_module(gm), n_primal)
@@ -247,8 +389,8 @@ def split_by_tangent(
 class SplitProgram:
     """A traced product split by NOTE [tangent split]."""
 
-    primal: torch.fx.GraphModule
-    tangent: torch.fx.GraphModule
+    primal: Program
+    tangent: Program
     num_kept: int
     #: identifies the tangent part (its code and input layouts): compiled artifacts are keyed by it
     key: str
@@ -334,11 +476,12 @@ _HOST_READS = ("_local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.all
 def reads_inputs(rec: Recording, first: int | None = None) -> bool:
     """Whether a host read in ``rec`` depends on one of its inputs (the ``first`` ones only, if
     given; NOTE [what a specialized program read])."""
+    funcs = {func for func, _, _, _ in rec.ops}
+    host = {f for f in funcs if any(h in str(f) for h in _HOST_READS)}
+    if not host:  # most programs read no value at all: no dependence walk
+        return False
     depends = _depends(rec, rec.inputs if first is None else rec.inputs[:first])
-    return any(
-        d and any(h in str(func) for h in _HOST_READS)
-        for d, (func, _, _, _) in zip(depends, rec.ops, strict=True)
-    )
+    return any(d and func in host for d, (func, _, _, _) in zip(depends, rec.ops, strict=True))
 
 
 def is_data_dependent(exc: BaseException) -> bool:
@@ -368,6 +511,24 @@ def selected_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str
     """The registered names of ``params`` in ``model``."""
     ids = {id(p): n for n, p in model.named_parameters()}
     return [ids[id(p)] for p in params]
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The objects that exist before a trace kept out of the cycle collector's passes during it
+    (``gc.freeze``, undone after). A trace makes tens of thousands of objects, which set off
+    full collections, each a walk over every object of the process (torch's own included); on
+    GPT-2 12L's graph at d64 (CPU, torch 2.13) some traces took 0.76-0.82 s against 0.53 s.
+    Young objects are still collected. Where the process has frozen objects of its own (a
+    server before forking), nothing is done: unfreezing would release them too."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class Tracer:
@@ -420,13 +581,14 @@ class Tracer:
         tangents = [torch.zeros_like(state[n]) for n in names]
         _torch_compat.load_forward_ad_decompositions()
         t0 = time.perf_counter()
-        with ElementwiseLosses():  # NOTE [losses without forward-mode rules]
-            rec = trace_real(product, (*primals, *tangents))
-        takes_batch = general
-        # a general trace whose Python read an input's value: this batch's program only
-        general = general and not reads_inputs(rec)
-        reads_state = not general and reads_inputs(rec, first=n_sel + n_other)
-        primal, tangent, num_kept = split_recording(rec, len(primals))
+        with _heap_frozen():
+            with ElementwiseLosses():  # NOTE [losses without forward-mode rules]
+                rec = trace_real(product, (*primals, *tangents))
+            takes_batch = general
+            # a general trace whose Python read an input's value: this batch's program only
+            general = general and not reads_inputs(rec)
+            reads_state = not general and reads_inputs(rec, first=n_sel + n_other)
+            primal, tangent, num_kept = split_recording(rec, len(primals))
         trace_s = time.perf_counter() - t0
         key = hashlib.sha1(tangent.code.encode()).hexdigest()[:16]
         return SplitProgram(
