@@ -689,7 +689,8 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
     odd.outputs = [_torch_compat.Ref("op", 0)]
     odd.sequence = False
     live = [True]
-    prog = tracing_mod.Program(odd, nn.Module(), live, [(odd.inputs[0], "x")], odd.outputs, False)
+    part = tracing_mod.Part(odd, nn.Module(), live, [(odd.inputs[0], "x")], odd.outputs, False)
+    prog = tracing_mod.Program(part)
     torch.testing.assert_close(prog(x), x + 2.0)
 
 

@@ -140,9 +140,10 @@ class Curvature(Protocol):
 #   before any product is timed: functional from the run's first judged
 #   product, with no autograd state built, no timing and no check (the ratio
 #   was recorded only after the trial's products agreed with autograd's). A
-#   Lanczos of 20 GGN products on GPT-2 6L (H200) took 1.39 s by `auto` and
-#   1.05 s on the functional engine: the autograd products, their kept graph
-#   and the checking product before the switch were the difference.
+#   Lanczos of 100 GGN products on GPT-2 6L run again (H200) took 2.45 s by
+#   `auto` against 2.05 s on the functional engine, where the autograd
+#   products, their kept graph and the checking product came before the
+#   switch; decided before the first product, 2.08 s against 2.23 s.
 # A first run behaves as NOTE [auto engine] says. The record is a guess about
 # the next run; a wrong one costs at most one trace that does not pay, or a
 # few doublings on autograd, after which the run's own counts take over.
@@ -371,7 +372,9 @@ class EngineSelector:
             return False  # few products: autograd, undecided (a later budget may change that)
         if not self._records_tried:
             self._records_tried = True
-            if self._from_records(V, out, product, keeps_states, on_switch):
+            ratio = self._recorded_choice(keeps_states)
+            if ratio is not None:
+                _Trial(self, product, on_switch).functional_from_records(V, out, ratio)
                 return True
         if self.seen <= cold * V.shape[0]:
             return False  # the operator's first products are cold: decide later (NOTE [auto engine])
@@ -429,37 +432,29 @@ class EngineSelector:
             counts.passes, counts.forwards = passes, forwards
         return True
 
-    def _from_records(
-        self,
-        V: torch.Tensor,
-        out: torch.Tensor,
-        product: BlockProduct,
-        keeps_states: bool,
-        on_switch: Callable[[], None],
-    ) -> bool:
-        """Decide before the run's first timed product where this model's last runs measured
-        everything the decision needs (NOTE [what auto remembers]): goes functional and computes
-        ``out = A V`` there (True), or leaves the decision to measurement (False)."""
+    def _recorded_choice(self, keeps_states: bool) -> float | None:
+        """Whether this model's last runs measured everything a decision needs and it is the
+        functional engine, before any product is timed (NOTE [what auto remembers]): the recorded
+        functional/autograd ratio if so (the choice is reported), else None (measured later)."""
         facts = self.facts()
         ratio, trace_s, per = (facts.get(k) for k in ("functional_ratio", "trace_s", "autograd_ms"))
         if ratio is None or trace_s is None or per is None or ratio >= 1.0:
-            return False
+            return None
         n = self.expected_products
         if per * n * (1.0 - ratio) <= trace_s * 1e3:
-            return False  # the break-even is not reached: measured as a first run would be
+            return None  # the break-even is not reached: measured as a first run would be
         if _torch_compat.compile_supported() and per * ratio * COMPILED_SAVING * n >= (
             MIN_COMPILE_S * 1e3
         ):
-            return False  # compiling may pay: the trial measures it
+            return None  # compiling may pay: the trial measures it
         if self._refusal(keeps_states) is not None:
-            return False
+            return None
         self.decided, self.pending = True, False
         a = self.auto
         a.expected_products, a.functional_ratio = n, ratio
         a.trace_estimate_s, a.trace_estimate_from = trace_s, "this model's last trace"
         a.timings_ms["autograd_recorded"] = per
-        _Trial(self, product, on_switch).functional_from_records(V, out, ratio)
-        return True
+        return ratio
 
     def trace_estimate_ms(self) -> tuple[float, str]:
         """What a trace is expected to cost before the functional engine's first product, and

@@ -120,15 +120,22 @@ def _live(rec: Recording, roots: Sequence[Ref], among: Sequence[bool] | None = N
     return live
 
 
-def _emit(
-    rec: Recording,
-    root: nn.Module,
-    live: Sequence[bool],
-    placeholders: Sequence[tuple[Ref, str]],
-    outputs: Sequence[Ref],
-    sequence: bool,
-) -> torch.fx.GraphModule:
-    """A GraphModule running the ``live`` ops of ``rec`` from ``placeholders`` to ``outputs``."""
+@dataclass(frozen=True)
+class Part:
+    """The ``live`` ops of ``rec`` from ``placeholders`` (refs and names) to ``outputs`` (a
+    tuple of them if ``sequence``, else the one); ``root`` holds the constants."""
+
+    rec: Recording
+    root: nn.Module
+    live: Sequence[bool]
+    placeholders: Sequence[tuple[Ref, str]]
+    outputs: Sequence[Ref]
+    sequence: bool
+
+
+def _emit(part: Part) -> torch.fx.GraphModule:
+    """``part`` as an FX GraphModule."""
+    rec, placeholders = part.rec, part.placeholders
     graph = torch.fx.Graph()
     env: dict[int, torch.fx.Node] = {}
     op_node: dict[int, torch.fx.Node] = {}
@@ -157,11 +164,11 @@ def _emit(
         return x
 
     for j, (func, args, kwargs, _) in enumerate(rec.ops):
-        if live[j]:
+        if part.live[j]:
             op_node[j] = graph.call_function(func, sub(args), sub(kwargs))
-    results = [node(r) for r in outputs]
-    graph.output(tuple(results) if sequence else results[0])
-    return torch.fx.GraphModule(root, graph)
+    results = [node(r) for r in part.outputs]
+    graph.output(tuple(results) if part.sequence else results[0])
+    return torch.fx.GraphModule(part.root, graph)
 
 
 # NOTE [programs written directly]
@@ -183,18 +190,10 @@ class Program:
     function (NOTE [programs written directly]); ``module``: the same program as an FX
     GraphModule, made on first use."""
 
-    def __init__(
-        self,
-        rec: Recording,
-        root: nn.Module,
-        live: Sequence[bool],
-        placeholders: Sequence[tuple[Ref, str]],
-        outputs: Sequence[Ref],
-        sequence: bool,
-    ) -> None:
-        self._parts = (rec, root, live, placeholders, outputs, sequence)
+    def __init__(self, part: Part) -> None:
+        self.part = part
         self._module: torch.fx.GraphModule | None = None
-        self.code, env = _write(rec, live, placeholders, outputs, sequence)
+        self.code, env = _write(part)
         scope: dict[str, Any] = {}
         exec(compile(self.code, "<hessian_eigenthings program>", "exec"), env, scope)
         self.fn: Callable[..., Any] = scope["program"]
@@ -207,7 +206,7 @@ class Program:
     @property
     def module(self) -> torch.fx.GraphModule:
         if self._module is None:
-            self._module = _emit(*self._parts)
+            self._module = _emit(self.part)
         return self._module
 
     @property
@@ -215,14 +214,9 @@ class Program:
         return self.module.graph
 
 
-def _write(
-    rec: Recording,
-    live: Sequence[bool],
-    placeholders: Sequence[tuple[Ref, str]],
-    outputs: Sequence[Ref],
-    sequence: bool,
-) -> tuple[str, dict[str, Any]]:
+def _write(part: Part) -> tuple[str, dict[str, Any]]:
     """The source of ``program(...)`` and its globals (NOTE [programs written directly])."""
+    rec, live, placeholders, outputs = part.rec, part.live, part.placeholders, part.outputs
     env: dict[str, Any] = {}
     bound: dict[int, str] = {}
 
@@ -301,7 +295,7 @@ def _write(
         out.append("    " + code)
         if n in dead_after:
             out.append("    del " + ", ".join(dead_after[n]))
-    ret = "(" + "".join(r + ", " for r in result) + ")" if sequence else result[0]
+    ret = "(" + "".join(r + ", " for r in result) + ")" if part.sequence else result[0]
     out.append(f"    return {ret}")
     env["__nodes__"] = len(placeholders) + len(lines) + len(picked) + len(consts) + 1
     return "\n".join(out) + "\n", env
@@ -317,12 +311,14 @@ def _constants_root(rec: Recording) -> nn.Module:
 def to_graph_module(rec: Recording) -> torch.fx.GraphModule:
     """``rec`` as one GraphModule of its inputs (ops nothing needs are left out)."""
     return _emit(
-        rec,
-        _constants_root(rec),
-        _live(rec, rec.outputs),
-        [(r, f"arg{r.i}") for r in rec.inputs],
-        rec.outputs,
-        rec.sequence,
+        Part(
+            rec,
+            _constants_root(rec),
+            _live(rec, rec.outputs),
+            [(r, f"arg{r.i}") for r in rec.inputs],
+            rec.outputs,
+            rec.sequence,
+        )
     )
 
 
@@ -360,22 +356,11 @@ def split_recording(rec: Recording, n_primal: int) -> tuple[Program, Program, in
     )
     root = _constants_root(rec)
     primal = Program(
-        rec,
-        root,
-        primal_live,
-        [(r, f"arg{r.i}") for r in rec.inputs[:n_primal]],
-        boundary,
-        True,
+        Part(rec, root, primal_live, [(r, f"arg{r.i}") for r in rec.inputs[:n_primal]], boundary, True)
     )
-    tangent = Program(
-        rec,
-        root,
-        tangent_live,
-        [(r, f"kept_{i}") for i, r in enumerate(boundary)]
-        + [(r, f"arg{r.i}") for r in rec.inputs[n_primal:]],
-        rec.outputs,
-        rec.sequence,
-    )
+    tangent_in = [(r, f"kept_{i}") for i, r in enumerate(boundary)]
+    tangent_in += [(r, f"arg{r.i}") for r in rec.inputs[n_primal:]]
+    tangent = Program(Part(rec, root, tangent_live, tangent_in, rec.outputs, rec.sequence))
     return primal, tangent, len(boundary)
 
 
