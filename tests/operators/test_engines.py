@@ -523,7 +523,9 @@ def test_auto_decides_before_the_first_product_from_records(
     H = dense_hessian(model, data, SUP, select_parameters(model))
     v = torch.randn(H.shape[0], dtype=torch.float64)
     seed = HessianOperator(model, data, SUP)
-    seed._engines.note_facts(functional_ratio=0.5, trace_s=0.01, autograd_ms=1.0)
+    # a trace of 1 s: 3000 products of 1 ms at half the time repay it, 10 do not, whatever this
+    # machine's real product time (the measured rule then finds 10 products short too)
+    seed._engines.note_facts(functional_ratio=0.5, trace_s=1.0, autograd_ms=1.0)
     prepared: list[int] = []
     real = engines_mod.AutogradRunner.prepare
     monkeypatch.setattr(
@@ -532,7 +534,7 @@ def test_auto_decides_before_the_first_product_from_records(
         lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
     )
     op = HessianOperator(model, data, SUP)
-    op.expect_products(100)  # 100 x 1 ms x (1 - 0.5) = 50 ms saved against a 10 ms trace
+    op.expect_products(3000)  # 3000 x 1 ms x (1 - 0.5) = 1.5 s saved against a 1 s trace
     for _ in range(3):
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
     report = op.engine_report
@@ -541,7 +543,10 @@ def test_auto_decides_before_the_first_product_from_records(
     assert report["auto"]["reason"].endswith("decided before the first product")
     assert report["auto"]["timings_ms"] == {"autograd_recorded": 1.0}
     assert report["auto"]["functional_ratio"] == 0.5 and report["traces"] == 1
-    # 10 products save 5 ms against a 10 ms trace: measured as a first run would be
+    # the real trace was recorded in its place; with a trace of 1 s again, 10 products save
+    # 5 ms: measured as a first run would be
+    assert seed._engines.facts()["trace_s"] == pytest.approx(report["trace_s"], abs=1e-3)
+    seed._engines.note_facts(trace_s=1.0)
     short = HessianOperator(model, data, SUP)
     short.expect_products(10)
     for _ in range(3):
@@ -708,7 +713,8 @@ def test_a_trace_leaves_the_cycle_collector_as_found() -> None:
         frozen = gc.get_freeze_count()
         op = HessianOperator(model, data, SUP, engine="functional")
         op @ torch.randn(op.size, dtype=torch.float64)
-        assert gc.get_freeze_count() >= frozen
+        # not unfrozen (that would empty the permanent generation); frozen objects may die
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
 

@@ -21,7 +21,7 @@ from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.operators.engines.functional import FunctionalRunner
 from hessian_eigenthings.operators.engines.trace_times import inductor_cache_base
-from hessian_eigenthings.operators.engines.tracing import Program, SplitProgram, SplitState
+from hessian_eigenthings.operators.engines.tracing import SplitProgram, SplitState
 
 
 class CompileFallbackWarning(RuntimeWarning):
@@ -102,7 +102,7 @@ class CompiledRunner(FunctionalRunner):
                 ),
             )
             return super().run(prog, k, args)
-        tangent = self.tangent_fn(prog, k, args)
+        tangent = self.tangent_graph(prog, k, args)
         t0 = time.perf_counter()
         try:
             if not _torch_compat.compile_supported():
@@ -110,8 +110,7 @@ class CompiledRunner(FunctionalRunner):
             compiler = _torch_compat.inductor_backend()
             hits = _torch_compat.inductor_cache_hits()
             with _quiet_compile(), _torch_compat.denormals_kept():
-                gm = tangent.module if isinstance(tangent, Program) else tangent
-                fn = compiler(views_as_reshapes(gm), list(args))
+                fn = compiler(views_as_reshapes(tangent), list(args))
                 out = fn(*args)
             if args[0].is_cuda:
                 torch.cuda.synchronize(args[0].device)

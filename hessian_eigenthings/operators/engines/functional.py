@@ -20,7 +20,6 @@ from hessian_eigenthings.operators.engines.runner import EngineUnsupportedError
 from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import (
     MAX_SPECIALIZED,
-    Program,
     PureProduct,
     SplitProgram,
     SplitState,
@@ -150,15 +149,22 @@ class FunctionalRunner:
 
     def tangent_fn(
         self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]
-    ) -> Program | torch.fx.GraphModule:
-        """The tangent part for k directions: a graph of its own per k (vmap traced away), so
-        each block width is one plain graph to run or compile."""
+    ) -> Callable[..., Any]:
+        """The tangent part for k directions: the written program itself for one (called here
+        directly, NOTE [programs written directly]), a graph of its own per k > 1 (vmap traced
+        away), so each block width is one plain program to run or compile."""
+        return prog.tangent.fn if k == 1 else self.tangent_graph(prog, k, args)
+
+    def tangent_graph(
+        self, prog: SplitProgram, k: int, args: tuple[torch.Tensor, ...]
+    ) -> torch.fx.GraphModule:
+        """The tangent part for k directions as an FX graph (what inductor compiles)."""
         if k == 1:
-            return prog.tangent
+            return prog.tangent.module
         graph = prog.blocks.get(k)
         if graph is None:
             dims = (None,) * prog.num_kept + (0,) * (len(args) - prog.num_kept)
-            batched = torch.func.vmap(prog.tangent, in_dims=dims)
+            batched = torch.func.vmap(prog.tangent.fn, in_dims=dims)
             graph = to_graph_module(trace_real(batched, args))
             prog.blocks[k] = graph
         return graph
