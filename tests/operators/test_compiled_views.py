@@ -64,3 +64,25 @@ def test_reshape_of_a_transposed_tensor_runs_where_view_cannot() -> None:
     else:  # pragma: no cover - torch's view would have to accept these strides
         raise AssertionError("expected view to refuse a transposed tensor")
     assert torch.equal(views_as_reshapes(gm)(transposed), transposed.reshape(2, 3, 20))
+
+
+def test_unsafe_views_are_treated_as_views() -> None:
+    """A recording without Python's dispatcher writes matmul's view as ``_unsafe_view`` (NOTE
+    [recording a trace]): it becomes a reshape as a view does, and stays one where its storage is
+    written in place."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(aten.mul.Tensor, (x, 2.0))
+    free = g.call_function(
+        aten._unsafe_view.default, (g.call_function(aten.add.Tensor, (x, 1.0)), [16])
+    )
+    z = g.call_function(aten._unsafe_view.default, (y, [2, 8]))
+    g.call_function(aten.add_.Tensor, (z, 1.0))  # must reach y through the view
+    g.output((y, z, free))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    out = views_as_reshapes(gm)
+    kinds = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert kinds.count(aten._unsafe_view.default) == 1 and kinds.count(aten.reshape.default) == 1
+    x0 = torch.randn(4, 4)
+    for a, b in zip(out(x0.clone()), gm(x0.clone()), strict=True):
+        assert torch.equal(a, b)

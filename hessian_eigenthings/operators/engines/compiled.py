@@ -179,14 +179,18 @@ def _aliases_input(node: torch.fx.Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or not node.args:
         return False
+    if target is torch.ops.aten._unsafe_view.default:  # a view its schema does not declare
+        return isinstance(node.args[0], torch.fx.Node)
     rets = target._schema.returns
     return bool(rets) and rets[0].alias_info is not None and isinstance(node.args[0], torch.fx.Node)
 
 
 def views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose ``aten.view`` nodes read ``aten.reshape`` where no tensor sharing
-    their storage is written in place (NOTE [views the compiler may not keep])."""
-    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    """A copy of ``gm`` whose ``aten.view`` and ``aten._unsafe_view`` nodes read ``aten.reshape``
+    where no tensor sharing their storage is written in place (NOTE [views the compiler may not
+    keep])."""
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    reshape = torch.ops.aten.reshape.default
     nodes = list(gm.graph.nodes)
     root = {n: n for n in nodes}
 
@@ -209,7 +213,7 @@ def views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in nodes:
         new = graph.node_copy(node, lambda x: env[x])
-        if node.target is view and find(node) not in dirty:
+        if node.target in views and find(node) not in dirty:
             new.target = reshape
         env[node] = new
     return torch.fx.GraphModule(gm, graph)
