@@ -591,8 +591,13 @@ def test_auto_times_no_product_that_records_a_cuda_graph() -> None:
     def decide() -> bool:
         sel.seen += 1
         return sel.before_block(
-            V, out, product=op._rows, keeps_states=True, on_switch=op.clear_cache,
-            counts=op.counts, cold=2,
+            V,
+            out,
+            product=op._rows,
+            keeps_states=True,
+            on_switch=op.clear_cache,
+            counts=op.counts,
+            cold=2,
         )
 
     assert not decide() and sel.auto.reason == "undecided"  # the second: a recording
@@ -661,7 +666,11 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
     def f(x: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
         a = torch.sin(x) * torch.exp(x)
         m, _ = torch.max(a.view(2, 2), dim=1)  # a multi-output op: one output picked, one not
-        c = torch.clamp(a * t, min=-float("inf"), max=3.0).to(torch.float32).reshape(torch.Size([4]))
+        c = (
+            torch.clamp(a * t, min=-float("inf"), max=3.0)
+            .to(torch.float32)
+            .reshape(torch.Size([4]))
+        )
         return [c.double() + t * t, m.sum() * t]
 
     x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
@@ -678,7 +687,11 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
 
     name = re.compile(r"\b[av]\d+(?:_\d+)?\b")
     for prog in (primal, tangent):
-        lines = [ln.strip() for ln in prog.code.splitlines()[1:]]
+        text = prog.code.splitlines()
+        lines = [
+            ln.strip()
+            for ln in text[next(i for i, ln in enumerate(text) if ln.startswith("def ")) + 1 :]
+        ]
         returned = set(name.findall(lines[-1]))
         made = [ln.split(" = ")[0] for ln in lines if " = " in ln]
         dels = {n: ln[4:].split(", ") for n, ln in enumerate(lines) if ln.startswith("del ")}
@@ -688,9 +701,22 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
             for v in vs:
                 uses = [k for k, ln in enumerate(lines) if k not in dels and v in name.findall(ln)]
                 assert max(uses) == n - 1, (v, prog.code)
+
+    # the text (the program's key) tells apart programs that differ only in an op or a dtype
+    def g(op: str, dtype: torch.dtype) -> object:
+        return lambda x: getattr(torch, op)(x).to(dtype)
+
+    codes = {
+        tracing_mod.split_recording(_torch_compat.record_real(g(op, dt), x), 1)[0].code
+        for op in ("sin", "cos")
+        for dt in (torch.float32, torch.float16)
+    }
+    assert len(codes) == 4
     # a keyword Python reserves, as a function recorded by another tracer may carry
     odd = _torch_compat.Recording(1)
-    odd.ops.append((lambda a, **kw: a + kw["from"], (odd.inputs[0],), {"from": 2.0}, [odd.inputs[0]]))
+    odd.ops.append(
+        (lambda a, **kw: a + kw["from"], (odd.inputs[0],), {"from": 2.0}, [odd.inputs[0]])
+    )
     odd.outputs = [_torch_compat.Ref("op", 0)]
     odd.sequence = False
     live = [True]
@@ -903,8 +929,12 @@ def _hf_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return lm_loss(lambda ids: model(input_ids=ids, use_cache=False).logits, batch)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case", ["mlp_hessian", "cnn_ggn", "transformer_hessian", "gpt2_hessian", "gpt2_ggn"])
-def test_recorded_programs_equal_make_fx_programs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "case", ["mlp_hessian", "cnn_ggn", "transformer_hessian", "gpt2_hessian", "gpt2_ggn"]
+)
+def test_recorded_programs_equal_make_fx_programs(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The recorder and make_fx trace the same product into programs that compute the same
     numbers, for every direction; the recorded ones leave out ops nothing needs."""
     from hessian_eigenthings.loss_fns import hf_lm_forward, hf_lm_loss_of_output

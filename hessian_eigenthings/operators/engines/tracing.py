@@ -180,7 +180,9 @@ def _emit(part: Part) -> torch.fx.GraphModule:
 # for one (the compiled engine hands it to inductor; benchmarks and tests read
 # its nodes): on GPT-2 12L's graph at d64 (CPU, torch 2.13), making the two
 # GraphModules (nodes, FX's code, its compilation) took about half of the
-# 0.86 s trace.
+# 0.86 s trace. The text opens with a comment per global (the op overload, an
+# argument such as a dtype or device, a constant's layout), so that it names
+# everything FX's code named: the program's key is a digest of it.
 
 _LITERALS = (bool, int, str, type(None))
 
@@ -290,7 +292,10 @@ def _write(part: Part) -> tuple[str, dict[str, Any]]:
     for v, n in last.items():
         if v not in keep:
             dead_after.setdefault(n, []).append(v)
-    out = ["def program(" + ", ".join(args) + "):"]
+    # what each global is, so that the text names everything the program computes with (the
+    # program's key is a digest of it, NOTE [compile policy]); readable where it is printed
+    out = [f"# {name}: {_describe(value)}" for name, value in env.items()]
+    out.append("def program(" + ", ".join(args) + "):")
     for n, (code, _, _) in enumerate(body):
         out.append("    " + code)
         if n in dead_after:
@@ -299,6 +304,16 @@ def _write(part: Part) -> tuple[str, dict[str, Any]]:
     out.append(f"    return {ret}")
     env["__nodes__"] = len(placeholders) + len(lines) + len(picked) + len(consts) + 1
     return "\n".join(out) + "\n", env
+
+
+def _describe(value: Any) -> str:
+    """A global of a written program in one line (a constant tensor by its layout, not its
+    values, as an FX graph's code names its constants)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {value.dtype} {value.device.type}"
+    if isinstance(value, torch._ops.OpOverload):
+        return str(value)  # aten.sin.default
+    return repr(value).replace("\n", " ")
 
 
 def _constants_root(rec: Recording) -> nn.Module:
