@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 27 on one GPU, session 17: the fused kernel's chunk read again after the row's wait (the
+# reload sweep), traces on the GPU host (this tree against session 16's starting tree), a fresh
+# process's first traced product.
+# Usage: bash benchmarks/device/s17.sh STAGE ARGS...   (for trace, carry .bench_trees/s15: the tree
+# of b53ad4b)
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+export OMP_NUM_THREADS=8 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}; mkdir -p $O
+ROOT=$(pwd)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
+python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
+cat $O/gpus.txt
+stage=$1; shift
+case "$stage" in
+  kernels)
+    # SWEEP SHAPES (comma-separated labels of bench_kernels)
+    timeout ${T:-300} python3 benchmarks/bench_kernels.py --out $O/kernels --sweep ${1:-reload} --shapes "${2:-B64 T256 V50304 bf16,B64 T256 V50304 fp32,B8 T1024 V128256 bf16}" --products-only --budget-s ${B:-240} > $O/kernels.log 2>&1
+    grep -E "triton|floor" $O/kernels.log | cut -c1-200
+    ;;
+  trace)
+    # WORKLOADS: bench_trace on this tree and on the starting tree, alternated, ROUNDS rounds
+    for r in $(seq 1 ${ROUNDS:-1}); do
+      for tree in after before; do
+        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/s15
+        (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_trace --workloads ${1:-gpt2_12l,resnet18,mlp} --repeats 2 > $O/trace_${tree}_r$r.jsonl 2> $O/trace_${tree}_r$r.err)
+        echo "$tree r$r rc=$?"; cut -c1-300 $O/trace_${tree}_r$r.jsonl
+      done
+    done
+    ;;
+  reuse)
+    # WORKLOAD ENGINES: first and second process, this tree then the starting tree
+    for tree in after before; do
+      dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/s15
+      (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_trace_reuse ${1:-gpt2_large} --engines ${2:-functional} --record-dir /tmp/reuse_$tree > $O/reuse_$tree.jsonl 2> $O/reuse_$tree.err)
+      echo "$tree rc=$?"
+      python3 -c "
+import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); rep=r.get('report',{})
+    print('$tree', r['workload'], r['curvature'], r['engine'], r['process'], r.get('first_s'), r.get('second_ms'), r.get('autograd_ms'), rep.get('trace_s'), r.get('error'))
+" $O/reuse_$tree.jsonl
+    done
+    ;;
+  ncu)
+    # the fused kernel's hardware counters (default configuration, bf16 and fp32 at V50304)
+    for dt in bf16 fp32; do
+      timeout ${T:-150} ncu --clock-control none --set full -k regex:_ce_hvp -s 1 -c 1 python3 -m benchmarks.ce_kernel_ncu --dtype $dt > $O/ncu_$dt.txt 2>&1
+      echo "ncu $dt rc=$?"
+      grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Stall|L2 Hit|L1/TEX Hit|Issued Ipc|Executed Ipc|One or More|No Eligible|Active Warps" $O/ncu_$dt.txt | head -40
+    done
+    ;;
+esac
