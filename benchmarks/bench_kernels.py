@@ -137,35 +137,6 @@ def sweep_configs(quick: bool, sweep: str = "full") -> list[TritonConfig | None]
         return [None, TritonConfig(chunk=64, num_warps=1)]
     if sweep == "none":
         return [None]
-    if sweep == "regs":
-        # registers capped (ptxas maxnreg) for more programs per multiprocessor; one-warp programs
-        return [None] + [
-            TritonConfig(chunk=chunk, num_warps=warps, reload=reload, maxnreg=cap)
-            for chunk, warps in ((4096, 4), (8192, 8), (2048, 2), (1024, 1))
-            for reload in (0, 1)
-            for cap in (0, 48, 56, 64, 72)
-            if (cap or chunk == 1024) and not (chunk == 8192 and cap < 64)
-        ]
-    if sweep == "persistent":
-        # programs that take tickets until the rows run out (NOTE [persistent programs]):
-        # programs per multiprocessor x chunk x warps, with and without reading the chunk again
-        return [None] + [
-            TritonConfig(chunk=chunk, num_warps=warps, reload=reload, persistent=per_sm)
-            for chunk, warps in ((4096, 4), (8192, 8), (2048, 2), (16384, 16))
-            for reload in (0, 1)
-            for per_sm in (1, 2, 4, 8, 16)
-            if not (chunk == 16384 and reload)
-        ]
-    if sweep == "reload":
-        # the chunk read again after the row's wait instead of held in registers (1: plain
-        # loads, 2: L2 eviction hints), against the default
-        return [None] + [
-            TritonConfig(chunk=chunk, num_warps=warps, reload=reload)
-            for reload in (1, 2)
-            for chunk in (2048, 4096, 8192)
-            for warps in (2, 4, 8)
-            if 8 <= chunk // (32 * warps) <= 64
-        ]
     return [None] + [
         TritonConfig(chunk=chunk, num_warps=warps)
         for chunk in (2048, 4096, 8192, 16384, 32768)
@@ -252,9 +223,7 @@ def product_section(
     if TRITON_OK:
         for cfg in sweep_configs(quick, "none" if sliced else sweep):
             c = cfg or default_config(V)
-            name = f"triton{'*' if cfg is None else ''} c{c.chunk} w{c.num_warps}" + (
-                f" r{c.reload}" if c.reload else ""
-            ) + (f" p{c.persistent}" if c.persistent else "") + (f" m{c.maxnreg}" if c.maxnreg else "")
+            name = f"triton{'*' if cfg is None else ''} c{c.chunk} w{c.num_warps}"
             record(
                 name,
                 with_out(
@@ -456,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, two configs")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop sweeping after this")
-    ap.add_argument("--sweep", choices=["none", "full", "reload", "persistent", "regs"], default="full")
+    ap.add_argument("--sweep", choices=["none", "full"], default="full")
     ap.add_argument("--shapes", default="", help="comma-separated shape labels (default: all)")
     ap.add_argument("--products-only", action="store_true", help="skip the loss and threshold")
     args = ap.parse_args(argv)

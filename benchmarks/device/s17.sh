@@ -1,7 +1,8 @@
 #!/bin/bash
-# Issue 27 on one GPU, session 17: the fused kernel's chunk read again after the row's wait (the
-# reload sweep), traces on the GPU host (this tree against session 16's starting tree), a fresh
-# process's first traced product.
+# Issue 27 on one GPU, session 17: the fused kernel's variants (the sweeps reload, persistent and
+# regs ran at commit 782e41e, whose kernel had those options; later trees keep none and full),
+# traces on the GPU host (this tree against session 16's starting tree), a fresh process's first
+# traced product, hardware counters of the kernel.
 # Usage: bash benchmarks/device/s17.sh STAGE ARGS...   (for trace, carry .bench_trees/s15: the tree
 # of b53ad4b)
 set -u
@@ -16,7 +17,7 @@ stage=$1; shift
 case "$stage" in
   kernels)
     # SWEEP SHAPES (comma-separated labels of bench_kernels)
-    timeout ${T:-300} python3 benchmarks/bench_kernels.py --out $O/kernels --sweep ${1:-reload} --shapes "${2:-B64 T256 V50304 bf16,B64 T256 V50304 fp32,B8 T1024 V128256 bf16}" --products-only --budget-s ${B:-240} > $O/kernels.log 2>&1
+    timeout ${T:-300} python3 benchmarks/bench_kernels.py --out $O/kernels --sweep ${1:-none} --shapes "${2:-B64 T256 V50304 bf16,B64 T256 V50304 fp32,B8 T1024 V128256 bf16}" --products-only --budget-s ${B:-240} > $O/kernels.log 2>&1
     grep -E "triton|floor" $O/kernels.log | cut -c1-200
     ;;
   trace)

@@ -66,8 +66,7 @@ _MIN = tl.constexpr(-3.0e38)
 
 
 @triton.jit
-def _ce_hvp_chunk(
-    ticket,
+def _ce_hvp_kernel(
     z_ptr,
     u_ptr,
     out_ptr,
@@ -93,9 +92,14 @@ def _ce_hvp_chunk(
     CHUNK: tl.constexpr,
     SPLIT_P2: tl.constexpr,
     PHASE: tl.constexpr,
-    RELOAD: tl.constexpr,
 ):
-    """One chunk of one row (NOTE [split rows]): ``ticket`` names them."""
+    # See NOTE [split rows]. PHASE 0: the whole row in this program. 1: write
+    # this chunk's statistics only. 2: combine the statistics, write the
+    # output. 3: 1, wait for the row's other chunks, then 2.
+    if PHASE == 3:  # noqa: SIM108 (constexpr branch)
+        ticket = tl.atomic_add(count_ptr, 1)
+    else:
+        ticket = tl.program_id(0)
     row = ticket // split
     part = ticket % split
     # Rows are (outer, inner) pairs so sliced logits (e.g. ``z[:, :-1]``) need
@@ -109,14 +113,8 @@ def _ce_hvp_chunk(
         cload = c < V * ok.to(tl.int32)  # ignored rows are never read (masked loads move no bytes)
     else:
         cload = cin
-    zp = z_ptr + r0 * z_s0 + r1 * z_s1 + c * z_sv
-    up = u_ptr + r0 * u_s0 + r1 * u_s1 + c * u_sv
-    if RELOAD == 2:
-        z = tl.load(zp, mask=cload, other=-float("inf"), eviction_policy="evict_last")
-        u = tl.load(up, mask=cload, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        z = tl.load(zp, mask=cload, other=-float("inf"))
-        u = tl.load(up, mask=cload, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + r0 * z_s0 + r1 * z_s1 + c * z_sv, mask=cload, other=-float("inf"))
+    u = tl.load(u_ptr + r0 * u_s0 + r1 * u_s1 + c * u_sv, mask=cload, other=0.0).to(tl.float32)
     m = tl.maximum(tl.max(z.to(tl.float32), axis=0), _MIN)
     e = tl.exp(z.to(tl.float32) - m)
     stats = part_ptr + row.to(tl.int64) * (3 * SPLIT_P2)
@@ -147,28 +145,7 @@ def _ce_hvp_chunk(
         w = tl.exp(pm - mm)
         s = tl.sum(ps * w, axis=0)
         t = tl.sum(pt * w, axis=0)
-        if PHASE == 3 and RELOAD != 0:
-            # NOTE [split rows]: the chunk read again (L1 / L2) rather than held across the wait;
-            # its columns and addresses made again from scalars (``arrived - split`` is 0, but
-            # the compiler cannot know it), so no vector stays live across the wait
-            c = (part + (arrived - split)) * CHUNK + tl.arange(0, CHUNK)
-            cin = c < V
-            if HAS_VALID:  # noqa: SIM108 (constexpr branch)
-                cload = c < V * ok.to(tl.int32)
-            else:
-                cload = cin
-            zp = z_ptr + r0 * z_s0 + r1 * z_s1 + c * z_sv
-            up = u_ptr + r0 * u_s0 + r1 * u_s1 + c * u_sv
-            if RELOAD == 2:
-                z = tl.load(zp, mask=cload, other=-float("inf"), eviction_policy="evict_first")
-                u = tl.load(up, mask=cload, other=0.0, eviction_policy="evict_first")
-            else:
-                z = tl.load(zp, mask=cload, other=-float("inf"))
-                u = tl.load(up, mask=cload, other=0.0)
-            u = u.to(tl.float32)
-            e = tl.exp(z.to(tl.float32) - mm)
-        else:
-            e = e * tl.exp(m - mm)
+        e = e * tl.exp(m - mm)
     if PHASE != 1:
         if N_ON_DEVICE:  # noqa: SIM108 (constexpr branch, resolved at compile time)
             scale = 1.0 / tl.load(n_ptr).to(tl.float32)
@@ -187,111 +164,6 @@ def _ce_hvp_chunk(
         )
 
 
-@triton.jit
-def _ce_hvp_kernel(
-    z_ptr,
-    u_ptr,
-    out_ptr,
-    valid_ptr,
-    n_ptr,
-    part_ptr,
-    count_ptr,
-    inner,
-    V,
-    split,
-    z_s0,
-    z_s1,
-    z_sv,
-    u_s0,
-    u_s1,
-    u_sv,
-    o_s0,
-    o_s1,
-    o_sv,
-    inv_n,
-    ticket_ptr,
-    tickets,
-    HAS_VALID: tl.constexpr,
-    N_ON_DEVICE: tl.constexpr,
-    CHUNK: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
-    PHASE: tl.constexpr,
-    RELOAD: tl.constexpr = 0,
-    PERSISTENT: tl.constexpr = False,
-):
-    # See NOTE [split rows]. PHASE 0: the whole row in this program. 1: write
-    # this chunk's statistics only. 2: combine the statistics, write the
-    # output. 3: 1, wait for the row's other chunks, then 2. PERSISTENT: each
-    # program takes tickets from ``ticket_ptr`` until all ``tickets`` are
-    # handed out (NOTE [persistent programs]); otherwise one ticket a program.
-    if PERSISTENT or PHASE == 3:  # noqa: SIM108 (constexpr branch)
-        ticket = tl.atomic_add(ticket_ptr, 1)
-    else:
-        ticket = tl.program_id(0)
-    if PERSISTENT:
-        while ticket < tickets:
-            _ce_hvp_chunk(
-                ticket,
-                z_ptr,
-                u_ptr,
-                out_ptr,
-                valid_ptr,
-                n_ptr,
-                part_ptr,
-                count_ptr,
-                inner,
-                V,
-                split,
-                z_s0,
-                z_s1,
-                z_sv,
-                u_s0,
-                u_s1,
-                u_sv,
-                o_s0,
-                o_s1,
-                o_sv,
-                inv_n,
-                HAS_VALID,
-                N_ON_DEVICE,
-                CHUNK,
-                SPLIT_P2,
-                PHASE,
-                RELOAD,
-            )
-            ticket = tl.atomic_add(ticket_ptr, 1)
-    else:
-        _ce_hvp_chunk(
-            ticket,
-            z_ptr,
-            u_ptr,
-            out_ptr,
-            valid_ptr,
-            n_ptr,
-            part_ptr,
-            count_ptr,
-            inner,
-            V,
-            split,
-            z_s0,
-            z_s1,
-            z_sv,
-            u_s0,
-            u_s1,
-            u_sv,
-            o_s0,
-            o_s1,
-            o_sv,
-            inv_n,
-            HAS_VALID,
-            N_ON_DEVICE,
-            CHUNK,
-            SPLIT_P2,
-            PHASE,
-            RELOAD,
-        )
-
-
 @dataclass(frozen=True)
 class TritonConfig:
     """Launch parameters of the kernel (NOTE [split rows]).
@@ -303,9 +175,6 @@ class TritonConfig:
 
     chunk: int = 4096
     num_warps: int = 4
-    reload: int = 0
-    persistent: int = 0
-    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
@@ -464,20 +333,12 @@ def _launch(
     else:
         partials = torch.empty(rows * 3 * split_p2, dtype=torch.float32, device=dev)
         if logits.is_cuda and split <= _num_sms(dev.index or 0):
-            # counts[0]: the ticket; counts[1 + row]: the row's chunks in
             counts = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
             phases = (3,)
         else:
             phases = (1, 2)
-    tickets = rows * split
-    grid = tickets
-    if cfg.persistent:
-        sms = _num_sms(dev.index or 0) if logits.is_cuda else 4
-        grid = min(tickets, cfg.persistent * sms)
-        if phases != (3,):
-            counts = torch.zeros(len(phases), dtype=torch.int32, device=dev)  # one ticket a launch
-    for i, phase in enumerate(phases):
-        _ce_hvp_kernel[(grid,)](
+    for phase in phases:
+        _ce_hvp_kernel[(rows * split,)](
             logits,
             u,
             out,
@@ -498,15 +359,10 @@ def _launch(
             o1,
             ov,
             inv_n,
-            counts[i:] if cfg.persistent and phase != 3 else counts,
-            tickets,
             HAS_VALID=valid_flat is not None,
             N_ON_DEVICE=n_dev is not None,
             CHUNK=chunk,
             SPLIT_P2=split_p2,
             PHASE=phase,
-            RELOAD=cfg.reload,
-            PERSISTENT=bool(cfg.persistent),
             num_warps=cfg.num_warps,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
