@@ -4,7 +4,8 @@
         [--curvatures hessian,ggn] [--repeats 3] > rows.jsonl
 
 Per workload and curvature, both tracers trace the operator's pure product on one batch,
-alternately (``--repeats`` times each, in one process),
+alternately (``--repeats`` times each, in one process; each compiles its programs' text, as a
+first process does, NOTE [stored bytecode]),
 and each program's product for one direction is compared with the other's. Rows: graph nodes,
 trace seconds (median and all), the ratio of medians, the largest relative difference. The GPT-2
 workloads are HF GPT-2 (vocabulary 50257, eager attention) on 1 x 8 tokens so that the ops' own
@@ -84,7 +85,7 @@ def main() -> None:
         supervised_loss_of_output,
     )
     from hessian_eigenthings.operators import GGNOperator, HessianOperator
-    from hessian_eigenthings.operators.engines import tracing
+    from hessian_eigenthings.operators.engines import trace_times, tracing
     from hessian_eigenthings.operators.engines.functional import FunctionalRunner
     from hessian_eigenthings.operators.engines.trace_times import ENV
 
@@ -119,6 +120,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for tracer in ("make_fx", "record"):
                     tracing.TRACER = tracer
+                    trace_times._codes.clear()  # each trace compiles its programs' text
                     runner = FunctionalRunner(model, op.params, op.functional_product)
                     prog = runner._tracer.trace(batch, general=True)
                     times[tracer].append(prog.trace_s)

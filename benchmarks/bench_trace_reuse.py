@@ -7,8 +7,8 @@ For each curvature and engine, ``--processes`` fresh Python processes run one af
 one record of trace times (``HESSIAN_EIGENTHINGS_TRACE_TIMES=DIR``, emptied first) and one
 inductor cache (``TORCHINDUCTOR_CACHE_DIR``, as set by the caller): each builds the operator,
 times its first product (trace, primal part, compile) and its second one, and reports
-``engine_report`` and inductor's cache counters (``BENCH_TRACE_REUSE_PROFILE=1``: a cProfile of
-the first product on stderr). Every process traces (recording, NOTE [recording a trace]); for ``compiled``,
+``engine_report`` and inductor's cache counters (``BENCH_TRACE_REUSE_PROFILE=1`` or ``tottime``: a
+cProfile of the first product on stderr, by cumulative or own time). Every process traces (recording, NOTE [recording a trace]); for ``compiled``,
 the next processes' identical programs find inductor's cached artifact. One autograd product is
 timed first in every process (imports and CUDA context are not the engine's). TF32 off.
 """
@@ -78,7 +78,9 @@ def child(workload: str, curv: str, engine: str, scale: float) -> dict[str, Any]
         import pstats
 
         prof.disable()
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+        order = os.environ["BENCH_TRACE_REUSE_PROFILE"]
+        order = order if order in ("tottime", "cumulative") else "cumulative"
+        pstats.Stats(prof, stream=sys.stderr).sort_stats(order).print_stats(40)
     t0 = time.perf_counter()
     op @ v
     _sync()

@@ -3,16 +3,11 @@
 # regs ran at commit 782e41e, whose kernel had those options; later trees keep none and full),
 # traces on the GPU host (this tree against session 16's starting tree), a fresh process's first
 # traced product, hardware counters of the kernel.
-# Usage: bash benchmarks/device/s17.sh STAGE ARGS...   (for trace, carry .bench_trees/s15: the tree
-# of b53ad4b)
+# Usage: bash benchmarks/device/s17.sh STAGE ARGS...   (for trace and reuse, carry the tree to
+# compare with: .bench_trees/s15 (b53ad4b) or, with BEFORE=s17, .bench_trees/s17 (2e4afb3); and
+# .whl, the deprecation wheel)
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-export OMP_NUM_THREADS=8 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
-O=${OUT:-/tmp/out}; mkdir -p $O
-ROOT=$(pwd)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
-python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
-cat $O/gpus.txt
+source benchmarks/device/setup.sh
 stage=$1; shift
 case "$stage" in
   kernels)
@@ -24,7 +19,7 @@ case "$stage" in
     # WORKLOADS: bench_trace on this tree and on the starting tree, alternated, ROUNDS rounds
     for r in $(seq 1 ${ROUNDS:-1}); do
       for tree in after before; do
-        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/s15
+        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s15}
         (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_trace --workloads ${1:-gpt2_12l,resnet18,mlp} --repeats 2 > $O/trace_${tree}_r$r.jsonl 2> $O/trace_${tree}_r$r.err)
         echo "$tree r$r rc=$?"; cut -c1-300 $O/trace_${tree}_r$r.jsonl
       done
@@ -33,8 +28,8 @@ case "$stage" in
   reuse)
     # WORKLOAD ENGINES: first and second process, this tree then the starting tree
     for tree in after before; do
-      dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/s15
-      (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_trace_reuse ${1:-gpt2_large} --engines ${2:-functional} --record-dir /tmp/reuse_$tree > $O/reuse_$tree.jsonl 2> $O/reuse_$tree.err)
+      dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s15}
+      (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_trace_reuse ${1:-gpt2_large} --engines ${2:-functional} --processes ${P:-2} --record-dir /tmp/reuse_$tree > $O/reuse_$tree.jsonl 2> $O/reuse_$tree.err)
       echo "$tree rc=$?"
       python3 -c "
 import json,sys
@@ -42,6 +37,20 @@ for l in open(sys.argv[1]):
     r=json.loads(l); rep=r.get('report',{})
     print('$tree', r['workload'], r['curvature'], r['engine'], r['process'], r.get('first_s'), r.get('second_ms'), r.get('autograd_ms'), rep.get('trace_s'), r.get('error'))
 " $O/reuse_$tree.jsonl
+    done
+    ;;
+  ab)
+    # WORKLOAD LENGTHS LANCZOS_LENGTHS ENGINES CURVS: a first run (cold) and the same script again
+    # (rerun), this tree (after) and .bench_trees/$BEFORE (before), alternated, ROUNDS rounds
+    for r in $(seq 1 ${ROUNDS:-1}); do
+      for tree in after before; do
+        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s17}
+        rm -rf /tmp/rec_$1_$tree
+        for st in cold rerun; do
+          (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_defaults $1 --record $st --record-dir /tmp/rec_$1_$tree --lengths $2 --lanczos-lengths $3 --engines $4 --curvatures $5 > $O/ab_$1_${tree}_${st}_r$r.jsonl 2> $O/ab_$1_${tree}_${st}_r$r.err)
+          grep default_vs_best $O/ab_$1_${tree}_${st}_r$r.jsonl | python3 -c "import sys,json;print('$tree $st r$r', ' '.join(r['cell'].split('_')[0]+':'+r['mode'][:3]+str(r['length'])+'='+str(round(r['ratio'],2))+('' if r['best']=='autograd' else '('+r['best'][:2]+')') for r in map(json.loads, sys.stdin)))"
+        done
+      done
     done
     ;;
   ncu)

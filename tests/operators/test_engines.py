@@ -725,22 +725,41 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
     torch.testing.assert_close(prog(x), x + 2.0)
 
 
-def test_a_trace_leaves_the_cycle_collector_as_found() -> None:
+def test_a_trace_leaves_the_cycle_collector_as_found(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
+    from hessian_eigenthings.operators.engines import tracing
+
     model, data = mlp(), classification_data(n=4, batch=4)
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    seen: list[bool] = []
+    record = tracing.trace_real
+
+    def watched(fn: object, args: object) -> object:
+        seen.append(gc.isenabled())
+        return record(fn, args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tracing, "trace_real", watched)
     op = HessianOperator(model, data, SUP, engine="functional")
     op @ torch.randn(op.size, dtype=torch.float64)
+    monkeypatch.undo()
+    assert seen == [False]  # no collection during the trace (NOTE [the collector during a trace])
     assert gc.get_freeze_count() == 0 and gc.isenabled()
+    # a process that disabled the collector keeps it disabled
+    gc.disable()
+    try:
+        op = HessianOperator(model, data, SUP, engine="functional")
+        op @ torch.randn(op.size, dtype=torch.float64)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
     # a process that froze objects of its own keeps them frozen
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         op = HessianOperator(model, data, SUP, engine="functional")
         op @ torch.randn(op.size, dtype=torch.float64)
-        # not unfrozen (that would empty the permanent generation); frozen objects may die
-        assert gc.get_freeze_count() > frozen // 2
+        assert gc.get_freeze_count() > frozen // 2  # frozen objects may die, none are unfrozen
     finally:
         gc.unfreeze()
 

@@ -82,11 +82,13 @@ _SCRIPT = textwrap.dedent(
     op = HessianOperator(model, data, supervised_loss(nn.CrossEntropyLoss()))
     estimate = op._engines.trace_estimate_ms()
     with op.using_engine("functional"):
-        op @ torch.ones(op.size, dtype=torch.float64)
+        out = op @ torch.ones(op.size, dtype=torch.float64)
         runner = op._engine_selector.runner
         keys = [p.key for p in runner._programs.values()]
+        code_from = [(p.primal.code_from, p.tangent.code_from) for p in runner._programs.values()]
         report = op.engine_report
-    print(json.dumps({"estimate": estimate, "report": report, "keys": keys}))
+    print(json.dumps({"estimate": estimate, "report": report, "keys": keys,
+                      "code_from": code_from, "out": out.tolist()}))
     """
 )
 
@@ -106,6 +108,90 @@ def test_a_second_process_expects_the_first_ones_trace_and_records_the_same_prog
     assert runs[1]["estimate"][0] == pytest.approx(runs[0]["report"]["trace_s"] * 1e3, abs=1.0)
     # the same program code in both (inductor's cache keys compiled artifacts on it)
     assert runs[0]["keys"] == runs[1]["keys"] and runs[0]["keys"]
+    # the second process loaded the bytecode the first compiled (NOTE [stored bytecode])
+    assert runs[0]["code_from"] == [["compiled", "compiled"]]
+    assert runs[1]["code_from"] == [["disk", "disk"]]
+    assert runs[1]["out"] == runs[0]["out"]
+
+
+_TEXT = "def program(a0):\n    v0 = a0 * 2\n    return v0\n"
+
+
+def _run(code: object) -> object:
+    scope: dict[str, object] = {}
+    exec(code, {}, scope)  # type: ignore[call-overload]
+    return scope["program"](21)  # type: ignore[operator]
+
+
+def test_written_programs_are_compiled_once_per_process_and_once_per_machine(
+    record_dir: Path,
+) -> None:
+    trace_times._codes.clear()
+    code, source = trace_times.program_code(_TEXT, "<p>")
+    assert source == "compiled" and _run(code) == 42
+    again, source = trace_times.program_code(_TEXT, "<p>")
+    assert source == "process" and again is code
+    files = list((record_dir / trace_times.CODE_DIR).iterdir())
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    trace_times._codes.clear()  # as a new process
+    loaded, source = trace_times.program_code(_TEXT, "<p>")
+    assert source == "disk" and _run(loaded) == 42
+    # another text, or the same text under another file name, is another program
+    other = _TEXT.replace("* 2", "* 3")
+    code3, source = trace_times.program_code(other, "<p>")
+    assert source == "compiled" and _run(code3) == 63
+    assert trace_times.program_code(_TEXT, "<q>")[1] == "compiled"
+    assert len(list((record_dir / trace_times.CODE_DIR).iterdir())) == 3
+
+
+def test_stored_bytecode_others_could_write_or_that_is_broken_is_compiled_anew(
+    record_dir: Path,
+) -> None:
+    trace_times._codes.clear()
+    trace_times.program_code(_TEXT, "<p>")
+    (path,) = (record_dir / trace_times.CODE_DIR).iterdir()
+    path.chmod(0o666)
+    trace_times._codes.clear()
+    assert trace_times.program_code(_TEXT, "<p>")[1] == "compiled"
+    path.chmod(0o600)
+    path.write_bytes(b"not bytecode")
+    trace_times._codes.clear()
+    code, source = trace_times.program_code(_TEXT, "<p>")
+    assert source == "compiled" and _run(code) == 42
+    trace_times._codes.clear()
+    assert trace_times.program_code(_TEXT, "<p>")[1] == "disk"  # written again
+    # a folder others could write is not read from
+    (record_dir / trace_times.CODE_DIR).chmod(0o777)
+    trace_times._codes.clear()
+    assert trace_times.program_code(_TEXT, "<p>")[1] == "compiled"
+
+
+def test_stored_bytecode_keeps_the_most_recent_programs(
+    record_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trace_times, "MAX_CODES", 2)
+    trace_times._codes.clear()
+    texts = [_TEXT.replace("* 2", f"* {k}") for k in range(3, 6)]
+    for k, text in enumerate(texts):
+        trace_times.program_code(text, "<p>")
+        path = max((record_dir / trace_times.CODE_DIR).iterdir(), key=lambda f: f.stat().st_mtime_ns)
+        os.utime(path, ns=(k * 10**9, k * 10**9))  # distinct ages on any filesystem
+    assert len(trace_times._codes) == 2
+    assert len(list((record_dir / trace_times.CODE_DIR).iterdir())) == 2
+    trace_times._codes.clear()
+    assert trace_times.program_code(texts[0], "<p>")[1] == "compiled"  # the oldest went
+    assert trace_times.program_code(texts[2], "<p>")[1] == "disk"
+
+
+def test_nothing_of_a_program_is_written_when_the_record_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(trace_times.ENV, "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    trace_times._codes.clear()
+    assert trace_times.program_code(_TEXT, "<p>")[1] == "compiled"
+    assert trace_times.program_code(_TEXT, "<p>")[1] == "process"
+    assert not list(tmp_path.rglob("*.bytecode"))
 
 
 def test_what_changes_a_program_changes_its_key() -> None:

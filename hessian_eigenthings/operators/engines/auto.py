@@ -216,10 +216,11 @@ AUTO_MIN_RUN_MS = 20_000.0
 #: at most about 1 / AUTO_TRACE_PAYBACK more (the facade's 0.x scripts must never be slower)
 AUTO_TRACE_PAYBACK = 3.0
 #: a first trace's expected cost per leaf module where none was recorded: what recorded traces
-#: (NOTE [recording a trace]) cost on an H200 host, torch 2.11 (Hessian / GGN: 0.027 / 0.019 s on
-#: a 5-module MLP, 0.51 / 0.15 s on ResNet-18's 52 modules, 2.0 / 0.83 s on GPT-2 12L's ~137):
+#: (NOTE [recording a trace], NOTE [programs written directly]) cost on an H200 host, torch 2.11,
+#: session 17 (Hessian / GGN: 0.020 / 0.008 s on a 5-module MLP, 0.74 / 0.65 s on GPT-2 12L's
+#: ~137; the same host with session 16's starting tree: 0.031 / 0.013 s and 1.59 / 0.82 s):
 #: products of first derivatives only (GGN, Fisher) take TRACE_PRIOR_FIRST_ORDER of it
-TRACE_PRIOR_S_PER_MODULE = 0.015
+TRACE_PRIOR_S_PER_MODULE = 0.006
 TRACE_PRIOR_FIRST_ORDER = 0.4
 #: added where a process has not imported torch._dynamo yet: torch.func's transforms import it on
 #: their first use (0.65 s on a 2-core CPU host, torch 2.13), which the first trace pays

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.forward_rules import ElementwiseLosses
+from hessian_eigenthings.operators.engines.trace_times import program_code
 
 #: a curvature's per-batch product for one direction as a pure function of ``state`` (every
 #: parameter and buffer of the model, by registered name), the batch and the tangent
@@ -197,7 +198,9 @@ class Program:
         self._module: torch.fx.GraphModule | None = None
         self.code, env = _write(part)
         scope: dict[str, Any] = {}
-        exec(compile(self.code, "<hessian_eigenthings program>", "exec"), env, scope)
+        #: where the bytecode came from: "compiled", "process" or "disk" (NOTE [stored bytecode])
+        code, self.code_from = program_code(self.code, "<hessian_eigenthings program>")
+        exec(code, env, scope)
         self.fn: Callable[..., Any] = scope["program"]
         #: what the FX graph would count: placeholders, ops, their picked outputs, constants, output
         self.num_nodes: int = env.pop("__nodes__")
@@ -513,22 +516,52 @@ def selected_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str
     return [ids[id(p)] for p in params]
 
 
+#: what the cycle collector does during a trace (NOTE [the collector during a trace]): "off" (no
+#: collection) or "freeze" (older objects kept out of its passes, session 16); a switch for
+#: ``benchmarks/trace_gc.py``
+GC_DURING_TRACE = "off"
+
+# NOTE [the collector during a trace]
+# A trace makes tens of thousands of Python objects (the recording, the written
+# programs' text), few of them in reference cycles. Left alone, the cycle
+# collector runs over and over during it, and the first trace of a fresh process
+# sets off a full collection over every object the imports made (torch's,
+# transformers'): 0.15-0.22 s on the H200 host for GPT-2 12L, ResNet-18 or the
+# MLP, against traces of 0.0043-0.33 s once warm. Session 16 kept the objects
+# older than the trace out of the collector's passes (`gc.freeze`, undone
+# after); collections of the trace's own objects still ran (140 of the
+# youngest generation, 13 of the middle one on GPT-2 12L's Hessian) and the
+# first full collection still fell inside the first trace. Now no collection
+# runs during a trace (`gc.disable`, the collector's state restored after; a
+# process that disabled it keeps it disabled, one that froze objects keeps them
+# frozen). H200 host, torch 2.11, Python 3.12, warm traces: GPT-2 12L Hessian
+# 0.32-0.34 s either way, GGN 0.168 s against 0.173 s; a process's first
+# trace pays no full collection (`python -m benchmarks.trace_gc`). The work is
+# not removed, only moved out of the trace: garbage of the trace that forms
+# cycles waits for the next collection, and a fresh process's first full
+# collection comes when its next allocations call for it.
+
+
 @contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """The objects that exist before a trace kept out of the cycle collector's passes during it
-    (``gc.freeze``, undone after). A trace makes tens of thousands of objects, which set off
-    full collections, each a walk over every object of the process (torch's own included); on
-    GPT-2 12L's graph at d64 (CPU, torch 2.13) some traces took 0.76-0.82 s against 0.53 s.
-    Young objects are still collected. Where the process has frozen objects of its own (a
-    server before forking), nothing is done: unfreezing would release them too."""
-    if gc.get_freeze_count():
-        yield
+def _collector_paused() -> Iterator[None]:
+    """No cycle collection during a trace (NOTE [the collector during a trace])."""
+    if GC_DURING_TRACE == "freeze":
+        if gc.get_freeze_count():
+            yield
+            return
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
         return
-    gc.freeze()
+    was = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if was:
+            gc.enable()
 
 
 class Tracer:
@@ -581,7 +614,7 @@ class Tracer:
         tangents = [torch.zeros_like(state[n]) for n in names]
         _torch_compat.load_forward_ad_decompositions()
         t0 = time.perf_counter()
-        with _heap_frozen():
+        with _collector_paused():
             with ElementwiseLosses():  # NOTE [losses without forward-mode rules]
                 rec = trace_real(product, (*primals, *tangents))
             takes_batch = general
