@@ -369,11 +369,11 @@ FACTS = ("trace_s", "functional_ratio", "products", "autograd_ms")
 # bytecode by Python's compiler: on GPT-2 12L's graph at d64 (CPU, torch 2.13)
 # 64 ms of a 0.34 s trace, for 12,800 lines. The bytecode is a function of the
 # text and of the interpreter alone, so it is kept under a digest of both (the
-# text, the file name it is compiled under, `importlib.util.MAGIC_NUMBER`): in
-# the process, and on disk in `hessian_eigenthings_programs/` beside the trace
-# times (NOTE [trace times]; the folder and each file this user's, no one
-# else able to write them, as for Python's own `.pyc` files; the MAX_CODES
-# most recent). A second process records its trace and writes the text as the
+# text, the file name it is compiled under, `importlib.util.MAGIC_NUMBER` and
+# the optimisation level): in the process, and on disk in
+# `hessian_eigenthings_programs/` beside the trace times (NOTE [trace times];
+# the folder and each file this user's, no one else able to write them, as for
+# Python's own `.pyc` files; the MAX_CODES most recent). A second process records its trace and writes the text as the
 # first did, then loads the bytecode (marshal: 1.5-1.9 ms for either program
 # of that graph) instead of compiling it. Unlike a stored program, nothing is
 # taken on trust: the text is made anew by every trace, only its compilation
@@ -389,8 +389,9 @@ _codes: dict[str, types.CodeType] = {}
 def program_code(text: str, filename: str) -> tuple[types.CodeType, str]:
     """``compile(text, filename, "exec")``, kept (NOTE [stored bytecode]); also where it came
     from: "compiled", "process" or "disk"."""
+    interpreter = importlib.util.MAGIC_NUMBER + bytes([sys.flags.optimize])  # bytecode and -O
     digest = hashlib.sha256(
-        importlib.util.MAGIC_NUMBER + filename.encode() + b"\0" + text.encode()
+        interpreter + filename.encode() + b"\0" + text.encode()
     ).hexdigest()[:40]
     code = _codes.pop(digest, None)
     source = "process"
