@@ -53,6 +53,19 @@ for l in open(sys.argv[1]):
       done
     done
     ;;
+  final)
+    # this tree alone: WORKLOAD:PROCESSES ... through bench_trace_reuse (functional engine)
+    for wp in "$@"; do
+      w=${wp%%:*}; n=${wp##*:}
+      timeout ${T:-200} python3 -m benchmarks.bench_trace_reuse $w --engines functional --processes $n --record-dir /tmp/final_$w > $O/final_$w.jsonl 2> $O/final_$w.err
+      python3 -c "
+import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); rep=r.get('report',{})
+    print(r['workload'], r['curvature'], r['process'], r.get('first_s'), r.get('second_ms'), r.get('autograd_ms'), rep.get('trace_s'), r.get('rel_err_vs_autograd'), r.get('error'))
+" $O/final_$w.jsonl
+    done
+    ;;
   ncu)
     # the fused kernel's hardware counters (default configuration, bf16 and fp32 at V50304)
     for dt in bf16 fp32; do
