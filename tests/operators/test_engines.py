@@ -513,57 +513,6 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
 
 
-def test_first_derivative_products_go_functional_at_the_prior_ratio_checked_not_timed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """NOTE [auto engine]: a GGN or Fisher product with no recorded ratio is sized at the
-    first-derivative prior where it applies (CUDA; here the CPU stands in), and past the
-    break-even the functional engine is adopted after one product checked against autograd's,
-    without timed trial products. A Hessian is measured as before."""
-    monkeypatch.setattr(engines_mod, "RATIO_PRIOR_DEVICES", ("cpu",))
-    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e-9)  # a trace costs ~nothing
-    monkeypatch.setattr(engines_mod, "TRACE_IMPORT_PRIOR_S", 0.0)
-    model, data = mlp(), classification_data(n=4, batch=4)
-    G = dense_ggn(model, data, supervised_forward, CE_OUT, select_parameters(model))
-    v = torch.randn(G.shape[0], dtype=torch.float64)
-    op = GGNOperator(model, data, supervised_forward, CE_OUT)
-    op.expect_products(50)
-    for _ in range(4):
-        torch.testing.assert_close(op @ v, G @ v, rtol=1e-10, atol=1e-10)
-    report = op.engine_report
-    assert op.engine == "functional"
-    assert report["auto"]["reason"].startswith("expected faster at first derivatives' prior")
-    assert report["auto"]["functional_ratio"] == engines_mod.FIRST_ORDER_RATIO_PRIOR
-    assert report["trial_products"] == 1  # the check of agreement, no timing runs
-    assert set(report["auto"]["timings_ms"]) == {"autograd_first"}
-    assert "functional_ratio" not in op._engines.facts()  # nothing measured, nothing recorded
-    # a run too short for the saving at the prior ratio to repay the expected trace: autograd
-    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)
-    engines_mod.TRACE_TIMES.clear()  # as a first run: no trace time of this model known
-    short = GGNOperator(model, data, supervised_forward, CE_OUT)
-    short.expect_products(50)
-    for _ in range(3):
-        short @ v
-    assert short.engine == "autograd"
-    assert short.engine_report["auto"]["reason"].startswith(
-        "short run: expected saving at first derivatives' prior"
-    )
-    # the Hessian has no prior ratio: a timed trial as before
-    monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e-9)
-    hess = HessianOperator(model, data, SUP)
-    hess.expect_products(50)
-    for _ in range(3):
-        hess @ v
-    assert "functional" in hess.engine_report["auto"]["timings_ms"]
-    # on a device outside RATIO_PRIOR_DEVICES the GGN is timed too
-    monkeypatch.setattr(engines_mod, "RATIO_PRIOR_DEVICES", ())
-    timed_run = GGNOperator(model, data, supervised_forward, CE_OUT)
-    timed_run.expect_products(50)
-    for _ in range(3):
-        timed_run @ v
-    assert "functional" in timed_run.engine_report["auto"]["timings_ms"]
-
-
 def test_auto_decides_before_the_first_product_from_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

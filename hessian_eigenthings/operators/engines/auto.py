@@ -101,13 +101,6 @@ class Curvature(Protocol):
 #   per node of the tangent graph (H100, torch 2.11: 11 s at 138 nodes, 31 s
 #   at 1857, 36 s at 3922), and a saving of COMPILED_SAVING of the eager
 #   tangent time (measured 0-36%, median ~22%).
-# - a product of first derivatives (GGN, Fisher) on CUDA with no recorded ratio
-#   is sized at FIRST_ORDER_RATIO_PRIOR: every such ratio measured on an H100 or
-#   H200 was 0.21-0.58 (autograd repeats the primal work per product, NOTE
-#   [tangent split]); past the break-even, one functional product is checked
-#   against autograd's instead of a timed trial (on the MLP a trial's timed
-#   products and check cost more than a 20-product run saves). A Hessian, or
-#   another device, is measured as above.
 # The choice and its figures are on `op.engine_report`.
 # A run that declares nothing (a bare `op @ v` loop) is judged as it goes: after
 # AUTO_MIN_PRODUCTS products, and again each time their number doubles, `auto`
@@ -156,10 +149,6 @@ class Curvature(Protocol):
 # few doublings on autograd, after which the run's own counts take over.
 
 AUTO_MIN_PRODUCTS = 8
-#: the functional/autograd product-time ratio expected of a product of first derivatives (GGN,
-#: Fisher) before any trial measured it, on the devices named below (NOTE [auto engine])
-FIRST_ORDER_RATIO_PRIOR = 0.6
-RATIO_PRIOR_DEVICES = ("cuda",)
 COMPILE_PRIOR_S = 8.0
 COMPILE_S_PER_NODE = 0.008
 COMPILED_SAVING = 0.2
@@ -411,13 +400,10 @@ class EngineSelector:
         trace_ms, why = self.trace_estimate_ms()
         a.trace_estimate_s, a.trace_estimate_from = trace_ms / 1e3, why
         ratio = self.facts().get("functional_ratio")
-        whose = "the last run's"
-        if ratio is None and not self.second_order and self.device.type in RATIO_PRIOR_DEVICES:
-            ratio, whose = FIRST_ORDER_RATIO_PRIOR, "first derivatives' prior"  # NOTE [auto engine]
         if ratio is not None and ratio < 1.0:  # NOTE [what auto remembers]: the break-even
             a.functional_ratio = ratio
             short = per * self.expected_products * (1.0 - ratio) < trace_ms
-            rule = f"expected saving at {whose} functional/autograd ratio {ratio:.2f} under"
+            rule = f"expected saving at the last run's functional/autograd ratio {ratio:.2f} under"
         else:
             short = per * self.expected_products < AUTO_TRACE_PAYBACK * trace_ms
             rule = f"expected products x product time under {AUTO_TRACE_PAYBACK:g} x"
@@ -440,7 +426,7 @@ class EngineSelector:
         try:
             if known:
                 assert ratio is not None
-                _Trial(self, product, on_switch).adopt_functional(V[:1], out[:1], ratio, whose)
+                _Trial(self, product, on_switch).adopt_functional(V[:1], out[:1], ratio)
             else:
                 _Trial(self, product, on_switch).run(V[:1], out[:1].clone(), out[:1].clone())
         finally:
@@ -573,12 +559,10 @@ class _Trial:
             f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
         )
 
-    def adopt_functional(
-        self, V: torch.Tensor, reference: torch.Tensor, ratio: float, whose: str
-    ) -> None:
-        """The functional engine without timing the engines (an earlier run's trial found it
-        faster, NOTE [what auto remembers], or the first-derivative prior, NOTE [auto engine]):
-        one product, checked against autograd's ``reference`` of the same direction."""
+    def adopt_functional(self, V: torch.Tensor, reference: torch.Tensor, ratio: float) -> None:
+        """The functional engine without timing the engines again (an earlier run's trial found it
+        faster, NOTE [what auto remembers]): one product, checked against autograd's
+        ``reference`` of the same direction."""
         sel, a = self.sel, self.sel.auto
         scratch = torch.empty_like(reference)
         try:
@@ -589,11 +573,7 @@ class _Trial:
             return
         if self._agree(scratch, reference):
             a.chosen = "functional"
-            a.reason = (
-                f"faster in this model's last trial (functional/autograd {ratio:.2f})"
-                if whose == "the last run's"
-                else f"expected faster at {whose} functional/autograd ratio {ratio:.2f}, checked"
-            )
+            a.reason = f"faster in this model's last trial (functional/autograd {ratio:.2f})"
 
     def functional_from_records(self, V: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
         """The functional engine from the first product on, unchecked: the ratio this model's
