@@ -179,8 +179,12 @@ def test_stored_bytecode_keeps_the_most_recent_programs(
     assert len(trace_times._codes) == 2
     assert len(list((record_dir / trace_times.CODE_DIR).iterdir())) == 2
     trace_times._codes.clear()
+    assert trace_times.program_code(texts[1], "<p>")[1] == "disk"  # used now: the newest
     assert trace_times.program_code(texts[0], "<p>")[1] == "compiled"  # the oldest went
-    assert trace_times.program_code(texts[2], "<p>")[1] == "disk"
+    # writing texts[0] again sends away the least recently used, texts[2], not texts[1]
+    trace_times._codes.clear()
+    assert trace_times.program_code(texts[1], "<p>")[1] == "disk"
+    assert trace_times.program_code(texts[2], "<p>")[1] == "compiled"
 
 
 def test_nothing_of_a_program_is_written_when_the_record_is_off(

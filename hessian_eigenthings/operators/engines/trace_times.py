@@ -373,12 +373,12 @@ FACTS = ("trace_s", "functional_ratio", "products", "autograd_ms")
 # the optimisation level): in the process, and on disk in
 # `hessian_eigenthings_programs/` beside the trace times (NOTE [trace times];
 # the folder and each file this user's, no one else able to write them, as for
-# Python's own `.pyc` files; the MAX_CODES most recent). A second process records its trace and writes the text as the
-# first did, then loads the bytecode (marshal: 1.5-1.9 ms for either program
-# of that graph) instead of compiling it. Unlike a stored program, nothing is
-# taken on trust: the text is made anew by every trace, only its compilation
-# is skipped. A file that cannot be read or is not bytecode is compiled anew
-# and written again.
+# Python's own `.pyc` files; the MAX_CODES most recently used). A second
+# process records its trace and writes the text as the first did, then loads
+# the bytecode (marshal: 1.5-1.9 ms for either program of that graph) instead
+# of compiling it. Unlike a stored program, nothing is taken on trust: the text
+# is made anew by every trace, only its compilation is skipped. A file that
+# cannot be read or is not bytecode is compiled anew and written again.
 
 CODE_DIR = "hessian_eigenthings_programs"
 #: programs whose bytecode is kept (in the process and on disk; the most recent)
@@ -400,6 +400,9 @@ def program_code(text: str, filename: str) -> tuple[types.CodeType, str]:
     path = None if where is None else os.path.join(where, digest + ".bytecode")
     if code is None and path is not None and where is not None and _private_dir(where, False):
         code, source = _read_code(path), "disk"
+        if code is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # recently used: the last to go (MAX_CODES)
     if code is None:
         code, source = compile(text, filename, "exec"), "compiled"
         if path is not None and where is not None and folder is not None:
