@@ -3,22 +3,39 @@
     python -m benchmarks.trace_gc [--workload gpt2_large] [--curvatures ggn,hessian] [--repeats 3]
 
 Traces the workload's product (``bench_trace_reuse``'s operators, on CUDA where there is one)
-``--repeats`` times per variant of ``tracing.GC_DURING_TRACE`` (NOTE [the collector during a
-trace]; "freeze": older objects kept out of the passes; "off": no collection during the trace),
-alternated, and prints per trace its time and the collections that ran between its start and
-the row (count and seconds by generation), one JSON row each.
+``--repeats`` times per policy of the cycle collector during a trace, alternated: "off" (the
+library's: no collection, NOTE [the collector during a trace]) and "freeze" (session 16's: the
+objects older than the trace kept out of the passes, put in here in place of the library's), and
+prints per trace its time and the collections that ran between its start and the row (count
+and seconds by generation), one JSON row each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def _frozen() -> Iterator[None]:
+    """Session 16's policy: the objects older than the trace kept out of the collector's passes
+    (nothing done where the process froze objects itself)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def main() -> None:
@@ -48,6 +65,7 @@ def main() -> None:
             row[1] += time.perf_counter() - start[0]
 
     gc.callbacks.append(watch)
+    policies = {"freeze": _frozen, "off": tracing._collector_paused}
     for curv in args.curvatures.split(","):
         if curv == "hessian":
             op: Any = he.HessianOperator(
@@ -64,7 +82,7 @@ def main() -> None:
         batch = op._engine_batch(w.batches[0])
         for i in range(args.repeats):
             for variant in ("freeze", "off"):
-                tracing.GC_DURING_TRACE = variant
+                tracing._collector_paused = policies[variant]
                 trace_times._codes.clear()
                 runner = FunctionalRunner(w.model, op.params, op.functional_product)
                 stats.clear()
@@ -80,7 +98,7 @@ def main() -> None:
                 }
                 print(json.dumps(row), flush=True)
                 del runner, prog
-    tracing.GC_DURING_TRACE = "off"
+    tracing._collector_paused = policies["off"]
 
 
 if __name__ == "__main__":

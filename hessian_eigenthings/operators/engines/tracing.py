@@ -516,11 +516,6 @@ def selected_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str
     return [ids[id(p)] for p in params]
 
 
-#: what the cycle collector does during a trace (NOTE [the collector during a trace]): "off" (no
-#: collection) or "freeze" (older objects kept out of its passes, session 16); a switch for
-#: ``benchmarks/trace_gc.py``
-GC_DURING_TRACE = "off"
-
 # NOTE [the collector during a trace]
 # A trace makes tens of thousands of Python objects (the recording, the written
 # programs' text), few of them in reference cycles. Left alone, the cycle
@@ -536,7 +531,8 @@ GC_DURING_TRACE = "off"
 # process that disabled it keeps it disabled, one that froze objects keeps them
 # frozen). H200 host, torch 2.11, Python 3.12, warm traces: GPT-2 12L Hessian
 # 0.32-0.34 s either way, GGN 0.168 s against 0.173 s; a process's first
-# trace pays no full collection (`python -m benchmarks.trace_gc`). The work is
+# trace pays no full collection (`python -m benchmarks.trace_gc`, which puts
+# session 16's policy in for comparison). The work is
 # not removed, only moved out of the trace: garbage of the trace that forms
 # cycles waits for the next collection, and a fresh process's first full
 # collection comes when its next allocations call for it.
@@ -545,16 +541,6 @@ GC_DURING_TRACE = "off"
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cycle collection during a trace (NOTE [the collector during a trace])."""
-    if GC_DURING_TRACE == "freeze":
-        if gc.get_freeze_count():
-            yield
-            return
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
-        return
     was = gc.isenabled()
     gc.disable()
     try:
