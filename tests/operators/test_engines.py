@@ -22,6 +22,7 @@ from hessian_eigenthings.loss_fns import (
 from hessian_eigenthings.loss_fns.forward_rules import ElementwiseLosses
 from hessian_eigenthings.operators import EmpiricalFisherOperator, GGNOperator, HessianOperator
 from hessian_eigenthings.operators.engines import (
+    TRACE_TIMES,
     CompileFallbackWarning,
     EngineUnsupportedError,
     split_by_tangent,
@@ -470,8 +471,9 @@ def test_auto_compiles_when_it_pays_and_falls_back_on_failure(
 def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """NOTE [what auto remembers]: a loop run again is judged at its second product, as long as
-    the last one, and goes to the functional engine at the break-even without a second trial."""
+    """NOTE [what auto remembers]: a loop run again is judged as long as the last one (from its
+    first product where the record holds a decision, measured at its second), and goes to the
+    functional engine at the break-even without a second trial."""
     monkeypatch.setattr(engines_mod, "TRACE_PRIOR_S_PER_MODULE", 1e9)  # a first run: all short
     monkeypatch.setattr(engines_mod, "TRACE_IMPORT_PRIOR_S", 0.0)
     model, data = mlp(), classification_data(n=4, batch=4)
@@ -491,7 +493,7 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     again = HessianOperator(model, data, SUP)
     for _ in range(3):
         torch.testing.assert_close(again @ v, H @ v, rtol=1e-10, atol=1e-10)
-    assert judged == [2]
+    assert judged == [1, 2]  # the records, then (the first product being cold) the measurement
     report = again.engine_report
     assert again.engine == "functional"
     assert report["auto"]["expected_products"] == 32
@@ -553,6 +555,60 @@ def test_auto_decides_before_the_first_product_from_records(
         torch.testing.assert_close(short @ v, H @ v, rtol=1e-10, atol=1e-10)
     assert short.engine == "autograd" and prepared
     assert "autograd_first" in short.engine_report["auto"]["timings_ms"]
+
+
+def test_a_loop_run_again_is_decided_from_records_at_its_first_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [what auto remembers]: a bare loop whose last run left all four facts goes to the
+    functional engine at its first product: no autograd state is built, nothing is timed."""
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    seed = HessianOperator(model, data, SUP)
+    seed._engines.note_facts(functional_ratio=0.5, trace_s=1e-6, autograd_ms=1.0, products=32.0)
+    prepared: list[int] = []
+    real = engines_mod.AutogradRunner.prepare
+    monkeypatch.setattr(
+        engines_mod.AutogradRunner,
+        "prepare",
+        lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
+    )
+    op = HessianOperator(model, data, SUP)
+    for _ in range(3):
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+    report = op.engine_report
+    assert op.engine == "functional" and not prepared
+    assert report["trial_products"] == 0 and report["traces"] == 1
+    assert report["auto"]["expected_from"] == "this model's last run"
+    assert report["auto"]["expected_products"] == 32
+    assert report["auto"]["reason"].endswith("decided before the first product")
+
+
+def test_a_first_product_makes_no_key_where_no_record_holds_a_decision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A single ``op @ v`` stays as cheap as autograd's product where no run left a decision
+    (``TraceTimes.any_decision``): its operator's key is made at the second product."""
+    made: list[int] = []
+    real = engines_mod.structure_key
+    monkeypatch.setattr(
+        engines_mod, "structure_key", lambda *a: made.append(1) or real(*a)
+    )
+    model, data = mlp(), classification_data(n=4, batch=4)
+    v = torch.randn(HessianOperator(model, data, SUP).size, dtype=torch.float64)
+    # a record without a ratio (a run that never ran a trial) is no decision either
+    TRACE_TIMES.note_facts("another model", trace_s=1e-3, autograd_ms=1.0, products=32.0)
+    op = HessianOperator(model, data, SUP)
+    op @ v
+    assert not made and op.engine == "autograd"
+    op @ v
+    assert made
+    # a decision for some model: the first product looks up its own
+    TRACE_TIMES.note_facts("another model", functional_ratio=0.5)
+    made.clear()
+    HessianOperator(model, data, SUP) @ v
+    assert made
 
 
 def test_auto_from_records_falls_back_when_the_functional_engine_fails(

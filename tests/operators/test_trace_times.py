@@ -70,6 +70,49 @@ def test_a_record_holds_what_auto_learnt_and_reads_older_ones(record_dir: Path) 
     assert TRACE_TIMES.facts("other") == {}
 
 
+def test_facts_the_file_holds_already_are_not_written_again(
+    record_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [what auto remembers]: a rerun counting its products as the last run did writes
+    nothing; a changed fact is written."""
+    TRACE_TIMES.note_facts("key", products=16.0, functional_ratio=0.5)
+    TRACE_TIMES.clear()  # a new process
+    writes: list[str] = []
+    real = trace_times.os.replace
+    monkeypatch.setattr(trace_times.os, "replace", lambda a, b: writes.append(b) or real(a, b))
+    assert TRACE_TIMES.facts("key") == {"products": 16.0, "functional_ratio": 0.5}
+    TRACE_TIMES.note_facts("key", products=16.0)
+    assert not writes
+    TRACE_TIMES.note_facts("key", products=32.0)
+    assert len(writes) == 1
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.facts("key") == {"products": 32.0, "functional_ratio": 0.5}
+    # what another process wrote since is read again (the file changed)
+    path = record_dir / trace_times.FILE
+    path.write_text(json.dumps({"key": {"products": 64.0}}))
+    assert TRACE_TIMES.facts("other") == {}
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.facts("key") == {"products": 64.0}
+
+
+def test_any_decision_needs_all_four_facts_a_faster_engine_and_a_long_run(
+    record_dir: Path,
+) -> None:
+    full = {"trace_s": 0.01, "functional_ratio": 0.5, "autograd_ms": 1.0, "products": 16.0}
+    assert not TRACE_TIMES.any_decision(8)
+    for missing in full:
+        TRACE_TIMES.note_facts("k-" + missing, **{k: v for k, v in full.items() if k != missing})
+    TRACE_TIMES.note_facts("slower", **{**full, "functional_ratio": 1.2})
+    TRACE_TIMES.note_facts("short", **{**full, "products": 4.0})
+    assert not TRACE_TIMES.any_decision(8)
+    TRACE_TIMES.clear()  # from the file alone, as a new process
+    assert not TRACE_TIMES.any_decision(8)
+    TRACE_TIMES.note_facts("full", **full)
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.any_decision(8)
+    assert not TRACE_TIMES.any_decision(32)
+
+
 _SCRIPT = textwrap.dedent(
     """
     import json, torch

@@ -298,10 +298,17 @@ class TraceTimes:
 
     def __init__(self) -> None:
         self._facts: dict[str, dict[str, float]] = {}
+        #: what the file held of a key when this process last read or wrote it, by (folder, key):
+        #: facts that would not change it are not written again
+        self._on_disk: dict[tuple[str, str], dict[str, float]] = {}
+        #: the file's contents as last read: (path, mtime_ns, size) and the data
+        self._read_cache: tuple[tuple[str, int, int], dict[str, Any]] | None = None
 
     def clear(self) -> None:
         """Forget the process's facts (the file is left as it is)."""
         self._facts.clear()
+        self._on_disk.clear()
+        self._read_cache = None
 
     def note(self, structure: str, seconds: float) -> None:
         """Record that tracing ``structure``'s product took ``seconds``."""
@@ -312,7 +319,9 @@ class TraceTimes:
         entry = {**self.facts(structure), **facts}
         self._facts[structure] = entry
         folder = record_dir()
-        if folder is None or not _private_dir(folder, create=True):
+        if folder is None or self._on_disk.get((folder, structure)) == entry:
+            return  # nothing to keep, or the file holds this already (a rerun's counts)
+        if not _private_dir(folder, create=True):
             return
         path = os.path.join(folder, FILE)
         try:
@@ -325,16 +334,42 @@ class TraceTimes:
                 json.dump(data, f)
             os.chmod(tmp, 0o600)
             os.replace(tmp, path)
+            self._on_disk[(folder, structure)] = dict(entry)
         except (OSError, ValueError, TypeError):
             pass
 
-    @staticmethod
-    def _read(path: str) -> dict[str, Any]:
+    def _read(self, path: str) -> dict[str, Any]:
+        """The file's records (a copy; parsed again only when the file changed)."""
         if not _own_file(path):
             return {}
+        st = os.stat(path)
+        stamp = (path, st.st_mtime_ns, st.st_size)
+        if self._read_cache is not None and self._read_cache[0] == stamp:
+            return dict(self._read_cache[1])
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
+        if not isinstance(data, dict):
+            return {}
+        self._read_cache = (stamp, data)
+        return dict(data)
+
+    def any_decision(self, min_products: float) -> bool:
+        """Whether some key, of any model, holds what deciding before a product is timed needs
+        (NOTE [what auto remembers]: a functional/autograd ratio under 1, a trace time, autograd's
+        product time, and a run of at least ``min_products``): a look at the record that makes no
+        key, so that a first product makes its key only where a decision could follow."""
+        entries = list(self._facts.values())
+        folder = record_dir()
+        if folder is not None:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                entries += [v for v in self._read(os.path.join(folder, FILE)).values()]
+        return any(
+            isinstance(e, dict)
+            and all(isinstance(e.get(k), (int, float)) for k in FACTS)
+            and e["functional_ratio"] < 1.0
+            and e["products"] >= min_products
+            for e in entries
+        )
 
     def facts(self, structure: str) -> dict[str, float]:
         """What is known of ``structure`` (empty: nothing recorded)."""
@@ -348,11 +383,14 @@ class TraceTimes:
             if isinstance(value, (int, float)):  # a record of session 14: a trace time alone
                 return {"trace_s": float(value)}
             if isinstance(value, dict):
-                return {
+                known = {
                     k: float(v)
                     for k, v in value.items()
                     if k in FACTS and isinstance(v, (int, float)) and v >= 0
                 }
+                if known == value:
+                    self._on_disk[(folder, structure)] = dict(known)
+                return known
         return {}
 
     def expected_s(self, structure: str) -> float | None:
