@@ -585,6 +585,35 @@ def test_a_loop_run_again_is_decided_from_records_at_its_first_product(
     assert report["auto"]["reason"].endswith("decided before the first product")
 
 
+def test_a_short_run_sized_by_the_record_leaves_its_own_count() -> None:
+    """NOTE [what auto remembers]: after a long run, fresh operators making one product each pay
+    one trace that does not pay (the first, sized by the record), not one each."""
+    import gc
+
+    model, data = mlp(), classification_data(n=4, batch=4)
+    H = dense_hessian(model, data, SUP, select_parameters(model))
+    v = torch.randn(H.shape[0], dtype=torch.float64)
+    seed = HessianOperator(model, data, SUP)
+    key = seed._engines.structure()
+    TRACE_TIMES.note_facts(key, functional_ratio=0.5, trace_s=1e-6, autograd_ms=1.0, products=32.0)
+    engines = []
+    for _ in range(3):
+        op = HessianOperator(model, data, SUP)
+        torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
+        engines.append(op.engine)
+        del op
+        gc.collect()
+    assert engines == ["functional", "autograd", "autograd"]
+    assert TRACE_TIMES.facts(key)["products"] == 1.0
+    # a run of its own length (a loop counted at 8, 16, ...) is not touched on the way out
+    op = HessianOperator(model, data, SUP)
+    for _ in range(9):
+        op @ v
+    del op
+    gc.collect()
+    assert TRACE_TIMES.facts(key)["products"] == 8.0
+
+
 def test_a_first_product_makes_no_key_where_no_record_holds_a_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
