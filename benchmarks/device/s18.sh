@@ -8,11 +8,16 @@ source benchmarks/device/setup.sh
 stage=$1; shift
 case "$stage" in
   overhead)
-    # WORKLOAD:CURVS:LENGTHS ...
+    # WORKLOAD:CURVS:LENGTHS ...; TREES="after before" runs it on this tree and on
+    # .bench_trees/$BEFORE (which needs benchmarks/auto_overhead.py copied in), alternated
+    for r in $(seq 1 ${ROUNDS:-1}); do
+    for tree in ${TREES:-after}; do
+    dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s18}
     for spec in "$@"; do
       IFS=: read w c n <<< "$spec"
-      timeout ${T:-200} python3 -m benchmarks.auto_overhead $w --curvatures $c --lengths $n ${PROFILE:+--profile} --record-dir /tmp/ao_$w > $O/overhead_$w.jsonl 2> $O/overhead_$w.err
-      echo "$w rc=$?"; tail -2 $O/overhead_$w.err
+      f=$O/overhead_${w}_${tree}_r$r
+      (cd $dir && timeout ${T:-200} python3 -m benchmarks.auto_overhead $w --curvatures $c --lengths $n ${PROFILE:+--profile} --record-dir /tmp/ao_${w}_$tree > $f.jsonl 2> $f.err)
+      echo "$w $tree r$r rc=$?"; tail -2 $f.err
       python3 -c "
 import json,sys
 for l in open(sys.argv[1]):
@@ -20,8 +25,11 @@ for l in open(sys.argv[1]):
     if r['cell']!='env' and 'per_ms' in r:
         print(r['curvature'], r['engine'], r['length'], round(r['s']*1e3,1), r['active'], 'per', r['per_ms'][:6], 'med', sorted(r['per_ms'])[len(r['per_ms'])//2])
         print('    ', {k:(len(v), round(sum(v),2)) for k,v in r['spent_ms'].items()})
-" $O/overhead_$w.jsonl
+" $f.jsonl
     done
+    done
+    done
+    (cd $O && tar czf overhead_${TAG:-call}.tgz overhead_*.jsonl overhead_*.err && rm -f overhead_*.jsonl overhead_*.err)
     ;;
   ab)
     # WORKLOAD LENGTHS LANCZOS_LENGTHS ENGINES CURVS: cold then rerun, this tree (after) and
