@@ -595,7 +595,7 @@ def test_a_short_run_sized_by_the_record_leaves_its_own_count() -> None:
     v = torch.randn(H.shape[0], dtype=torch.float64)
     seed = HessianOperator(model, data, SUP)
     key = seed._engines.structure()
-    TRACE_TIMES.note_facts(key, functional_ratio=0.5, trace_s=1e-6, autograd_ms=1.0, products=32.0)
+    seed._engines.note_facts(functional_ratio=0.5, trace_s=1e-6, autograd_ms=1.0, products=32.0)
     engines = []
     for _ in range(3):
         op = HessianOperator(model, data, SUP)
@@ -618,26 +618,35 @@ def test_a_first_product_makes_no_key_where_no_record_holds_a_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A single ``op @ v`` stays as cheap as autograd's product where no run left a decision
-    (``TraceTimes.any_decision``): its operator's key is made at the second product."""
+    for a model like its own (``TraceTimes.any_decision``): its key is made at the second
+    product."""
     made: list[int] = []
     real = engines_mod.structure_key
     monkeypatch.setattr(
         engines_mod, "structure_key", lambda *a: made.append(1) or real(*a)
     )
     model, data = mlp(), classification_data(n=4, batch=4)
-    v = torch.randn(HessianOperator(model, data, SUP).size, dtype=torch.float64)
-    # a record without a ratio (a run that never ran a trial) is no decision either
-    TRACE_TIMES.note_facts("another model", trace_s=1e-3, autograd_ms=1.0, products=32.0)
     op = HessianOperator(model, data, SUP)
+    v = torch.randn(op.size, dtype=torch.float64)
+    hint = op._engines.hint()
+    full = {"functional_ratio": 0.5, "trace_s": 1e-3, "autograd_ms": 1.0, "products": 32.0}
+    # a decision for another model (another hint), and one without a ratio (a run that never
+    # ran a trial) for a model like this one, are no reason to look
+    TRACE_TIMES.note_facts("another model", hint=hint + "x", **full)
+    TRACE_TIMES.note_facts("this kind", hint=hint, **{**full, "functional_ratio": 1.0})
     op @ v
     assert not made and op.engine == "autograd"
     op @ v
     assert made
-    # a decision for some model: the first product looks up its own
-    TRACE_TIMES.note_facts("another model", functional_ratio=0.5)
+    # a decision for a model like this one: the first product looks up its own key
+    TRACE_TIMES.note_facts("this kind", functional_ratio=0.5)
     made.clear()
     HessianOperator(model, data, SUP) @ v
     assert made
+    # the hint tells models apart by class, parameters and curvature
+    ggn = GGNOperator(model, data, lambda m, b: m(b[0]), supervised_loss_of_output(CE))
+    wider = HessianOperator(mlp(hidden=9), data, SUP)
+    assert len({hint, ggn._engines.hint(), wider._engines.hint()}) == 3
 
 
 def test_auto_from_records_falls_back_when_the_functional_engine_fails(

@@ -99,18 +99,28 @@ def test_any_decision_needs_all_four_facts_a_faster_engine_and_a_long_run(
     record_dir: Path,
 ) -> None:
     full = {"trace_s": 0.01, "functional_ratio": 0.5, "autograd_ms": 1.0, "products": 16.0}
-    assert not TRACE_TIMES.any_decision(8)
+    assert not TRACE_TIMES.any_decision("h", 8)
     for missing in full:
-        TRACE_TIMES.note_facts("k-" + missing, **{k: v for k, v in full.items() if k != missing})
-    TRACE_TIMES.note_facts("slower", **{**full, "functional_ratio": 1.2})
-    TRACE_TIMES.note_facts("short", **{**full, "products": 4.0})
-    assert not TRACE_TIMES.any_decision(8)
+        rest = {k: v for k, v in full.items() if k != missing}
+        TRACE_TIMES.note_facts("k-" + missing, hint="h", **rest)
+    TRACE_TIMES.note_facts("slower", hint="h", **{**full, "functional_ratio": 1.2})
+    TRACE_TIMES.note_facts("short", hint="h", **{**full, "products": 4.0})
+    TRACE_TIMES.note_facts("other", hint="other", **full)
+    assert not TRACE_TIMES.any_decision("h", 8)
     TRACE_TIMES.clear()  # from the file alone, as a new process
-    assert not TRACE_TIMES.any_decision(8)
-    TRACE_TIMES.note_facts("full", **full)
+    assert not TRACE_TIMES.any_decision("h", 8)
+    assert TRACE_TIMES.any_decision("other", 8)
+    TRACE_TIMES.note_facts("full", hint="h", **full)
+    assert TRACE_TIMES.any_decision("h", 8)
     TRACE_TIMES.clear()
-    assert TRACE_TIMES.any_decision(8)
-    assert not TRACE_TIMES.any_decision(32)
+    assert TRACE_TIMES.any_decision("h", 8)
+    assert not TRACE_TIMES.any_decision("h", 32)
+    # the hint is kept beside the facts, not among them, and a later fact keeps it
+    assert TRACE_TIMES.facts("full") == full
+    TRACE_TIMES.note_facts("full", products=64.0)
+    TRACE_TIMES.clear()
+    assert TRACE_TIMES.any_decision("h", 32)
+    assert json.loads((record_dir / trace_times.FILE).read_text())["full"]["hint"] == "h"
 
 
 _SCRIPT = textwrap.dedent(

@@ -135,9 +135,11 @@ class Curvature(Protocol):
 #   when last counted (at 8, 16, 32, ... products). A run that declares no
 #   length is judged at its second product as if it declared that many, so
 #   a script run again switches at once instead of after its first doublings;
-#   at its first product already where the record holds a decision for some
-#   model (all four facts, `TraceTimes.any_decision`: a look that makes no
-#   key), so that a rerun decided from records builds no autograd state (on
+#   at its first product already where the record holds a decision for a
+#   model like its own (all four facts under its hint: the model's class,
+#   parameter count and sizes, the curvature; `TraceTimes.any_decision`, a
+#   look that makes no key), so that a rerun decided from records builds no
+#   autograd state, and a single product of another model stays as cheap (on
 #   the H200 MLP's GGN, a 20-product loop run again took 34 ms against 28 ms
 #   on the functional engine, 5 ms of it the autograd first product). A run
 #   sized so that makes fewer than AUTO_MIN_PRODUCTS products leaves its own
@@ -289,6 +291,7 @@ class EngineSelector:
         self.next_check: float = 1 if engine == "auto" else float("inf")
         #: the model-and-curvature key of NOTE [trace times], made at the first judgement
         self._structure: str | None = None
+        self._hint: str | None = None
         #: whether the records were read for a decision before the first product
         self._records_tried = engine != "auto"
         if engine in ("functional", "compiled", "layers"):
@@ -339,7 +342,7 @@ class EngineSelector:
             self.next_check = AUTO_MIN_PRODUCTS
             if not self.decided and self.expected_products < AUTO_MIN_PRODUCTS:
                 if self.seen == 1 and not (
-                    self.functional and TRACE_TIMES.any_decision(AUTO_MIN_PRODUCTS)
+                    self.functional and TRACE_TIMES.any_decision(self.hint(), AUTO_MIN_PRODUCTS)
                 ):
                     self.next_check = 2  # no run left a decision: look at the second product
                     return
@@ -363,13 +366,26 @@ class EngineSelector:
             self._structure = structure_key(self.model, names, self.product)
         return self._structure
 
+    def hint(self) -> str:
+        """A description of this model and curvature cheap enough for a first product (the
+        model's class, its selected parameters' count and sizes, the curvature), which the record
+        keeps beside the facts of this key (``TraceTimes.any_decision``)."""
+        if self._hint is None:
+            m = self.model
+            sizes = sum(p.numel() for p in self.params)
+            self._hint = (
+                f"{type(m).__module__}.{type(m).__qualname__}:{len(self.params)}:{sizes}:"
+                f"{self.owner}"
+            )
+        return self._hint
+
     def facts(self) -> dict[str, float]:
         """What earlier runs recorded of this model and curvature (NOTE [what auto remembers])."""
         return TRACE_TIMES.facts(self.structure()) if self.functional else {}
 
     def note_facts(self, **facts: float) -> None:
         if self.functional:
-            TRACE_TIMES.note_facts(self.structure(), **facts)
+            TRACE_TIMES.note_facts(self.structure(), hint=self.hint(), **facts)
 
     def before_block(
         self,

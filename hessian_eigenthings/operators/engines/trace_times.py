@@ -298,15 +298,18 @@ class TraceTimes:
 
     def __init__(self) -> None:
         self._facts: dict[str, dict[str, float]] = {}
+        #: each key's hint (``any_decision``): a cheap description of its model and curvature
+        self._hints: dict[str, str] = {}
         #: what the file held of a key when this process last read or wrote it, by (folder, key):
         #: facts that would not change it are not written again
-        self._on_disk: dict[tuple[str, str], dict[str, float]] = {}
+        self._on_disk: dict[tuple[str, str], dict[str, Any]] = {}
         #: the file's contents as last read: (path, mtime_ns, size) and the data
         self._read_cache: tuple[tuple[str, int, int], dict[str, Any]] | None = None
 
     def clear(self) -> None:
         """Forget the process's facts (the file is left as it is)."""
         self._facts.clear()
+        self._hints.clear()
         self._on_disk.clear()
         self._read_cache = None
 
@@ -314,12 +317,16 @@ class TraceTimes:
         """Record that tracing ``structure``'s product took ``seconds``."""
         self.note_facts(structure, trace_s=round(seconds, 4))
 
-    def note_facts(self, structure: str, **facts: float) -> None:
-        """Record facts of ``structure`` (merged into what is known of it)."""
+    def note_facts(self, structure: str, hint: str | None = None, **facts: float) -> None:
+        """Record facts of ``structure`` (merged into what is known of it), and its ``hint``."""
         entry = {**self.facts(structure), **facts}
         self._facts[structure] = entry
+        if hint is not None:
+            self._hints[structure] = hint
+        hint = self._hints.get(structure)
+        stored: dict[str, Any] = entry if hint is None else {**entry, "hint": hint}
         folder = record_dir()
-        if folder is None or self._on_disk.get((folder, structure)) == entry:
+        if folder is None or self._on_disk.get((folder, structure)) == stored:
             return  # nothing to keep, or the file holds this already (a rerun's counts)
         if not _private_dir(folder, create=True):
             return
@@ -327,14 +334,14 @@ class TraceTimes:
         try:
             data = self._read(path)
             data.pop(structure, None)  # most recent last: the oldest go first
-            data[structure] = entry
+            data[structure] = stored
             data = dict(list(data.items())[-MAX_RECORDS:])
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(data, f)
             os.chmod(tmp, 0o600)
             os.replace(tmp, path)
-            self._on_disk[(folder, structure)] = dict(entry)
+            self._on_disk[(folder, structure)] = dict(stored)
         except (OSError, ValueError, TypeError):
             pass
 
@@ -353,22 +360,27 @@ class TraceTimes:
         self._read_cache = (stamp, data)
         return dict(data)
 
-    def any_decision(self, min_products: float) -> bool:
-        """Whether some key, of any model, holds what deciding before a product is timed needs
-        (NOTE [what auto remembers]: a functional/autograd ratio under 1, a trace time, autograd's
-        product time, and a run of at least ``min_products``): a look at the record that makes no
-        key, so that a first product makes its key only where a decision could follow."""
-        entries = list(self._facts.values())
+    def any_decision(self, hint: str, min_products: float) -> bool:
+        """Whether some key with this ``hint`` holds what deciding before a product is timed
+        needs (NOTE [what auto remembers]: a functional/autograd ratio under 1, a trace time,
+        autograd's product time, and a run of at least ``min_products``): a look at the record
+        that makes no key, so that a first product makes its key only where a decision for a
+        model like its own could follow (a hint shared by two models costs a key, no more)."""
+        entries: list[tuple[Any, Any]] = [(self._hints.get(k), e) for k, e in self._facts.items()]
         folder = record_dir()
         if folder is not None:
             with contextlib.suppress(OSError, ValueError, TypeError):
-                entries += [v for v in self._read(os.path.join(folder, FILE)).values()]
+                entries += [
+                    (v.get("hint"), v)
+                    for v in self._read(os.path.join(folder, FILE)).values()
+                    if isinstance(v, dict)
+                ]
         return any(
-            isinstance(e, dict)
+            h == hint
             and all(isinstance(e.get(k), (int, float)) for k in FACTS)
             and e["functional_ratio"] < 1.0
             and e["products"] >= min_products
-            for e in entries
+            for h, e in entries
         )
 
     def facts(self, structure: str) -> dict[str, float]:
@@ -388,7 +400,12 @@ class TraceTimes:
                     for k, v in value.items()
                     if k in FACTS and isinstance(v, (int, float)) and v >= 0
                 }
-                if known == value:
+                hint = value.get("hint")
+                if isinstance(hint, str):
+                    self._hints.setdefault(structure, hint)
+                    if {**known, "hint": hint} == value:
+                        self._on_disk[(folder, structure)] = dict(value)
+                elif known == value:
                     self._on_disk[(folder, structure)] = dict(known)
                 return known
         return {}
