@@ -31,6 +31,24 @@ for l in open(sys.argv[1]):
     done
     (cd $O && tar czf overhead_${TAG:-call}.tgz overhead_*.jsonl overhead_*.err && rm -f overhead_*.jsonl overhead_*.err)
     ;;
+  fresh)
+    # WORKLOAD CURVS LENGTH: benchmarks/auto_fresh.py on this tree and on .bench_trees/$BEFORE
+    # (which needs benchmarks/auto_fresh.py copied in), alternated, ROUNDS rounds
+    for r in $(seq 1 ${ROUNDS:-1}); do
+      for tree in ${TREES:-after before}; do
+        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s18}
+        f=$O/fresh_$1_${tree}_r$r.jsonl
+        (cd $dir && timeout ${T:-280} python3 -m benchmarks.auto_fresh $1 --curvatures $2 --length $3 --record-dir /tmp/fresh_$tree > $f 2> ${f%.jsonl}.err)
+        echo "$tree r$r rc=$?"
+        python3 -c "
+import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); rep=r.get('report') or {}; a=rep.get('auto') or {}
+    print('$tree', r['curvature'], r['engine'], r['run'], r.get('loop_s'), r.get('process_wall_s'), rep.get('active'), a.get('reason','')[:50], r.get('error'))
+" $f
+      done
+    done
+    ;;
   ab)
     # WORKLOAD LENGTHS LANCZOS_LENGTHS ENGINES CURVS: cold then rerun, this tree (after) and
     # .bench_trees/$BEFORE (before), alternated, ROUNDS rounds
