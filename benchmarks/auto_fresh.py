@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any
 
 import torch
+
+from benchmarks.bench_trace_reuse import run_child
 
 
 def child(workload: str, curv: str, engine: str, length: int) -> dict[str, Any]:
@@ -83,15 +84,9 @@ def main() -> None:
             env = {**os.environ, trace_times.ENV: args.record_dir if engine == "auto" else "0"}
             cmd = [sys.executable, "-m", "benchmarks.auto_fresh", args.workload, "--length",
                    str(args.length), "--child", curv, engine]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             row: dict[str, Any] = {"workload": args.workload, "curvature": curv, "engine": engine,
-                                   "run": what, "length": args.length,
-                                   "process_wall_s": round(time.perf_counter() - t0, 2)}
-            if proc.returncode == 0:
-                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-            else:
-                row["error"] = proc.stderr.strip().splitlines()[-3:]
+                                   "run": what, "length": args.length}
+            run_child(cmd, env, row)
             print(json.dumps(row), flush=True)
 
 

@@ -30,13 +30,15 @@ import os
 import pstats
 import shutil
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks.curvatures import makers as curvature_makers
+from benchmarks.curvatures import sync as _sync
+from benchmarks.curvatures import warm_process
 from benchmarks.workloads import build_parity
 
 #: (owner, attribute, label) of what is timed while wrapped
@@ -80,14 +82,7 @@ def _wrap(spent: dict[str, list[float]]) -> None:
         setattr(owner, attr, functools.wraps(fn)(timed))
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
-    import hessian_eigenthings as he
-    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
     from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
 
     ap = argparse.ArgumentParser()
@@ -112,18 +107,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     w = build_parity(args.workload, device)
-    model, batches, crit = w.model, w.batches, w.criterion
 
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps({"workload": args.workload, **row}), flush=True)
 
     emit({"cell": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
           "torch": torch.__version__, "tf32": False})
-    makers: dict[str, Callable[[str], Any]] = {
-        "hessian": lambda e: he.HessianOperator(model, batches, he.supervised_loss(crit), engine=e),
-        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e),
-        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e),
-    }
+    makers = curvature_makers(w)
 
     def fresh(curv: str, eng: str) -> Any:
         gc.collect()
@@ -132,17 +122,7 @@ def main() -> None:
         return makers[curv](eng)
 
     curvs = args.curvatures.split(",")
-    for curv in curvs:  # the process's one-time costs, as bench_defaults takes them
-        op = fresh(curv, "autograd")
-        op @ torch.ones(op.size, device=op.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            he.lanczos(op, k=1, max_iter=3, tol=1e-12, seed=0)
-        del op
-        op = fresh(curv, "functional")
-        op @ torch.ones(op.size, device=op.device)
-        _sync()
-        del op
+    warm_process(makers, curvs)  # the process's one-time costs, as bench_defaults takes them
 
     spent: dict[str, list[float]] = defaultdict(list)
     _wrap(spent)

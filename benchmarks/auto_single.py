@@ -20,23 +20,16 @@ import os
 import shutil
 import statistics
 import time
-import warnings
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from benchmarks.curvatures import makers as curvature_makers
+from benchmarks.curvatures import sync as _sync
+from benchmarks.curvatures import warm_process
 from benchmarks.workloads import build_parity
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
-    import hessian_eigenthings as he
-    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
     from hessian_eigenthings.operators.engines import TRACE_TIMES, trace_times
 
     ap = argparse.ArgumentParser()
@@ -49,24 +42,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    w = build_parity(args.workload, device)
-    model, batches, crit = w.model, w.batches, w.criterion
-    makers: dict[str, Callable[[str], Any]] = {
-        "hessian": lambda e: he.HessianOperator(model, batches, he.supervised_loss(crit), engine=e),
-        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e),
-        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e),
-    }
-    for curv in args.curvatures.split(","):
-        op = makers[curv]("autograd")
-        op @ torch.ones(op.size, device=op.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            he.lanczos(op, k=1, max_iter=3, tol=1e-12, seed=0)
-        del op
-        op = makers[curv]("functional")
-        op @ torch.ones(op.size, device=op.device)
-        _sync()
-        del op
+    makers = curvature_makers(build_parity(args.workload, device))
+    warm_process(makers, args.curvatures.split(","))
     for curv in args.curvatures.split(","):
         times: dict[str, list[float]] = {"auto": [], "autograd": []}
         for i in range(args.repeats):

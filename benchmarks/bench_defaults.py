@@ -37,23 +37,19 @@ import gc
 import json
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from benchmarks.bench_engines import median_ms
+from benchmarks.curvatures import makers as curvature_makers
+from benchmarks.curvatures import sync as _sync
+from benchmarks.curvatures import warm_autograd, warm_trace
 from benchmarks.workloads import build_parity
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main() -> None:
     import hessian_eigenthings as he
-    from hessian_eigenthings.loss_fns import supervised_forward, supervised_loss_of_output
 
     ap = argparse.ArgumentParser()
     ap.add_argument("workload")
@@ -116,11 +112,7 @@ def main() -> None:
     emit({"cell": "gradient", "ms": median_ms(lambda: torch.autograd.grad(crit(model(x), y), params), 10)})
     emit({"cell": "hvp_0x_style", "ms": median_ms(hvp_0x, 10)})
 
-    makers: dict[str, Callable[[str], Any]] = {
-        "hessian": lambda e: he.HessianOperator(model, batches, he.supervised_loss(crit), engine=e),
-        "ggn": lambda e: he.GGNOperator(model, batches, supervised_forward, supervised_loss_of_output(crit), engine=e),
-        "ef": lambda e: he.EmpiricalFisherOperator(model, batches, w.per_sample_loss, engine=e),
-    }
+    makers = curvature_makers(w)
     lengths = sorted(int(n) for n in args.lengths.split(","))
     lanczos_lengths = [int(n) for n in args.lanczos_lengths.split(",") if n]
     engines = args.engines.split(",")
@@ -136,25 +128,16 @@ def main() -> None:
     # one-time costs of the process (the first operator, the first lanczos: imports, allocator and
     # library handles) fall on no engine's cell: one untimed run of each first, reported apart
     for curv in args.curvatures.split(","):
-        op = fresh(curv, "autograd")
         _sync()
         t0 = time.perf_counter()
-        op @ torch.ones(op.size, device=op.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            he.lanczos(op, k=1, max_iter=3, tol=1e-12, seed=0)
-        _sync()
+        warm_autograd(lambda e, c=curv: fresh(c, e))
         emit({"cell": f"{curv}_warmup", "s": time.perf_counter() - t0})
-        del op
         # the process's first trace loads torch's forward-mode decompositions (0.6 s on a CPU);
         # it falls on no cell either. With --record warm the trace's time is kept, as an earlier
         # run would have left it (NOTE [trace times])
-        op = fresh(curv, "functional")
         t0 = time.perf_counter()
-        op @ torch.ones(op.size, device=op.device)
-        _sync()
-        emit({"cell": f"{curv}_warmup_trace", "s": time.perf_counter() - t0, "report": op.engine_report})
-        del op
+        report = warm_trace(lambda e, c=curv: fresh(c, e))
+        emit({"cell": f"{curv}_warmup_trace", "s": time.perf_counter() - t0, "report": report})
 
     for curv in args.curvatures.split(","):
         times: dict[tuple[str, int], dict[str, float]] = {}

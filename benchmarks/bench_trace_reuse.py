@@ -113,6 +113,19 @@ def _inductor_counters() -> dict[str, int]:
     }
 
 
+def run_child(cmd: list[str], env: dict[str, str], row: dict[str, Any]) -> str:
+    """Run a child that prints one JSON line last: into ``row`` its wall time and that line, or
+    the last lines of its error; returns its stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    row["process_wall_s"] = round(time.perf_counter() - t0, 2)
+    if proc.returncode == 0:
+        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    else:
+        row["error"] = proc.stderr.strip().splitlines()[-3:]
+    return proc.stderr
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workload")
@@ -144,22 +157,15 @@ def main() -> None:
                     curv,
                     engine,
                 ]
-                t0 = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                wall = time.perf_counter() - t0
                 row: dict[str, Any] = {
                     "workload": args.workload,
                     "curvature": curv,
                     "engine": engine,
                     "process": n + 1,
-                    "process_wall_s": round(wall, 2),
                 }
+                stderr = run_child(cmd, env, row)
                 if os.environ.get("BENCH_TRACE_REUSE_PROFILE"):
-                    sys.stderr.write(f"--- {curv} {engine} process {n + 1}\n" + proc.stderr[-20000:])
-                if proc.returncode == 0:
-                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-                else:
-                    row["error"] = proc.stderr.strip().splitlines()[-3:]
+                    sys.stderr.write(f"--- {curv} {engine} process {n + 1}\n" + stderr[-20000:])
                 print(json.dumps(row), flush=True)
 
 

@@ -43,22 +43,6 @@ CUDA_SRC = r"""
 
 namespace {
 
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
-  uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float* f) {
-  float4 a = __ldcs(reinterpret_cast<const float4*>(p));
-  float4 b = __ldcs(reinterpret_cast<const float4*>(p) + 1);
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
 __device__ __forceinline__ void store8(__nv_bfloat16* p, const float* f) {
   uint4 v;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
@@ -94,6 +78,13 @@ __device__ __forceinline__ void unpack(const Raw<float>& r, float* f) {
   f[0] = r.a.x; f[1] = r.a.y; f[2] = r.a.z; f[3] = r.a.w;
   f[4] = r.b.x; f[5] = r.b.y; f[6] = r.b.z; f[7] = r.b.w;
 }
+// eight values of a row as floats (streamed: read once)
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {
+  Raw<T> r;
+  ld_raw(p, r);
+  unpack(r, f);
+}
 
 constexpr float kMin = -3.0e38f;
 
@@ -115,21 +106,17 @@ __device__ __forceinline__ Stat warp_merge(Stat x) {
   return x;
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned cluster_id_x() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned num_clusters_x() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
+// a special register: this CTA's rank in its cluster, the cluster's index, the clusters
+#define SREG(name, reg)                                      \
+  __device__ __forceinline__ unsigned name() {               \
+    unsigned r;                                              \
+    asm volatile("mov.u32 %0, %%" reg ";" : "=r"(r));        \
+    return r;                                                \
+  }
+SREG(cluster_rank, "cluster_ctarank")
+SREG(cluster_id_x, "clusterid.x")
+SREG(num_clusters_x, "nclusterid.x")
+#undef SREG
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -260,6 +247,26 @@ __global__ void __launch_bounds__(THREADS) ce_cluster(
   cluster_wait();
 }
 
+// a launch of `clusters` clusters of C CTAs of `threads` threads (non-portable sizes allowed)
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  template <typename K>
+  ClusterLaunch(K kern, int C, long clusters, int threads) {
+    if (C > 8)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cfg.gridDim = dim3(static_cast<unsigned>(clusters * C), 1, 1);
+    cfg.blockDim = dim3(threads, 1, 1);
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // cfg points into attr
+};
+
 template <typename T, int THREADS, int ITEMS, int MODE>
 void launch_t(const torch::Tensor& z, const torch::Tensor& u, torch::Tensor& out, int C,
               double inv_n, long grid_clusters) {
@@ -269,21 +276,10 @@ void launch_t(const torch::Tensor& z, const torch::Tensor& u, torch::Tensor& out
   chunk = (chunk + 7) / 8 * 8;
   TORCH_CHECK(chunk <= THREADS * ITEMS * 8, "chunk ", chunk, " exceeds ", THREADS * ITEMS * 8);
   auto kern = ce_cluster<T, THREADS, ITEMS, MODE >= 1, MODE == 2>;
-  if (C > 8)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t cfg = {};
   long clusters = MODE >= 1 ? std::min(rows, grid_clusters) : rows;
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * C), 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  ClusterLaunch launch(kern, C, clusters, THREADS);
+  launch.cfg.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchConfig_t& cfg = launch.cfg;
   const T* zp = reinterpret_cast<const T*>(z.data_ptr());
   const T* up = reinterpret_cast<const T*>(u.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
@@ -304,21 +300,10 @@ void dispatch_shape(const torch::Tensor& z, const torch::Tensor& u, torch::Tenso
 // how many clusters of C CTAs of this instance fit on the device at once
 template <typename T, int THREADS, int ITEMS, bool PREFETCH>
 int fit(int C) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C * 1024, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   auto kern = ce_cluster<T, THREADS, ITEMS, true, PREFETCH>;
-  if (C > 8)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  ClusterLaunch launch(kern, C, 1024, THREADS);
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kern, &cfg));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kern, &launch.cfg));
   return n;
 }
 

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Issue 27 on one GPU, session 18: where auto's short runs lose (per-product times and the host
-# work of a switch, benchmarks/auto_overhead.py), and first/second runs of auto against the best
-# fixed engine (bench_defaults), this tree against the session's starting tree.
-# Usage: bash benchmarks/device/s18.sh STAGE ARGS...   (carry .whl; for ab, .bench_trees/s18)
+# work of a switch, benchmarks/auto_overhead.py), a script run again from fresh processes
+# (benchmarks/auto_fresh.py), and first/second runs of auto against the best fixed engine
+# (bench_defaults through s17.sh), this tree against the session's starting tree.
+# Usage: bash benchmarks/device/s18.sh overhead|fresh|ab ARGS...   (carry .whl and
+# .bench_trees/s18, with benchmarks/auto_overhead.py and auto_fresh.py copied into it)
 set -u
 source benchmarks/device/setup.sh
 stage=$1; shift
@@ -50,18 +52,9 @@ for l in open(sys.argv[1]):
     done
     ;;
   ab)
-    # WORKLOAD LENGTHS LANCZOS_LENGTHS ENGINES CURVS: cold then rerun, this tree (after) and
-    # .bench_trees/$BEFORE (before), alternated, ROUNDS rounds
-    for r in $(seq 1 ${ROUNDS:-1}); do
-      for tree in after before; do
-        dir=$ROOT; [ $tree = before ] && dir=$ROOT/.bench_trees/${BEFORE:-s18}
-        rm -rf /tmp/rec_$1_$tree
-        for st in cold rerun; do
-          (cd $dir && timeout ${T:-200} python3 -m benchmarks.bench_defaults $1 --record $st --record-dir /tmp/rec_$1_$tree --lengths $2 --lanczos-lengths $3 --engines $4 --curvatures $5 > $O/ab_$1_${tree}_${st}_r$r.jsonl 2> $O/ab_$1_${tree}_${st}_r$r.err)
-          grep default_vs_best $O/ab_$1_${tree}_${st}_r$r.jsonl | python3 -c "import sys,json;print('$tree $st r$r', ' '.join(r['cell'].split('_')[0]+':'+r['mode'][:3]+str(r['length'])+'='+str(round(r['ratio'],2))+('' if r['best']=='autograd' else '('+r['best'][:2]+')') for r in map(json.loads, sys.stdin)))"
-        done
-      done
-    done
+    # WORKLOAD LENGTHS LANCZOS_LENGTHS ENGINES CURVS: s17.sh's first and second runs against
+    # .bench_trees/$BEFORE (default s18: 346feb8), one file back
+    BEFORE=${BEFORE:-s18} bash benchmarks/device/s17.sh ab "$@"
     # one file back (the device returns a few files a call)
     (cd $O && tar czf ab_$1_${TAG:-call}.tgz ab_$1_*.jsonl ab_$1_*.err gpus.txt && rm -f ab_$1_*.jsonl ab_$1_*.err)
     ;;

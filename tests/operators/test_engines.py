@@ -515,6 +515,18 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
 
 
+def _count_autograd_states(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time an autograd state is built (``AutogradRunner.prepare``)."""
+    prepared: list[int] = []
+    real = engines_mod.AutogradRunner.prepare
+    monkeypatch.setattr(
+        engines_mod.AutogradRunner,
+        "prepare",
+        lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
+    )
+    return prepared
+
+
 def test_auto_decides_before_the_first_product_from_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -528,13 +540,7 @@ def test_auto_decides_before_the_first_product_from_records(
     # a trace of 1 s: 3000 products of 1 ms at half the time repay it, 10 do not, whatever this
     # machine's real product time (the measured rule then finds 10 products short too)
     seed._engines.note_facts(functional_ratio=0.5, trace_s=1.0, autograd_ms=1.0)
-    prepared: list[int] = []
-    real = engines_mod.AutogradRunner.prepare
-    monkeypatch.setattr(
-        engines_mod.AutogradRunner,
-        "prepare",
-        lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
-    )
+    prepared = _count_autograd_states(monkeypatch)
     op = HessianOperator(model, data, SUP)
     op.expect_products(3000)  # 3000 x 1 ms x (1 - 0.5) = 1.5 s saved against a 1 s trace
     for _ in range(3):
@@ -567,13 +573,7 @@ def test_a_loop_run_again_is_decided_from_records_at_its_first_product(
     v = torch.randn(H.shape[0], dtype=torch.float64)
     seed = HessianOperator(model, data, SUP)
     seed._engines.note_facts(functional_ratio=0.5, trace_s=1e-6, autograd_ms=1.0, products=32.0)
-    prepared: list[int] = []
-    real = engines_mod.AutogradRunner.prepare
-    monkeypatch.setattr(
-        engines_mod.AutogradRunner,
-        "prepare",
-        lambda self, *a, **kw: prepared.append(1) or real(self, *a, **kw),
-    )
+    prepared = _count_autograd_states(monkeypatch)
     op = HessianOperator(model, data, SUP)
     for _ in range(3):
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
