@@ -293,8 +293,9 @@ def _own_file(path: str) -> bool:
 class TraceTimes:
     """What was learnt of each model-and-curvature key, in the process and on disk (NOTE [trace
     times], NOTE [what auto remembers]): ``trace_s`` (a trace's time), ``functional_ratio`` (the
-    functional engine's product time over autograd's in ``auto``'s last trial) and ``products``
-    (how many products an ``auto`` operator of it had made when last counted)."""
+    functional engine's product time over autograd's in ``auto``'s last trial), ``products``
+    (how many products an ``auto`` operator of it had made when last counted) and
+    ``autograd_ms``; beside them each key's hint (``any_decision``)."""
 
     def __init__(self) -> None:
         self._facts: dict[str, dict[str, float]] = {}
