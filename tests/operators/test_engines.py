@@ -507,12 +507,21 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
         report["auto"]["timings_ms"]["autograd_first"], abs=1e-3
     )
     # a ratio that says the functional engine was not faster: the first run's rule again
-    first._engines.note_facts(functional_ratio=1.3, trace_s=1e6)
+    first._engines.note_facts(functional_ratio=1.3, trace_s=1e6, products=32.0)
     third = HessianOperator(model, data, SUP)
     for _ in range(3):
         third @ v
     assert third.engine == "autograd"
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
+
+
+@pytest.fixture
+def record_dir_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The record of NOTE [trace times] in a temporary folder (tests keep it off otherwise)."""
+    from hessian_eigenthings.operators.engines import trace_times
+
+    monkeypatch.setenv(trace_times.ENV, str(tmp_path / "record"))
+    return tmp_path / "record"
 
 
 def _count_autograd_states(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -585,11 +594,10 @@ def test_a_loop_run_again_is_decided_from_records_at_its_first_product(
     assert report["auto"]["reason"].endswith("decided before the first product")
 
 
-def test_a_short_run_sized_by_the_record_leaves_its_own_count() -> None:
+def test_the_record_sizes_one_run_a_process(record_dir_tmp: Path) -> None:
     """NOTE [what auto remembers]: after a long run, fresh operators making one product each pay
-    one trace that does not pay (the first, sized by the record), not one each."""
-    import gc
-
+    one trace that does not pay (the first, sized by the record), not one each; the file keeps
+    the long run's count for the next process."""
     model, data = mlp(), classification_data(n=4, batch=4)
     H = dense_hessian(model, data, SUP, select_parameters(model))
     v = torch.randn(H.shape[0], dtype=torch.float64)
@@ -601,16 +609,16 @@ def test_a_short_run_sized_by_the_record_leaves_its_own_count() -> None:
         op = HessianOperator(model, data, SUP)
         torch.testing.assert_close(op @ v, H @ v, rtol=1e-10, atol=1e-10)
         engines.append(op.engine)
-        del op
-        gc.collect()
     assert engines == ["functional", "autograd", "autograd"]
     assert TRACE_TIMES.facts(key)["products"] == 1.0
-    # a run of its own length (a loop counted at 8, 16, ...) is not touched on the way out
+    TRACE_TIMES.clear()  # a new process: the file's count
+    assert TRACE_TIMES.facts(key)["products"] == 32.0
+    # a run counted at 8, 16, ... keeps its count, in the process and in the file
     op = HessianOperator(model, data, SUP)
     for _ in range(9):
         op @ v
-    del op
-    gc.collect()
+    assert TRACE_TIMES.facts(key)["products"] == 8.0
+    TRACE_TIMES.clear()
     assert TRACE_TIMES.facts(key)["products"] == 8.0
 
 

@@ -8,7 +8,6 @@ product function, never the operator: a trial receives the product to time as an
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import time
@@ -141,11 +140,13 @@ class Curvature(Protocol):
 #   look that makes no key), so that a rerun decided from records builds no
 #   autograd state, and a single product of another model stays as cheap (on
 #   the H200 MLP's GGN, a 20-product loop run again took 34 ms against 28 ms
-#   on the functional engine, 5 ms of it the autograd first product). A run
-#   sized so that makes fewer than AUTO_MIN_PRODUCTS products leaves its own
-#   count when its operator goes (`EngineSelector.__del__`): a script that
-#   runs a long Lanczos and then one `op @ v` a step on fresh operators pays
-#   one trace that does not pay, not one a step;
+#   on the functional engine, 5 ms of it the autograd first product). The
+#   record sizes one run a process: the process's own count of that run
+#   (what it had made when sized, then 8, 16, ...) sizes the operators after
+#   it, so a script that runs a long Lanczos and then one `op @ v` a step on
+#   fresh operators pays one trace that does not pay, not one a step (a
+#   count written when an operator is deleted was tried and dropped: a
+#   finalizer runs at the collector's time, inside other operators' products);
 # - `autograd_ms`: autograd's product time when `auto` last timed it. Where
 #   the trace time, the ratio and this are all recorded, the run is past the
 #   break-even at those figures, and compiling cannot pay, `auto` decides
@@ -350,6 +351,9 @@ class EngineSelector:
                 if known >= AUTO_MIN_PRODUCTS:
                     self.expect(int(known))
                     self.auto.expected_from = "this model's last run"
+                    # the process's next operators are sized by this run's own counts, not the
+                    # record's again (NOTE [what auto remembers]); the file keeps the record's
+                    TRACE_TIMES.note_in_process(self.structure(), products=float(self.seen))
             return
         self.note_facts(products=float(self.seen))
         self.next_check = 2 * self.seen
@@ -525,19 +529,6 @@ class EngineSelector:
         except EngineUnsupportedError as exc:
             return str(exc).split(";")[1].strip() if ";" in str(exc) else str(exc)
         return None
-
-    def __del__(self) -> None:
-        # NOTE [what auto remembers]: a run sized by the last run's length that made fewer than
-        # AUTO_MIN_PRODUCTS products leaves its own count, so that the runs after it are not
-        # sized (and traced) by that longer one again: a wrong guess costs one trace, not one a run
-        with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
-            if (
-                self.requested == "auto"
-                and self.auto.expected_from == "this model's last run"
-                and self.seen < AUTO_MIN_PRODUCTS
-                and self._structure is not None
-            ):
-                self.note_facts(products=float(self.seen))
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"requested": self.requested, "active": self.active}

@@ -299,6 +299,8 @@ class TraceTimes:
 
     def __init__(self) -> None:
         self._facts: dict[str, dict[str, float]] = {}
+        #: facts this process noted for itself alone (``note_in_process``), over the record's
+        self._process_only: dict[str, dict[str, float]] = {}
         #: each key's hint (``any_decision``): a cheap description of its model and curvature
         self._hints: dict[str, str] = {}
         #: what the file held of a key when this process last read or wrote it, by (folder, key):
@@ -310,6 +312,7 @@ class TraceTimes:
     def clear(self) -> None:
         """Forget the process's facts (the file is left as it is)."""
         self._facts.clear()
+        self._process_only.clear()
         self._hints.clear()
         self._on_disk.clear()
         self._read_cache = None
@@ -320,8 +323,12 @@ class TraceTimes:
 
     def note_facts(self, structure: str, hint: str | None = None, **facts: float) -> None:
         """Record facts of ``structure`` (merged into what is known of it), and its ``hint``."""
-        entry = {**self.facts(structure), **facts}
+        entry = {**self._recorded(structure), **facts}
         self._facts[structure] = entry
+        own = self._process_only.get(structure)
+        if own is not None:  # what the run counts now supersedes what it noted for itself
+            for k in facts:
+                own.pop(k, None)
         if hint is not None:
             self._hints[structure] = hint
         hint = self._hints.get(structure)
@@ -346,6 +353,11 @@ class TraceTimes:
         except (OSError, ValueError, TypeError):
             pass
 
+    def note_in_process(self, structure: str, **facts: float) -> None:
+        """Facts of ``structure`` for this process only: ``facts`` answers them, the file keeps
+        what it holds and later writes do not carry them (until noted again)."""
+        self._process_only.setdefault(structure, {}).update(facts)
+
     def _read(self, path: str) -> dict[str, Any]:
         """The file's records (a copy; parsed again only when the file changed)."""
         if not _own_file(path):
@@ -367,25 +379,33 @@ class TraceTimes:
         autograd's product time, and a run of at least ``min_products``): a look at the record
         that makes no key, so that a first product makes its key only where a decision for a
         model like its own could follow (a hint shared by two models costs a key, no more)."""
-        entries: list[tuple[Any, Any]] = [(self._hints.get(k), e) for k, e in self._facts.items()]
+        entries: dict[str, tuple[Any, Any]] = {}
         folder = record_dir()
         if folder is not None:
             with contextlib.suppress(OSError, ValueError, TypeError):
-                entries += [
-                    (v.get("hint"), v)
-                    for v in self._read(os.path.join(folder, FILE)).values()
+                entries = {
+                    k: (v.get("hint"), v)
+                    for k, v in self._read(os.path.join(folder, FILE)).items()
                     if isinstance(v, dict)
-                ]
+                }
+        # what this process knows of a key comes before the file's
+        known = set(self._facts) | set(self._process_only)
+        entries.update((k, (self._hints.get(k), self.facts(k))) for k in known)
         return any(
             h == hint
             and all(isinstance(e.get(k), (int, float)) for k in FACTS)
             and e["functional_ratio"] < 1.0
             and e["products"] >= min_products
-            for h, e in entries
+            for h, e in entries.values()
         )
 
     def facts(self, structure: str) -> dict[str, float]:
-        """What is known of ``structure`` (empty: nothing recorded)."""
+        """What is known of ``structure`` (empty: nothing recorded): the record, and what this
+        process noted for itself alone (``note_in_process``)."""
+        return {**self._recorded(structure), **self._process_only.get(structure, {})}
+
+    def _recorded(self, structure: str) -> dict[str, float]:
+        """What the record holds of ``structure``, as this process read or wrote it."""
         if structure in self._facts:
             return dict(self._facts[structure])
         folder = record_dir()
