@@ -303,9 +303,6 @@ class TraceTimes:
         self._process_only: dict[str, dict[str, float]] = {}
         #: each key's hint (``any_decision``): a cheap description of its model and curvature
         self._hints: dict[str, str] = {}
-        #: what the file held of a key when this process last read or wrote it, by (folder, key):
-        #: facts that would not change it are not written again
-        self._on_disk: dict[tuple[str, str], dict[str, Any]] = {}
         #: the file's contents as last read: (path, mtime_ns, size) and the data
         self._read_cache: tuple[tuple[str, int, int], dict[str, Any]] | None = None
 
@@ -314,7 +311,6 @@ class TraceTimes:
         self._facts.clear()
         self._process_only.clear()
         self._hints.clear()
-        self._on_disk.clear()
         self._read_cache = None
 
     def note(self, structure: str, seconds: float) -> None:
@@ -334,13 +330,13 @@ class TraceTimes:
         hint = self._hints.get(structure)
         stored: dict[str, Any] = entry if hint is None else {**entry, "hint": hint}
         folder = record_dir()
-        if folder is None or self._on_disk.get((folder, structure)) == stored:
-            return  # nothing to keep, or the file holds this already (a rerun's counts)
-        if not _private_dir(folder, create=True):
+        if folder is None or not _private_dir(folder, create=True):
             return
         path = os.path.join(folder, FILE)
         try:
             data = self._read(path)
+            if data.get(structure) == stored:
+                return  # the file holds this already (a rerun's counts): not written again
             data.pop(structure, None)  # most recent last: the oldest go first
             data[structure] = stored
             data = dict(list(data.items())[-MAX_RECORDS:])
@@ -349,7 +345,6 @@ class TraceTimes:
                 json.dump(data, f)
             os.chmod(tmp, 0o600)
             os.replace(tmp, path)
-            self._on_disk[(folder, structure)] = dict(stored)
         except (OSError, ValueError, TypeError):
             pass
 
@@ -424,10 +419,6 @@ class TraceTimes:
                 hint = value.get("hint")
                 if isinstance(hint, str):
                     self._hints.setdefault(structure, hint)
-                    if {**known, "hint": hint} == value:
-                        self._on_disk[(folder, structure)] = dict(value)
-                elif known == value:
-                    self._on_disk[(folder, structure)] = dict(known)
                 return known
         return {}
 
