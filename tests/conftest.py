@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,16 @@ os.environ["HESSIAN_EIGENTHINGS_TRACE_TIMES"] = "0"
 def _seed() -> None:
     torch.manual_seed(0)
     TRACE_TIMES.clear()
+
+
+@pytest.fixture
+def record_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The record of NOTE [trace times] in a temporary folder (off in every other test)."""
+    from hessian_eigenthings.operators.engines import trace_times
+
+    folder = tmp_path / "record"
+    monkeypatch.setenv(trace_times.ENV, str(folder))
+    return folder
 
 
 def mlp(d_in: int = 5, hidden: int = 7, d_out: int = 3) -> nn.Module:

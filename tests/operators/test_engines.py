@@ -515,15 +515,6 @@ def test_auto_remembers_a_loops_length_and_the_engines_ratio(
     assert third.engine_report["auto"]["reason"].startswith("short run: expected products x")
 
 
-@pytest.fixture
-def record_dir_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The record of NOTE [trace times] in a temporary folder (tests keep it off otherwise)."""
-    from hessian_eigenthings.operators.engines import trace_times
-
-    monkeypatch.setenv(trace_times.ENV, str(tmp_path / "record"))
-    return tmp_path / "record"
-
-
 def _count_autograd_states(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one each time an autograd state is built (``AutogradRunner.prepare``)."""
     prepared: list[int] = []
@@ -594,7 +585,7 @@ def test_a_loop_run_again_is_decided_from_records_at_its_first_product(
     assert report["auto"]["reason"].endswith("decided before the first product")
 
 
-def test_the_record_sizes_one_run_a_process(record_dir_tmp: Path) -> None:
+def test_the_record_sizes_one_run_a_process(record_dir: Path) -> None:
     """NOTE [what auto remembers]: after a long run, fresh operators making one product each pay
     one trace that does not pay (the first, sized by the record), not one each; the file keeps
     the long run's count for the next process."""

@@ -26,13 +26,6 @@ SUP = supervised_loss(CE)
 CE_OUT = supervised_loss_of_output(CE)
 
 
-@pytest.fixture
-def record_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "record"
-    monkeypatch.setenv(trace_times.ENV, str(folder))
-    return folder
-
-
 def _structure(op: HessianOperator | GGNOperator) -> str:
     return op._engines._make("functional").structure()  # type: ignore[union-attr]
 
