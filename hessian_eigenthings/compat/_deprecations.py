@@ -47,7 +47,8 @@ DEPRECATIONS: dict[str, Deprecation] = dict(
         _entry(
             "compute_hessian_eigenthings",
             "op = HessianOperator(model, dataloader, supervised_loss(criterion)) followed by "
-            "deflated_power_iteration(op, k=...) or lanczos(op, k=...)",
+            "lanczos(op, k=...) (fewer products, tighter answers; mode='power_iter' was "
+            "deflated_power_iteration(op, k=...))",
         ),
         # 2026-11-22 (1.0.0): 0.x operators
         _entry(
@@ -73,13 +74,13 @@ DEPRECATIONS: dict[str, Deprecation] = dict(
         ),
         _entry(
             "deflated_power_iteration",
-            "deflated_power_iteration(op, k=..., max_iter=..., tol=...) with keyword arguments "
-            "and a 1.0 operator, which returns an EigenResult",
+            "deflated_power_iteration(op, k=..., max_iter=..., tol=...) with a 1.0 operator, "
+            "which returns an EigenResult",
         ),
         _entry(
             "lanczos",
-            "lanczos(op, k=..., which=..., max_iter=..., tol=...) with keyword arguments and a "
-            "1.0 operator, which returns an EigenResult",
+            "lanczos(op, k=..., which=..., max_iter=..., tol=...) with a 1.0 operator, which "
+            "returns an EigenResult",
         ),
         # 2026-11-22 (1.0.0): 0.x helpers in hessian_eigenthings.utils
         _entry("log", "the logging module", "utils"),

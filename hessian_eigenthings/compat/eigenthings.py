@@ -3,8 +3,8 @@
 Equivalent 1.0 code::
 
     op = HessianOperator(model, dataloader, supervised_loss(criterion))
+    result = lanczos(op, k=10)                       # mode="lanczos" (the solver to use)
     result = deflated_power_iteration(op, k=10)      # mode="power_iter"
-    result = lanczos(op, k=10)                       # mode="lanczos"
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def compute_hessian_eigenthings(
     max_possible_gpu_samples: int = 2**16,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """0.x driver. Deprecated: use ``HessianOperator`` with ``deflated_power_iteration`` or ``lanczos``.
+    """0.x driver. Deprecated: use ``HessianOperator`` with ``lanczos`` (or ``deflated_power_iteration``).
 
     Returns ``(eigenvalues (k,), eigenvectors (k, n))`` as numpy arrays:
     descending for ``mode="power_iter"``, ascending for ``mode="lanczos"``
@@ -47,8 +47,8 @@ def compute_hessian_eigenthings(
     warn_deprecated("compute_hessian_eigenthings")
     if mode not in _MODE_KWARGS:
         raise ValueError(
-            f"mode must be 'power_iter' or 'lanczos', got {mode!r} (1.0: call deflated_power_iteration(op, k=...) "
-            "or lanczos(op, k=...) on a HessianOperator)"
+            f"mode must be 'power_iter' or 'lanczos', got {mode!r} (1.0: call lanczos(op, k=...) "
+            "or deflated_power_iteration(op, k=...) on a HessianOperator)"
         )
     unknown = sorted(set(kwargs) - set(_MODE_KWARGS[mode]))
     if unknown:
