@@ -84,13 +84,21 @@ def check_gap(ratio: float, products: int, last: tuple[int, float] | None, b: in
     return max(b, b * int(predicted / b))
 
 
+#: the largest operator whose k > n message suggests the dense route (the CLI's bound too)
+DENSE_HINT_MAX_SIZE = 10_000
+
+
 def check_k(k: int, n: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k > n:  # the alpha's words ("exceeds operator size"), the size said once
-        raise ValueError(
-            f"k must be between 1 and the operator size, got k={k}, which exceeds operator size {n}"
+        hint = (
+            "; for all eigenvalues of an operator this small, call "
+            "torch.linalg.eigvalsh(op.to_dense())"
+            if n <= DENSE_HINT_MAX_SIZE
+            else ""
         )
+        raise ValueError(f"k={k} exceeds operator size {n}: k must be between 1 and the size{hint}")
     if k < 1:
         raise ValueError(f"k must be between 1 and the operator size {n}, got k={k}")
 

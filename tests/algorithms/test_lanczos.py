@@ -237,8 +237,11 @@ def test_input_errors() -> None:
         lanczos(op, k=0)
     with pytest.raises(ValueError, match="k must be between 1") as info:
         lanczos(op, k=11)
-    # the size is said once (issue 25: "... operator size 10, got k=11, which exceeds operator size 10")
-    assert str(info.value).count("10") == 1, str(info.value)
+    # the size is said once (issue 25: "... operator size 10, got k=11, which exceeds operator size 10"),
+    # the words "size" twice at most, one line, and the dense route for a small operator (the CLI's hint)
+    text = str(info.value)
+    assert text.count("10") == 1 and text.count("size") <= 2 and "\n" not in text, text
+    assert "torch.linalg.eigvalsh(op.to_dense())" in text, text
     with pytest.raises(ValueError, match="max_iter=3 products"):
         lanczos(diag_op(np.linspace(1.0, 2.0, 100)), k=5, max_iter=3)
     with pytest.raises(ValueError, match="start vector is zero"):
