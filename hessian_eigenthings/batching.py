@@ -275,6 +275,34 @@ def _rng_untouched() -> Iterator[None]:
                 np.random.set_state(np_state)
 
 
+def _length(obj: object) -> int | None:
+    try:
+        return len(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def no_batch_message(dataloader: object) -> str:
+    """Why ``dataloader`` yielded no batch, with the fix: a DataLoader whose ``drop_last=True``
+    drops every sample (a batch size above the number of samples), or an empty dataset."""
+    batcher = getattr(dataloader, "batch_sampler", None)
+    drop_last = getattr(batcher, "drop_last", getattr(dataloader, "drop_last", False))
+    size = getattr(batcher, "batch_size", getattr(dataloader, "batch_size", None))
+    sampler = getattr(batcher, "sampler", None)
+    samples = _length(sampler) if sampler is not None else None
+    if samples is None:
+        samples = _length(getattr(dataloader, "dataset", None))
+    name = type(dataloader).__name__ if hasattr(dataloader, "dataset") else "dataloader"
+    if drop_last is True and isinstance(size, int) and samples is not None and 0 < samples < size:
+        return (
+            f"the {name} yielded no batch: drop_last=True with batch_size={size} drops every sample "
+            f"of a dataset of {samples}; use drop_last=False or a batch_size of at most {samples}"
+        )
+    if samples == 0:
+        return f"the {name} yielded no batch: its dataset is empty"
+    return f"the {name} yielded no batch; check that the dataset is not empty"
+
+
 # NOTE [one operator, one dataset]
 # `full_dataset=True` promises one fixed matrix: every product reads the same
 # batches (the first `num_batches` of them when set). That needs data that can
@@ -329,6 +357,10 @@ class BatchSource:
         self.num_batches = num_batches
         self.device = device
         self._cycle: Iterator[Batch] | None = None
+        #: keep the first batch once read (``[batch]``) until ``release_first``: an operator's
+        #: construction reads it for more than one check, from one iteration of the loader
+        self.keep_first = False
+        self._first: list[Batch] | None = None
 
     def _fresh(self) -> Iterator[Batch]:
         it = iter(self.dataloader)
@@ -346,7 +378,7 @@ class BatchSource:
         try:
             return next(self._cycle)
         except StopIteration:
-            raise ValueError("the dataloader yielded no batch") from None
+            raise ValueError(no_batch_message(self.dataloader)) from None
 
     def batches(self) -> Iterator[Batch]:
         """Batches of one product, moved to the device."""
@@ -359,7 +391,7 @@ class BatchSource:
             empty = False
             yield batch if self.device is None else to_device(batch, self.device)
         if empty:
-            raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
+            raise ValueError(no_batch_message(self.dataloader))
 
     def first_batch(self) -> Batch | None:
         """The data's first batch as given (not moved to a device), None when there is none.
@@ -368,14 +400,24 @@ class BatchSource:
         ``full_dataset=False`` does not move), with the global RNG states put back (a shuffled
         DataLoader draws its order from torch's RNG; a dataset may use Python's or NumPy's).
         """
+        if self._first is not None:
+            return self._first[0]
         with _rng_untouched():
             it = iter(self.dataloader)
             try:
-                return next(it, None)
+                batch = next(it, None)
             finally:
                 close = getattr(it, "close", None)  # a generator's __iter__: run its cleanup now
                 if callable(close):
                     close()
+        if self.keep_first:
+            self._first = [batch]
+        return batch
+
+    def release_first(self) -> None:
+        """Stop keeping the first batch (``keep_first``): the next ``first_batch`` reads it again."""
+        self.keep_first = False
+        self._first = None
 
     def single_batch_hint(self) -> bool:
         """True when the data of one product is known up front to be a single batch."""

@@ -96,6 +96,210 @@ def _inputs_targets(batch: Batch) -> tuple[object, torch.Tensor]:
     return batch[0], batch[1]
 
 
+# NOTE [targets checked against the criterion]
+# Labels out of range for cross-entropy, float labels where it wants class indices, integer
+# labels for MSELoss, a model that returns a tuple: torch says so many frames into the first
+# product, in its own words (or, for the GGN's closed-form cross-entropy, not at all: its Hessian
+# does not read the labels). The helpers of this module know their criterion, so they say it in
+# one line with the fix. What the first batch alone tells (dtypes, shapes, negative labels) is
+# checked when an operator is built (`check_first_targets`, called by the data operators with the
+# batch BatchSource.first_batch read); what needs the model's output (a tensor, the number of
+# classes) on the helper's first call, once: the label range costs one host sync, on that call
+# only. Every call checks that the output is a tensor (no sync). A call under a trace (a dispatch
+# mode, a functorch transform, torch.compile) or a CUDA-graph capture skips the value checks and
+# leaves them to the next plain call, so no sync is recorded into a traced or captured product.
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read now without recording the read into a trace."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if _get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _what(obj: object) -> str:
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    return f"a {type(obj).__name__}"
+
+
+#: criteria that take class indices (cross-entropy also takes class probabilities shaped like the logits)
+_CLASS_CRITERIA: tuple[type, ...] = (nn.CrossEntropyLoss, nn.NLLLoss)
+#: criteria that take real-valued targets shaped like the output
+_VALUE_CRITERIA: tuple[type, ...] = (
+    nn.MSELoss,
+    nn.L1Loss,
+    nn.SmoothL1Loss,
+    nn.HuberLoss,
+    nn.BCEWithLogitsLoss,
+    nn.BCELoss,
+)
+
+
+class TargetCheck:
+    """What a helper's criterion takes as targets, checked on the first batch (NOTE [targets
+    checked against the criterion]). ``label`` names the helper in messages
+    (``supervised_loss(CrossEntropyLoss)``); ``source`` what produced the output."""
+
+    def __init__(
+        self,
+        label: str,
+        criterion: str,
+        kind: Literal["classes", "probabilities", "values"],
+        *,
+        ignore_index: int | None = None,
+        source: str = "the model",
+    ) -> None:
+        self.label = label
+        self.criterion = criterion
+        self.kind = kind
+        self.ignore_index = ignore_index
+        self.source = source
+        self._checked = False
+
+    @classmethod
+    def of(cls, label: str, criterion: object, *, source: str = "the model") -> TargetCheck | None:
+        """The check for an ``nn`` criterion this module knows, None for any other callable."""
+        name = type(criterion).__name__
+        if isinstance(criterion, _CLASS_CRITERIA):
+            kind: Literal["classes", "probabilities", "values"] = (
+                "probabilities" if isinstance(criterion, nn.CrossEntropyLoss) else "classes"
+            )
+            index = getattr(criterion, "ignore_index", None)
+            return cls(label, name, kind, ignore_index=index, source=source)
+        if isinstance(criterion, _VALUE_CRITERIA):
+            return cls(label, name, "values", source=source)
+        return None
+
+    def targets(self, y: object, *, values: bool = True) -> None:
+        """The targets' dtype and shape and, with ``values``, no negative class index (one host
+        sync)."""
+        if not isinstance(y, torch.Tensor):
+            return
+        shape = tuple(y.shape)
+        if self.kind == "values":
+            if not (y.is_floating_point() or y.is_complex()):
+                hint = (
+                    ""
+                    if "BCE" in self.criterion
+                    else " (or nn.CrossEntropyLoss() for class indices)"
+                )
+                raise TypeError(
+                    f"{self.label}: {self.criterion} got {_dtype(y)} labels of shape {shape}; "
+                    f"convert them with .float(){hint}"
+                )
+            return
+        if y.is_floating_point():
+            if self.kind == "probabilities" and y.dim() >= 2:
+                return  # class probabilities, shaped like the logits (torch compares the shapes)
+            probabilities = (
+                " (float targets are class probabilities, shaped like the logits (N, C))"
+                if self.kind == "probabilities"
+                else ""
+            )
+            raise TypeError(
+                f"{self.label}: labels must be class indices (int64); got {_dtype(y)} labels of shape "
+                f"{shape}: convert them with .long(){probabilities}"
+            )
+        if y.dtype not in (torch.int64, torch.uint8):
+            raise TypeError(
+                f"{self.label}: labels must be class indices as int64; got {_dtype(y)} labels of "
+                f"shape {shape}: convert them with .long()"
+            )
+        if values and _concrete(y):
+            self._negative(self._range(y))
+
+    def _negative(self, span: tuple[int, int] | None) -> None:
+        if span is not None and span[0] < 0:
+            raise ValueError(
+                f"{self.label}: labels must be class indices >= 0 (or ignore_index={self.ignore_index}); "
+                f"got {span[0]}"
+            )
+
+    def _range(self, y: torch.Tensor) -> tuple[int, int] | None:
+        """Smallest and largest label that counts, None when none does (one host sync)."""
+        y = y.reshape(-1).long()
+        if not y.numel():
+            return None
+        valid = (
+            y != self.ignore_index
+            if self.ignore_index is not None
+            else torch.ones_like(y, dtype=torch.bool)
+        )
+        low = torch.where(valid, y, torch.iinfo(torch.int64).max).min()
+        high = torch.where(valid, y, torch.iinfo(torch.int64).min).max()
+        low_, high_, counted = torch.stack([low, high, valid.any().long()]).tolist()
+        return (int(low_), int(high_)) if counted else None
+
+    def output(self, output: object, y: object) -> None:
+        """On every call, that the output is a tensor (no sync); on the first plain call, the
+        targets and the class range against the output (one host sync)."""
+        if not isinstance(output, torch.Tensor):
+            wanted = "logits" if self.kind != "values" else "predictions"
+            fix = (
+                f"wrap the model so that it returns the {wanted} (a module whose forward returns "
+                "model(x)[0])"
+                if self.source == "the model"
+                else f"pass a forward_fn that returns the {wanted}, e.g. lambda model, batch: model(batch[0])[0]"
+            )
+            raise TypeError(
+                f"{self.label}: {self.source} returned {_what(output)}, not a tensor; {fix}"
+            )
+        if self._checked or not isinstance(y, torch.Tensor) or not _concrete(y):
+            return
+        self._checked = True
+        self.targets(y, values=False)
+        if self.kind == "values" or y.is_floating_point() or output.dim() < 1:
+            return
+        classes = output.shape[1] if output.dim() >= 2 else output.shape[0]
+        span = self._range(y)
+        self._negative(span)
+        if span is not None and span[1] >= classes:
+            raise ValueError(
+                f"{self.label}: labels must be class indices in [0, {classes}) (int64); got values "
+                f"up to {span[1]}"
+            )
+
+
+#: the checks of the closures this module returns (the classes below carry theirs as ``targets_check``)
+TARGET_CHECKS: weakref.WeakKeyDictionary[Callable[..., object], TargetCheck] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def target_check(fn: object) -> TargetCheck | None:
+    """The :class:`TargetCheck` of one of this module's helpers, None for anything else."""
+    check = getattr(fn, "targets_check", None)
+    if isinstance(check, TargetCheck):
+        return check
+    try:
+        return TARGET_CHECKS.get(fn) if callable(fn) else None
+    except TypeError:  # not weak-referenceable: not one of ours
+        return None
+
+
+def check_first_targets(batch: Batch | None, *fns: object) -> None:
+    """Raise when the targets of ``batch`` (the data's first batch) cannot be what the criteria
+    of this module's helpers among ``fns`` take (NOTE [targets checked against the criterion]);
+    other callables and batches that are not ``(inputs, targets)`` pass."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        return
+    for fn in fns:
+        check = target_check(fn)
+        if check is not None:
+            check.targets(batch[1])
+
+
 def _class_call(cls: type) -> str:
     """How the user would write an instance of ``cls``: ``nn.CrossEntropyLoss()``, ``MyLoss()``."""
     if getattr(nn, cls.__name__, None) is cls:
@@ -137,12 +341,18 @@ def supervised_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
 def supervised_loss(criterion: Criterion) -> LossFn:
     """``loss_fn(model, (x, y)) = criterion(model(x), y)``."""
     check_criterion(criterion, name="supervised_loss")
+    check = TargetCheck.of(f"supervised_loss({type(criterion).__name__})", criterion)
 
     @_reads_supervised("supervised_loss(...)", calls_model=True)
     def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = _inputs_targets(batch)
-        return criterion(model(x), y)
+        output = model(x)
+        if check is not None:
+            check.output(output, y)
+        return criterion(output, y)
 
+    if check is not None:
+        TARGET_CHECKS[loss_fn] = check
     return loss_fn
 
 
@@ -232,9 +442,22 @@ class CrossEntropyOutputLoss:
         self.reduction: Reduction = reduction
         self.label_smoothing = label_smoothing
         self.impl: Impl = impl
+        #: NOTE [targets checked against the criterion]
+        self.targets_check = TargetCheck(
+            "cross_entropy_loss_of_output()",
+            "CrossEntropyLoss",
+            "probabilities",
+            ignore_index=ignore_index,
+            source="forward_fn",
+        )
+
+    def _targets(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        _, y = _inputs_targets(batch)
+        self.targets_check.output(output, y)
+        return y
 
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        _, y = _inputs_targets(batch)
+        y = self._targets(output, batch)
         return F.cross_entropy(
             output,
             y,
@@ -244,7 +467,7 @@ class CrossEntropyOutputLoss:
         )
 
     def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        _, y = _inputs_targets(batch)
+        y = self._targets(output, batch)
         # classes last, as the kernel wants; (C,) and (N, C) already are
         moved = output.dim() > 2
         logits = output.movedim(1, -1).contiguous() if moved else output
@@ -266,7 +489,7 @@ class CrossEntropyOutputLoss:
         self, output: torch.Tensor, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor]:
         """Logits with classes last, the rows that count (None: all) and the mean's denominator."""
-        _, y = _inputs_targets(batch)
+        y = self._targets(output, batch)
         logits = output.movedim(1, -1) if output.dim() > 2 else output
         valid = None if y.is_floating_point() else y != self.ignore_index
         if self.reduction == "sum":
@@ -331,6 +554,7 @@ class CrossEntropyOutputLoss:
         y = batch[1] if isinstance(batch, (tuple, list)) else None
         if not isinstance(y, torch.Tensor):
             raise ValueError("cross-entropy KFAC reads the targets from batch[1]")
+        self.targets_check.output(output, y)
         valid = None if y.is_floating_point() else (y != self.ignore_index)
         rows = output.numel() // output.shape[1]
         count = (
@@ -412,9 +636,14 @@ class MSEOutputLoss:
     def __init__(self, *, reduction: Reduction = "mean") -> None:
         _check_reduction(reduction)
         self.reduction: Reduction = reduction
+        #: NOTE [targets checked against the criterion]
+        self.targets_check = TargetCheck(
+            "mse_loss_of_output()", "MSELoss", "values", source="forward_fn"
+        )
 
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         _, y = _inputs_targets(batch)
+        self.targets_check.output(output, y)
         return F.mse_loss(output, y, reduction=self.reduction)
 
     def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
@@ -479,9 +708,14 @@ class BCEWithLogitsOutputLoss:
     def __init__(self, *, reduction: Reduction = "mean") -> None:
         _check_reduction(reduction)
         self.reduction: Reduction = reduction
+        #: NOTE [targets checked against the criterion]
+        self.targets_check = TargetCheck(
+            "BCEWithLogitsOutputLoss", "BCEWithLogitsLoss", "values", source="forward_fn"
+        )
 
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         _, y = _inputs_targets(batch)
+        self.targets_check.output(output, y)
         return F.binary_cross_entropy_with_logits(output, y, reduction=self.reduction)
 
     def _weight(self, output: torch.Tensor) -> float:
@@ -563,9 +797,15 @@ class _CriterionOfOutput:
 
     def __init__(self, criterion: Criterion) -> None:
         self.criterion = criterion
+        #: NOTE [targets checked against the criterion] (None: a criterion it does not know)
+        self.targets_check = TargetCheck.of(
+            f"supervised_loss_of_output({type(criterion).__name__})", criterion, source="forward_fn"
+        )
 
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         _, y = _inputs_targets(batch)
+        if self.targets_check is not None:
+            self.targets_check.output(output, y)
         return self.criterion(output, y)
 
     def __repr__(self) -> str:
@@ -584,6 +824,16 @@ def supervised_loss_of_output(
     ``loss_hvp="autograd"``.
     """
     check_criterion(criterion, name="supervised_loss_of_output")
+    loss = _loss_of_output(criterion)
+    check = target_check(loss)
+    if check is not None:
+        check.label = f"supervised_loss_of_output({type(criterion).__name__})"
+    return loss
+
+
+def _loss_of_output(
+    criterion: Criterion,
+) -> CrossEntropyOutputLoss | MSEOutputLoss | BCEWithLogitsOutputLoss | LossOfOutputFn:
     reduction = getattr(criterion, "reduction", None)
     if (
         isinstance(criterion, nn.CrossEntropyLoss)
@@ -617,6 +867,7 @@ def supervised_per_sample_loss(criterion: Criterion) -> PerSampleLossFn:
     Samples whose every target is ``ignore_index`` get loss 0 (no gradient).
     """
     check_criterion(criterion, name="supervised_per_sample_loss")
+    check = TargetCheck.of(f"supervised_per_sample_loss({type(criterion).__name__})", criterion)
     reduction = getattr(criterion, "reduction", None)
     if isinstance(criterion, nn.Module) and reduction in ("mean", "sum", "none"):
         unreduced = copy.copy(criterion)
@@ -626,18 +877,27 @@ def supervised_per_sample_loss(criterion: Criterion) -> PerSampleLossFn:
         @_reads_supervised("supervised_per_sample_loss(...)", calls_model=True)
         def per_sample(model: nn.Module, batch: Batch) -> torch.Tensor:
             x, y = _inputs_targets(batch)
-            losses = unreduced(model(x), y)
+            output = model(x)
+            if check is not None:
+                check.output(output, y)
+            losses = unreduced(output, y)
             if losses.dim() <= 1:
                 return losses
             flat = losses.reshape(losses.shape[0], -1)
             return flat.sum(1) if reduce_sum else flat.mean(1)
 
+        if check is not None:
+            TARGET_CHECKS[per_sample] = check
         return per_sample
 
     @_reads_supervised("supervised_per_sample_loss(...)", calls_model=True)
     def per_sample_mapped(model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = _inputs_targets(batch)
         out = model(x)
+        if check is not None:
+            check.output(out, y)
         return torch.func.vmap(lambda o, t: criterion(o.unsqueeze(0), t.unsqueeze(0)))(out, y)
 
+    if check is not None:
+        TARGET_CHECKS[per_sample_mapped] = check
     return per_sample_mapped

@@ -11,6 +11,9 @@ runner, ``functional_product`` for the traced ones). The data loop itself is ``b
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -24,6 +27,7 @@ from hessian_eigenthings.batching import (
     check_microbatching,
 )
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.loss_fns.standard import check_first_targets, target_check
 from hessian_eigenthings.operators.cuda_graphs import GraphRecorder
 from hessian_eigenthings.operators.empty_batches import EmptyBatches
 from hessian_eigenthings.operators.engines.auto import EngineSelector
@@ -60,10 +64,71 @@ class DataOptions(TypedDict, total=False):
     layers: str | Sequence[nn.Module] | None
 
 
+def _unexpected_keyword(cls: type, name: str) -> TypeError:
+    """``Cls() got an unexpected keyword argument 'name'; did you mean ...?`` for the class the
+    user called: the keywords of its ``__init__`` and of those its ``**options`` reach."""
+    accepted: set[str] = set(DataOptions.__annotations__)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        accepted.update(
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+        )
+        if klass is DataOperatorSetup or not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    close = difflib.get_close_matches(name, sorted(accepted), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}{hint}")
+
+
 class DataOperatorSetup(CurvatureOperator):
     """Construction of a data operator (the base of ``base.DataCurvatureOperator``, whose
     docstring lists the options): validation, parameter selection and binding, the
     collaborators each option configures, the engine, and the hooks a curvature implements."""
+
+    # NOTE [checks after construction]
+    # Some checks need what a subclass sets after this base's __init__ returned: the first-batch
+    # check of the targets (NOTE [targets checked against the criterion] in loss_fns.standard)
+    # needs the loss callables, which a subclass stores after calling super().__init__. So every
+    # subclass's __init__ is wrapped (__init_subclass__): when the outermost constructor returns,
+    # `_constructed` runs the checks, on the first batch the construction read (the source keeps
+    # it until then: the loader is iterated once for all the construction's checks).
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_then_constructed", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self: DataOperatorSetup, *args: Any, **kw: Any) -> None:
+            outermost = "_constructing" not in self.__dict__
+            self.__dict__["_constructing"] = True
+            try:
+                init(self, *args, **kw)
+            finally:
+                if outermost:
+                    del self.__dict__["_constructing"]
+            if outermost:
+                self._constructed()
+
+        __init__._then_constructed = True  # type: ignore[attr-defined]
+        setattr(cls, "__init__", __init__)  # noqa: B010 (mypy refuses assigning a method)
+
+    #: the attributes that hold the loss callables of the curvatures (checked once built)
+    _loss_attributes = ("loss_fn", "forward_fn", "loss_of_output_fn", "per_sample_loss_fn")
+
+    def _constructed(self) -> None:
+        """Checks that need the whole construction (NOTE [checks after construction])."""
+        try:
+            fns = [self.__dict__.get(name) for name in self._loss_attributes]
+            if any(target_check(fn) is not None for fn in fns):
+                check_first_targets(self.source.first_batch(), *fns)
+        finally:
+            self.source.release_first()
 
     #: Subclasses set this when ``_apply`` may run several times on one state.
     supports_graph_reuse: bool = False
@@ -95,7 +160,12 @@ class DataOperatorSetup(CurvatureOperator):
         precision: Precision = "fp32",
         layers: str | Sequence[nn.Module] | None = None,
         backend: LinAlgBackend | None = None,
+        **unknown: object,
     ) -> None:
+        if unknown:
+            # a misspelt option reaches this base through the subclass's **options: name the
+            # class the user called, not this one
+            raise _unexpected_keyword(type(self), next(iter(unknown)))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         microbatch_size = check_count("microbatch_size", microbatch_size, allow_none=True)
@@ -120,6 +190,7 @@ class DataOperatorSetup(CurvatureOperator):
         self._device = self.layout.device
         self._dtype = self.layout.dtype
         self.source = BatchSource(dataloader, full_dataset=full_dataset, num_batches=num_batches)
+        self.source.keep_first = True  # released by _constructed (NOTE [checks after construction])
         self.microbatch_size = microbatch_size
         self.microbatch_unsafe = microbatch_unsafe
         self.max_block_size = max_block_size
@@ -240,6 +311,13 @@ class DataOperatorSetup(CurvatureOperator):
         way in and out. An engine the operator cannot run raises ``EngineUnsupportedError`` on entry."""
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if engine == "layers" and self.layers is None:
+            raise unsupported(
+                "layers",
+                type(self).__name__,
+                "it was built without layers=; build it with engine='layers', layers=<the path to "
+                "its module list of blocks>",
+            )
         own = self.__dict__.get("_engine_selector")
         self.clear_cache()
         self.__dict__["_engine_selector"] = EngineSelector(self, engine)
