@@ -196,3 +196,47 @@ def test_operators_check_the_first_batch_at_construction() -> None:
     dicts = [{"input_ids": torch.zeros(2, 4, dtype=torch.long)}]
     with pytest.raises(TypeError, match=r"reads batches \(inputs, targets\)"):
         he.HessianOperator(mlp(), dicts, supervised_loss(CE))
+
+
+# -- a DataLoader that yields no batch ------------------------------------------------------------
+def test_drop_last_with_a_batch_larger_than_the_dataset_says_so() -> None:
+    """drop_last=True and batch_size=128 over 64 samples: every sample is dropped; the message
+    says that (not "check that the dataset is not empty"), for every data operator and both
+    ways of reading the data."""
+    x, y = _xy(64)
+    loader = DataLoader(TensorDataset(x, y), batch_size=128, drop_last=True)
+    expected = (
+        "the DataLoader yielded no batch: drop_last=True with batch_size=128 drops every sample of a "
+        "dataset of 64; use drop_last=False or a batch_size of at most 64"
+    )
+    makers = [
+        lambda **kw: he.HessianOperator(mlp(), loader, supervised_loss(CE), **kw),
+        lambda **kw: he.GGNOperator(
+            mlp(), loader, supervised_forward, supervised_loss_of_output(CE), **kw
+        ),
+        lambda **kw: he.EmpiricalFisherOperator(
+            mlp(), loader, supervised_per_sample_loss(CE), **kw
+        ),
+    ]
+    for make in makers:
+        for full_dataset in (True, False):
+            op = make(full_dataset=full_dataset)
+            with pytest.raises(ValueError) as info:
+                op.matvec(torch.randn(op.size, dtype=op.dtype))
+            assert str(info.value) == expected
+
+
+def test_empty_data_messages() -> None:
+    from hessian_eigenthings.batching import no_batch_message
+
+    x, y = _xy(0)
+    assert no_batch_message(DataLoader(TensorDataset(x, y), batch_size=4)) == (
+        "the DataLoader yielded no batch: its dataset is empty"
+    )
+    assert no_batch_message([]) == (
+        "the dataloader yielded no batch; check that the dataset is not empty"
+    )
+    x, y = _xy(64)
+    # a batch_size the dataset fills once: not the drop_last case
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, drop_last=True)
+    assert "drop_last" not in no_batch_message(loader)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hessian_eigenthings.batching import no_batch_message
 from hessian_eigenthings.loss_fns.standard import check_criterion
 
 __all__ = [
@@ -205,7 +206,8 @@ def first_batch(problem: Problem) -> Any:
     """The first batch, checked against the --model contract (one-line errors, exit 2)."""
     first = next(iter(problem.dataloader), None)
     if first is None:
-        raise CLIError("the dataloader yielded no batch; check that the dataset is not empty")
+        # the user's own loader (drop_last, batch_size) says why, not the device-moving wrapper
+        raise CLIError(no_batch_message(getattr(problem.dataloader, "data", problem.dataloader)))
     if isinstance(first, Mapping):
         raise CLIError(
             f"the dataloader yields dict batches (keys {', '.join(map(repr, first))}); the command line "
