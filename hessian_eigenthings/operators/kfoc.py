@@ -148,7 +148,9 @@ class KFOCOperator(LayerKroneckerOperator):
 
     ``.iterations`` is the number of iterations run and ``.converged`` whether every layer met
     ``tol``. The factors are computed at construction; build a new operator after the model
-    changes. ``op @ v``, ``op.inverse(damping)``, ``op.eigh()``, ``op.logdet()``,
+    changes. Factors that are not finite (NaN or inf in the data or the parameters) are refused
+    at the first pass, naming the layer; the backward count per batch is KFAC's (a
+    ``FactorPassCostWarning`` for many), in each of the passes. ``op @ v``, ``op.inverse(damping)``, ``op.eigh()``, ``op.logdet()``,
     ``op.trace()``, ``op.frobenius_norm()`` and ``op.factors`` as for KFAC. The module
     docstring states the math.
     """
@@ -303,11 +305,24 @@ class KFOCOperator(LayerKroneckerOperator):
             if first:
                 bias_G = {k.removeprefix("bias:"): v for k, v in sums.items() if k[:5] == "bias:"}
                 first = False
+                # NOTE [factors not finite]: refused at the first pass, not after max_iter of them
+                self._refuse_not_finite(
+                    [
+                        (
+                            "G of the bias" if key[:5] == "bias:" else "G",
+                            key.removeprefix("bias:"),
+                            G,
+                        )
+                        for key, G in sums.items()
+                    ]
+                )
             if not active:  # only separate biases: their blocks are exact after one pass
                 break
             for name in list(active):
                 G = sums.get(name)
                 norm = 0.0 if G is None else float(torch.linalg.matrix_norm(G))
+                if not math.isfinite(norm):
+                    raise self._not_finite("G", name)
                 if G is None or norm == 0.0:  # a zero block: the layer never ran or got no gradient
                     sigma[name] = 0.0
                     active.discard(name)
@@ -321,6 +336,8 @@ class KFOCOperator(LayerKroneckerOperator):
                 A = sums[name]
                 # σ of the pair: ‖Rᵀ vec(G)‖ for a unit G, the optimal A for that G
                 sigma[name] = float(torch.linalg.matrix_norm(A))
+                if not math.isfinite(sigma[name]):
+                    raise self._not_finite("A", name)
                 if sigma[name] == 0.0:
                     active.discard(name)
                     continue

@@ -18,11 +18,34 @@ Cost: a product is two small matrix products per block (four in eigenbasis form)
 ``inverse`` and ``logdet`` decompose each distinct factor once (a factor shared by two blocks,
 a layer's ``G`` for its weight and its bias, once), cached; ``trace`` and ``frobenius_norm`` of
 factored blocks need no decomposition (``tr(G)·tr(A)``, ``‖G‖_F·‖A‖_F``).
+
+NOTE [eigenvalues at the rounding level]: a singular factor's zero eigenvalues come out of
+``eigh`` as rounding noise of either sign (``±1e-16·‖G‖`` in float64), whose inverses are huge
+finite numbers and whose logarithms are ``nan``. So an eigenvalue ``λ`` of an ``n × n`` factor
+with ``|λ| <= n·eps·max|λ|`` (``eps`` of the factors' dtype: the rank tolerance of
+``torch.linalg.matrix_rank``) is exactly zero, and so are the block's eigenvalues ``λ_G λ_A``
+it is a factor of; a block given in its eigenbasis takes ``n = max(m, q)`` and its own largest
+eigenvalue (EKFAC's corrected eigenvalue in a null direction of ``G`` is ``≈ eps²`` of the
+largest). Without damping such a block is singular: ``eigh`` reports ``0``, ``logdet`` is
+``-inf``, ``inverse()`` is refused; with a damping ``λ`` the inverse there is ``1/λ``, however
+small ``λ``. In float32 the tolerance is about ``1e-4`` of the largest eigenvalue for a factor
+of a thousand rows: smaller eigenvalues need float64 factors (a float64 model). An eigenvalue below
+``-tolerance`` (a factor that is not positive semi-definite) is kept: ``logdet`` is then ``nan``.
+
+NOTE [factors changed in place]: the factors are not copied (but inference tensors, which keep
+no version counter, are: see below), so a change in place (``G.mul_(2)``, an optimizer's running
+average) is seen by products and ``trace`` at once; the cached eigendecompositions behind
+``eigh``, ``inverse``, ``logdet`` and ``eigenvector`` remember the factors' version counters
+(``tensor._version``, Python integers: no device work) and are recomputed, for the changed
+factors only, at their next use. An operator from ``inverse()`` follows too. Factors made under
+``torch.inference_mode`` have no version counter: ``KroneckerOperator`` copies them at
+construction, so a later change to the caller's tensor is seen by nothing.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -185,12 +208,21 @@ def _check_square(name: str, M: torch.Tensor, size: int, owner: tuple[str, ...])
 _BLOCK_TYPES = "blocks holds KroneckerBlock(names, module, G, A) or KroneckerEigenBlock entries"
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of an inference tensor (it keeps no version counter to follow: NOTE
+    [factors changed in place])."""
+    if isinstance(t, torch.Tensor) and t.is_inference():
+        with torch.inference_mode(False):
+            return t.clone()
+    return t
+
+
 def _normalize(layout: ParamLayout, index: Mapping[str, int], block: object) -> _Block:
     if isinstance(block, KroneckerBlock):
         slot = _place(layout, index, block.names, block.module, block.transposed)
         _check_square("G", block.G, slot.m, slot.names)
         _check_square("A", block.A, slot.q, slot.names)
-        slot.G, slot.A = block.G, block.A
+        slot.G, slot.A = _own(block.G), _own(block.A)
         return slot
     if isinstance(block, KroneckerEigenBlock):
         slot = _place(layout, index, block.names, "", block.transposed)
@@ -201,7 +233,11 @@ def _normalize(layout: ParamLayout, index: Mapping[str, int], block: object) -> 
                 f"eigenvalues of the block over {slot.names} must be ({slot.m}, {slot.q}), "
                 f"got {tuple(block.eigenvalues.shape)}"
             )
-        slot.eigen = (block.eigenvalues, block.G_eigenvectors, block.A_eigenvectors)
+        slot.eigen = (
+            _own(block.eigenvalues),
+            _own(block.G_eigenvectors),
+            _own(block.A_eigenvectors),
+        )
         return slot
     raise TypeError(_BLOCK_TYPES + f", got {type(block).__name__}")
 
@@ -268,6 +304,46 @@ def check_damping(damping: object) -> float:
     return value
 
 
+def at_rounding_level_zeroed(lam: torch.Tensor, n: int) -> torch.Tensor:
+    """``lam`` with the eigenvalues ``|λ| <= n·eps·max|lam|`` set to zero: the rank tolerance of
+    ``torch.linalg.matrix_rank`` for an ``n × n`` matrix (NOTE [eigenvalues at the rounding
+    level]); no host synchronization."""
+    if lam.numel() == 0:
+        return lam
+    tol = lam.abs().amax() * (n * torch.finfo(lam.dtype).eps)
+    return torch.where(lam.abs() <= tol, torch.zeros_like(lam), lam)
+
+
+#: the fix that :func:`not_finite_message` ends with (a factor pass may name the culprit instead)
+NOT_FINITE_FIX = "check the data and the parameters for NaN/inf"
+
+
+def not_finite_message(
+    who: str, factor: str, module: str, names: Sequence[str], more: int = 0
+) -> str:
+    """The one line that says a Kronecker factor holds NaN or inf, and where."""
+    where = f"layer {module!r}" if module else f"the block over {tuple(names)}"
+    others = (
+        f", as {'is' if more == 1 else 'are'} {more} more factor{'s' * (more != 1)}" if more else ""
+    )
+    return (
+        f"{who}: the Kronecker factor {factor} of {where} is not finite (NaN or inf){others}: "
+        + NOT_FINITE_FIX
+    )
+
+
+def refuse_not_finite(who: str, factors: Sequence[tuple[str, str, torch.Tensor]]) -> None:
+    """A ``ValueError`` naming the first of ``(factor, layer, tensor)`` that holds NaN or inf
+    (one synchronization for all of them: a factor pass checks its factors once)."""
+    if not factors:
+        return
+    flags = torch.stack([t.isfinite().all() for _, _, t in factors])
+    bad = (~flags).nonzero().flatten().tolist()
+    if bad:
+        factor, module, _ = factors[bad[0]]
+        raise ValueError(not_finite_message(who, factor, module, (), len(bad) - 1))
+
+
 class KroneckerOperator(CurvatureOperator):
     """A block-diagonal operator ``blockdiag(G_b ⊗ A_b) + damping·I`` from its factors.
 
@@ -282,9 +358,13 @@ class KroneckerOperator(CurvatureOperator):
     - ``damping``: ``λ >= 0`` added to the diagonal: the operator is ``K + λI``.
 
     Products and every method below are exact. The factors must be symmetric (positive
-    semi-definite for ``logdet`` and the meaning of ``inverse``); they are not copied. The
-    operator's dtype is the layout's, its factors' may be wider (products are computed in the
-    factors' dtype).
+    semi-definite for ``logdet`` and the meaning of ``inverse``); eigenvalues within rounding of
+    zero count as zero (NOTE [eigenvalues at the rounding level]: ``logdet`` ``-inf`` and
+    ``inverse()`` refused for a singular operator without damping). The factors are not copied:
+    a change in place is followed by every method, the cached decompositions included (NOTE
+    [factors changed in place]; inference tensors are copied). A factor holding NaN or inf is
+    refused, naming its layer, when it is decomposed. The operator's dtype is the layout's, its
+    factors' may be wider (products are computed in the factors' dtype).
     """
 
     def __init__(
@@ -309,8 +389,24 @@ class KroneckerOperator(CurvatureOperator):
         factor = first.G if first.G is not None else first.eigen[0]  # type: ignore[index]
         #: factors and reductions run in this dtype (float32 or wider in the KFAC family)
         self.factor_dtype: torch.dtype = factor.dtype
-        self._eigen_cache: list[Eigen] | None = None
         self._unit: torch.Tensor | None = None
+        # NOTE [factors changed in place]: every distinct factor tensor (inference tensors keep
+        # no version counter), whose versions the cached decompositions were made at
+        seen: dict[int, torch.Tensor] = {}
+        for b in blocks:
+            for t in (b.G, b.A) if b.eigen is None else b.eigen:
+                if t is not None and not t.is_inference():
+                    seen.setdefault(id(t), t)
+        self._tracked = tuple(seen.values())
+        self._eigen_cache: list[Eigen] | None = None
+        self._eigen_stamp: tuple[int, ...] = ()
+        #: ``id(factor) -> (factor, version, eigh(factor))`` of the last decomposition
+        self._factor_eigh: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
+        self._factor_eigh = {}
+        #: ``fn -> (decomposition, [fn(D) per block])`` of the eigenvalue functions applied
+        self._applied: weakref.WeakKeyDictionary[
+            Callable[[torch.Tensor], torch.Tensor], tuple[list[Eigen], list[torch.Tensor]]
+        ] = weakref.WeakKeyDictionary()
 
     @staticmethod
     def _factor_block(
@@ -409,35 +505,80 @@ class KroneckerOperator(CurvatureOperator):
         return out
 
     # -- the eigendecomposition and what it gives ----------------------------------------------
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in self._tracked)
+
     def _eigen(self) -> list[Eigen]:
-        """``(D (m, q), U_G, U_A)`` per block, undamped (computed once; a factor shared by
-        several blocks is decomposed once)."""
-        if self._eigen_cache is None:
-            cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """``(D (m, q), U_G, U_A)`` per block, undamped, eigenvalues at the rounding level zero
+        (NOTE [eigenvalues at the rounding level]; a factor shared by several blocks is
+        decomposed once); cached, and recomputed for the factors changed in place since (NOTE
+        [factors changed in place])."""
+        stamp = self._versions()
+        if self._eigen_cache is not None and stamp == self._eigen_stamp:
+            return self._eigen_cache
+        known = self._factor_eigh
+        fresh: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        made: list[tuple[str, _Block, torch.Tensor]] = []  # eigenvalues computed now
 
-            def eig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                if id(M) not in cache:
-                    cache[id(M)] = torch.linalg.eigh(M)
-                return cache[id(M)]
+        def eig(M: torch.Tensor, which: str, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+            key = id(M)
+            if key not in fresh:
+                version = -1 if M.is_inference() else M._version
+                held = known.get(key)
+                if held is not None and held[0] is M and held[1] == version and version >= 0:
+                    fresh[key] = held
+                else:
+                    lam, U = self._decompose(M, which, block)
+                    made.append((which, block, lam))
+                    fresh[key] = (M, version, (at_rounding_level_zeroed(lam, M.shape[0]), U))
+            return fresh[key][2]
 
-            result = []
-            for block in self._blocks:
-                if block.eigen is not None:
-                    result.append(block.eigen)
-                    continue
-                assert block.G is not None
-                A = self._A(block)
-                lam_G, U_G = eig(block.G)
-                lam_A, U_A = eig(A)
-                result.append((lam_G.unsqueeze(1) * lam_A.unsqueeze(0), U_G, U_A))
-            self._eigen_cache = result
-        return self._eigen_cache
+        result = []
+        for block in self._blocks:
+            if block.eigen is not None:
+                D, U_G, U_A = block.eigen
+                made.append(("eigenvalues", block, D))
+                result.append((at_rounding_level_zeroed(D, max(block.m, block.q)), U_G, U_A))
+                continue
+            if block.G is None:
+                raise AssertionError("unreachable: a block holds factors or an eigenbasis")
+            lam_G, U_G = eig(block.G, "G", block)
+            lam_A, U_A = eig(self._A(block), "A", block)
+            result.append((lam_G.unsqueeze(1) * lam_A.unsqueeze(0), U_G, U_A))
+        if made:  # NOTE [factors not finite]: one synchronization per decomposition
+            flags = torch.stack([lam.isfinite().all() for _, _, lam in made])
+            bad = (~flags).nonzero().flatten().tolist()
+            if bad:
+                which, block, _ = made[bad[0]]
+                raise ValueError(
+                    not_finite_message(type(self).__name__, which, block.module, block.names)
+                )
+        self._factor_eigh = fresh
+        self._eigen_cache, self._eigen_stamp = result, stamp
+        return result
+
+    def _decompose(
+        self, M: torch.Tensor, which: str, block: _Block
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.linalg.eigh(M)``; a factor holding NaN or inf is refused naming its block
+        (where the decomposition fails on it; where it returns NaN instead, :meth:`_eigen`
+        refuses the eigenvalues)."""
+        try:
+            return torch.linalg.eigh(M)
+        except RuntimeError:  # torch.linalg.LinAlgError: "ill-conditioned or too many repeated"
+            if bool(M.isfinite().all()):
+                raise
+            raise ValueError(
+                not_finite_message(type(self).__name__, which, block.module, block.names)
+            ) from None
 
     def _zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.factor_dtype, device=self.device)
 
     def eigh(self) -> KroneckerEigen:
-        """Eigenvalues of the whole operator with the factors' eigenvectors, block by block."""
+        """Eigenvalues of the whole operator with the factors' eigenvectors, block by block
+        (an eigenvalue at the rounding level of its factor's largest is ``0``, plus the damping:
+        NOTE [eigenvalues at the rounding level])."""
         return KroneckerEigen(
             tuple(
                 KroneckerEigenBlock(
@@ -479,7 +620,9 @@ class KroneckerOperator(CurvatureOperator):
         """``log det (K + damping·I)`` (e.g. a Laplace posterior's precision with an isotropic prior).
 
         Without damping a singular operator (cross-entropy's ``G`` always has the null vector of
-        ones) gives ``-inf``, or ``nan`` where rounding left an eigenvalue slightly below zero."""
+        ones) gives ``-inf``: eigenvalues within rounding of zero count as zero (NOTE
+        [eigenvalues at the rounding level]); an eigenvalue below zero beyond rounding (a factor
+        that is not positive semi-definite) gives ``nan``."""
         shift = self.damping + check_damping(damping)
         return sum(((D + shift).log().sum() for D, _, _ in self._eigen()), self._zero())
 
@@ -487,7 +630,8 @@ class KroneckerOperator(CurvatureOperator):
         """``‖·‖_F`` of the operator (from the factors where no damping and no eigenbasis)."""
         if self.damping:
             squares = sum(
-                ((D + self.damping).square().sum() for D, _, _ in self._eigen()), self._zero()
+                ((D + self.damping).square().sum() for D, _, _ in self._eigen()),
+                self._zero(),
             )
             return squares.sqrt()
         terms = (
@@ -505,19 +649,53 @@ class KroneckerOperator(CurvatureOperator):
         (A + √λ I)``, which adds cross terms ``√λ (G ⊗ I + I ⊗ A)`` and is not ``K + λI``. Here
         every block is ``U (D + λ)⁻¹ Uᵀ`` with ``U = U_G ⊗ U_A``: the inverse of the damped
         operator itself (what a Laplace posterior or a linear solve needs), at the price of one
-        eigendecomposition per factor (cached). With ``damping=0`` a singular block gives inf.
+        eigendecomposition per factor (cached; recomputed after a factor changed in place).
+
+        Singular blocks: an eigenvalue of an ``n × n`` factor within rounding of zero, ``|λ| <=
+        n·eps·max|λ|``, is zero (NOTE [eigenvalues at the rounding level]), so ``(D + λ)⁻¹`` is
+        ``1/λ`` there, never a huge finite number made of rounding noise. With no damping at all (``self.damping + damping == 0``) an operator with such an
+        eigenvalue has no inverse (as ``torch.linalg.inv`` of a singular matrix): a
+        ``ValueError`` naming the block, raised here (the decomposition is computed now, one
+        synchronization) and at the first product after a factor changed in place. Pass
+        ``damping > 0`` (cross-entropy's ``G`` is always singular).
         """
         shift = self.damping + check_damping(damping)
-        return _EigenFunction(self, lambda D: 1.0 / (D + shift))
+        inverse = _EigenFunction(self, lambda D: (D + shift).reciprocal())
+        if shift == 0:
+            inverse.refuse_singular = True
+            inverse.check_invertible()
+        return inverse
+
+    def _refuse_singular(self) -> None:
+        """A ``ValueError`` naming the first block with an eigenvalue at the rounding level of
+        zero (NOTE [eigenvalues at the rounding level]); one synchronization."""
+        eigen = self._eigen()
+        flags = torch.stack([(D == 0).any() for D, _, _ in eigen])
+        singular = flags.nonzero().flatten().tolist()
+        if singular:
+            b = self._blocks[singular[0]]
+            where = f"layer {b.module!r} ({', '.join(b.names)})" if b.module else str(b.names)
+            more = f" and {len(singular) - 1} more blocks" if len(singular) > 1 else ""
+            raise ValueError(
+                f"{type(self).__name__}.inverse() without damping: the block of {where}{more} "
+                "is singular (an eigenvalue within rounding of zero: |λ| <= n·eps·max|λ| of an "
+                "n × n factor), so the operator has no inverse; pass damping > 0, e.g. "
+                "op.inverse(1e-3 * float(op.trace()) / op.size)"
+            )
 
     def _eigen_apply(
         self, V: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
+        eigen = self._eigen()
+        held = self._applied.get(fn)
+        if held is None or held[0] is not eigen:  # fn(D) once per decomposition, not per product
+            held = (eigen, [fn(D) for D, _, _ in eigen])
+            self._applied[fn] = held
         out = self.layout.empty(V.shape[0])
         views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
-        for block, (D, U_G, U_A) in zip(self._blocks, self._eigen(), strict=True):
+        for block, (_, U_G, U_A), values in zip(self._blocks, eigen, held[1], strict=True):
             X = U_G.T @ self._gather(block, views) @ U_A
-            self._scatter(block, U_G @ (X * fn(D)) @ U_A.T, out_views)
+            self._scatter(block, U_G @ (X * values) @ U_A.T, out_views)
         return out
 
     def __repr__(self) -> str:
@@ -534,6 +712,19 @@ class _EigenFunction(CurvatureOperator):
         self._op = op
         self._fn = fn
         self._size, self._device, self._dtype = op.size, op.device, op.dtype
+        #: an undamped inverse: refuse a singular operator, again after a factor changed
+        self.refuse_singular = False
+        self._checked_at: tuple[int, ...] | None = None
+
+    def check_invertible(self) -> None:
+        """Refuse a singular operator, once per version of its factors (Python integers read on
+        each product; a synchronization only after a change)."""
+        versions = self._op._versions()
+        if versions != self._checked_at:
+            self._op._refuse_singular()
+            self._checked_at = versions
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        if self.refuse_singular:
+            self.check_invertible()
         return self._op._eigen_apply(V, self._fn)
