@@ -23,3 +23,8 @@ def user_stacklevel() -> int:
 
 class EmptyBatchWarning(UserWarning):
     """Batches of zero samples were skipped: they carry no weight in an average over samples."""
+
+
+class FactorPassCostWarning(UserWarning):
+    """A Kronecker factor pass (KFAC, EKFAC, KFOC) will take many backward passes per batch: the
+    exact type-2 factor backpropagates every column of the loss Hessian (one per output class)."""

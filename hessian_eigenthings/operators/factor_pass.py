@@ -15,6 +15,15 @@ for a joined bias) or, through ``on_input``, raw, for a moment computed without 
 
 Cost per batch: one forward and ``ceil(k / column_chunk)`` backwards to the layer outputs (no
 parameter gradients), ``k`` the number of columns (classes for type-2 cross-entropy).
+
+NOTE [type-2 on a large vocabulary]: the exact type-2 factor has a column per output class, so a
+language model's head of 50,257 words takes ``ceil(50,257 / column_chunk)`` = 3,142 backwards per
+batch (GPT-2 small, 4 batches: not one pass in 150 s on an H100), where ``fisher_type="mc"``
+takes ``mc_samples`` (one sampled label per output, Kronfluence's choice) and ``"empirical"`` one.
+The default stays type-2 (changing it would change every result); the first batch of a pass
+knows ``k``, and when the count exceeds :data:`BACKWARDS_WARNING` a
+:class:`~hessian_eigenthings._warnings.FactorPassCostWarning` says so, with the fix, before the
+work starts (once per operator).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings._checks import check_count
-from hessian_eigenthings._warnings import user_stacklevel
+from hessian_eigenthings._warnings import FactorPassCostWarning, user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
     BatchSource,
@@ -61,7 +70,9 @@ from hessian_eigenthings.operators.precision import Precision, check_precision
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 __all__ = [
+    "BACKWARDS_WARNING",
     "FactorPass",
+    "FactorPassCostWarning",
     "FisherType",
     "Layer",
     "Retry",
@@ -71,6 +82,8 @@ __all__ = [
 ]
 
 FisherType = Literal["type2", "mc", "empirical"]
+#: more backward passes per batch than this warn (NOTE [type-2 on a large vocabulary])
+BACKWARDS_WARNING = 64
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 #: a layer whose inputs were not kept (the factors take them as they come)
 NO_INPUT = torch.empty(0)
@@ -410,6 +423,35 @@ class FactorPass:
         self._empty = EmptyBatches(who)
         #: checks the model output of each batch before its columns are made (KFOC's terms)
         self.check_output: Callable[[torch.Tensor], None] | None = None
+        #: whether the backwards per batch were counted (NOTE [type-2 on a large vocabulary])
+        self._cost_told = False
+        self._exact_columns = isinstance(self.curvature, ExactLossHessian)
+
+    def _tell_cost(self, k: int) -> None:
+        """Warn once when ``k`` columns make more than :data:`BACKWARDS_WARNING` backwards per
+        batch (NOTE [type-2 on a large vocabulary])."""
+        self._cost_told = True
+        passes = -(-k // self.column_chunk)
+        if passes <= BACKWARDS_WARNING:
+            return
+        if self._exact_columns:
+            what, columns = "the exact type-2 factor", "columns, one per output class or unit"
+            fix = (
+                "pass fisher_type='mc' (one sampled label per output, as Kronfluence does: one "
+                "backward per batch) or 'empirical' (one backward at the observed labels)"
+            )
+        else:
+            what, columns = f"the curvature {self.curvature!r}", "columns"
+            fix = "use fewer columns (mc_samples), fisher_type='empirical'"
+        warnings.warn(
+            FactorPassCostWarning(
+                f"{self.who}: {what} takes {passes} backward passes per batch in each pass over "
+                f"the data (one per column_chunk={self.column_chunk} of its {k} loss-Hessian "
+                f"{columns}); {fix}, or a larger column_chunk (memory: that many activation "
+                "gradients at once)"
+            ),
+            stacklevel=user_stacklevel(),
+        )
 
     def matrix_shape(self, layer: Layer) -> tuple[int, int]:
         """``(m, q)`` of the layer's weight as a matrix (a Conv2d's kernel flattened; the bias
@@ -496,6 +538,8 @@ class FactorPass:
         size: float,
     ) -> None:
         k, columns = self._columns(output, batch, position)
+        if not self._cost_told:
+            self._tell_cost(k)
         layers = [layer for layer in self.layers if layer.name in outputs]
         targets = [outputs[layer.name] for layer in layers]
         # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
