@@ -10,21 +10,24 @@ one stage at a time is built and freed. The products are exact (no finite differ
 equal the whole-graph Hessian product to rounding.
 
 This is the single-device form of the walk that sharded products run with each layer's
-parameters gathered in turn (issue 28). It needs a stack: each layer's first positional
-argument is the previous layer's output (its first element, if a tuple), the first layer's
-input comes from the head, and nothing after the layers reads an intermediate layer's output
-(checked on the first batch where it can be: the chaining of inputs to outputs).
+parameters gathered in turn (issue 28). It needs a stack: each layer called once per batch in
+the order of the list, its first positional argument the previous layer's output (its first
+element, if a tuple), the first layer's input from the head, nothing after the layers reading
+an intermediate layer's output, and each selected parameter read in its own stage only
+(checked at capture, NOTE [what the walk checks]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
@@ -50,7 +53,11 @@ from hessian_eigenthings.param_utils import call_with_values
 # layer's input; in the tail the layers return their recorded outputs and the
 # last returns h_L), so any model code outside the layers runs as written.
 # Layer parameters must belong to one layer only: a parameter shared between a
-# layer and anything else is refused (its cross terms would be dropped).
+# layer and anything else is refused (its cross terms would be dropped), whether
+# shared by registration (checked at construction) or read from outside the
+# layer's call (checked at capture, NOTE [what the walk checks]).
+# Parameters not selected (param_filter) are constants: every stage reads them
+# detached, so no product builds a graph to them.
 # A sandwich Jᵀ H J v (GGN, Fisher) is the first walk to the output, H applied
 # there, and the pullbacks back (each stage's forward again, no tangents).
 
@@ -96,6 +103,32 @@ from hessian_eigenthings.param_utils import call_with_values
 # layer's input as it came, and in the tail each layer returns its recorded
 # output, which its hooks had already made.
 
+# NOTE [what the walk checks]
+# The walk is exact only for the structure of NOTE [layer walk]; what breaks it
+# is refused at capture, once per batch signature (a sharded walk: on its first
+# batch, which every rank has), never per product:
+# - the calls: each layer once, in the order of the list (a loop over the
+#   layers reversed, a layer called twice or skipped are refused), each fed the
+#   output of the one before;
+# - the tail: the loss run with the layers returning their recorded outputs and
+#   their hooks set aside (as the tail stage runs) must give the loss of the
+#   recording. A loss that reads what hooks on the layers collect (HF
+#   transformers' output_hidden_states / output_attentions are gathered that
+#   way) fails or differs there, and is refused naming the cause;
+# - the reads (single device): one forward with a graph, cut at every layer's
+#   input and output (fresh leaves standing in for them), the selected
+#   parameters requiring grad for its duration. Which leaves each stage's
+#   result reaches is what it reads: the head and the tail may read the
+#   parameters outside the layers, the tail the last layer's output, layer i
+#   its input and its own parameters, and a layer's other arguments nothing.
+#   Anything more (weight decay on a layer's weight written into loss_fn, a
+#   hook adding a selected parameter from outside the layer, a tail reading an
+#   inner layer's output) is refused: its terms would be dropped. A sharded
+#   walk's gathered parameters are FSDP's, not the leaves such a run reaches:
+#   there only the layers' other arguments are checked (one forward with a
+#   graph), as before.
+
+
 # NOTE [key/value caches]
 # A model that keeps a key/value cache (HF's default use_cache=True) hands each
 # layer the cache object, which the layer appends to. The walk calls every
@@ -127,6 +160,69 @@ def _without_cache(x: Any, empty: set[int]) -> Any:
         "calls each layer several times and cannot replay a cache: pass the whole sequence, or "
         "use_cache=False"
     )
+
+
+def _hf_collecting() -> list[str]:
+    """The outputs HF transformers is collecting with hooks now (``output_hidden_states``...)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    active = getattr(capturing, "_active_collector", None)
+    try:
+        got = active.get() if active is not None else None
+    except Exception:  # another version's collector: nothing known
+        return []
+    return (
+        [k for k in got if isinstance(k, str) and not k.startswith("_")]
+        if isinstance(got, dict)
+        else []
+    )
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A fresh leaf with ``t``'s values, requiring grad where its dtype can."""
+    leaf = t.detach()
+    return leaf.requires_grad_() if leaf.is_floating_point() or leaf.is_complex() else leaf
+
+
+def _reached(roots: Sequence[Any], candidates: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the ``candidates`` that the graph of ``roots`` reaches."""
+    roots = [r for r in roots if isinstance(r, torch.Tensor) and r.requires_grad]
+    candidates = [(n, t) for n, t in candidates if t.requires_grad]
+    if not roots or not candidates:
+        return []
+    grads = torch.autograd.grad(
+        roots,
+        [t for _, t in candidates],
+        grad_outputs=[torch.ones_like(r) for r in roots],
+        retain_graph=True,
+        allow_unused=True,
+    )
+    return [n for (n, _), g in zip(candidates, grads, strict=True) if g is not None]
+
+
+def _same_values(got: Any, ref: Any) -> bool:
+    """Whether two outputs hold the same tensors, to the square root of their dtype's epsilon
+    relative to the reference's largest entry (NaN where the reference has NaN)."""
+    a, b = _tensors(got), _tensors(ref)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        x, y = x.detach(), y.detach()
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not (y.is_floating_point() or y.is_complex()):
+            if not torch.equal(x, y):
+                return False
+            continue
+        tol = float(torch.finfo(y.real.dtype).eps) ** 0.5
+        finite = y.abs()[torch.isfinite(y)]
+        scale = float(finite.max()) if finite.numel() else 0.0
+        if not torch.isclose(x, y, rtol=tol, atol=tol * scale, equal_nan=True).all():
+            return False
+    return True
 
 
 class LayerWalkError(ValueError):
@@ -337,8 +433,8 @@ class LayerWalk:
         self._sizes: dict[Any, tuple[int | None, int | None]] = {}
         self._gather = gather
         self._finish = finish
-        #: whether the layers' other arguments were checked to be constants (first batch)
-        self._constants_checked = False
+        #: the batch signatures whose structure was checked (NOTE [what the walk checks])
+        self._checked: set[Any] = set()
         self.call = CallWithModel(model, loss_fn)
         self.layers = find_layers(model, layers)
         self.names = list(names)
@@ -353,10 +449,28 @@ class LayerWalk:
     def _partition(self) -> None:
         """Which selected parameters each layer owns (local names), and those outside them."""
         owner: dict[int, set[int]] = {}  # parameter -> the stages holding it (-1: outside)
+        slots: list[tuple[str, nn.Parameter, int]] = []
         for slot, p in self.model.named_parameters(remove_duplicate=False):
             stage = next((i for i, pre in enumerate(self.prefixes) if slot.startswith(pre)), -1)
             owner.setdefault(id(p), set()).add(stage)
+            slots.append((slot, p, stage))
         params = dict(self.model.named_parameters())
+        # the parameters not selected, read as constants in each stage that holds them (NOTE
+        # [layer walk]): by local name in a layer, by name outside; one name per tensor and stage
+        chosen = {id(params[n]) for n in self.names}
+        self.fixed_local: list[dict[str, str]] = [{} for _ in self.layers]
+        self.fixed_outside: list[str] = []
+        seen: set[tuple[int, int]] = set()
+        for slot, p, stage in slots:
+            if id(p) in chosen or (stage, id(p)) in seen:
+                continue
+            seen.add((stage, id(p)))
+            if stage == -1:
+                self.fixed_outside.append(slot)
+            else:
+                self.fixed_local[stage][slot[len(self.prefixes[stage]) :]] = slot
+        self._const_out: dict[str, torch.Tensor] = {}
+        self._const_in: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
         self.local: list[dict[str, str]] = [{} for _ in self.layers]
         self.outside: list[str] = []
         for name in self.names:
@@ -374,13 +488,17 @@ class LayerWalk:
 
     # -- the batch's layer calls ------------------------------------------------
     def capture(self, batch: Batch) -> WalkState:
-        """Run the loss once without a graph, recording each layer's call; check the stack."""
+        """Run the loss once without a graph, recording each layer's call; check the stack (NOTE
+        [what the walk checks])."""
         # each stage runs more than once per product: what changes between calls is refused
         check_functional_model(self.model, "layers")
+        index = {id(m): i for i, m in enumerate(self.layers)}
         calls: list[LayerCall] = []
+        order: list[int] = []
         inputs: list[Any] = []
         raw: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         empty: set[int] = set()
+        collected: set[str] = set()
 
         def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # NOTE [hooks on the layers]: the call as it comes, before any pre-hook of the layer
@@ -394,12 +512,14 @@ class LayerWalk:
                 empty.update(
                     id(c) for c in [*args, *kwargs.values()] if _is_cache(c) and _cache_len(c) == 0
                 )
+            collected.update(_hf_collecting())
             raw.append((args, dict(kwargs)))
 
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
         ) -> None:
             args, kwargs = raw.pop()  # the layer's call before its pre-hooks
+            order.append(index[id(module)])
             inputs.append(args[0])
             calls.append(
                 LayerCall(
@@ -418,24 +538,182 @@ class LayerWalk:
         ]
         try:
             with torch.no_grad():
-                self.call(batch)
+                output = self.call(batch)
         finally:
             for h in handles:
                 h.remove()
-        if len(calls) != len(self.layers):
-            raise LayerWalkError(
-                f"the loss called the layers {len(calls)} times for {len(self.layers)} layers; the "
-                "walk needs each layer called once per batch, in order"
-            )
+        self._check_order(order)
         for i in range(1, len(calls)):
             if inputs[i] is not _primary(calls[i - 1].output):
                 raise LayerWalkError(
                     f"layer {i}'s input is not layer {i - 1}'s output: the walk needs a stack of "
                     "layers, each fed by the one before"
                 )
-        if not self._constants_checked:
-            self._check_constant_arguments(batch)
-        return WalkState(batch, calls)
+        state = WalkState(batch, calls)
+        sharded = self._gather is not None or self._agree is not None
+        key = "first" if sharded else batch_signature(batch)
+        if key not in self._checked:
+            self._check_tail(state, output, sorted(collected))
+            if sharded:
+                self._check_constant_arguments(batch)
+            else:
+                self._check_reads(batch)
+            self._checked.add(key)
+        return state
+
+    def _check_order(self, order: list[int]) -> None:
+        """Each layer called once, in the order of the list (NOTE [what the walk checks])."""
+        if order == list(range(len(self.layers))):
+            return
+        seen = ", ".join(map(str, order[:8])) + (" ..." if len(order) > 8 else "")
+        if sorted(order) != list(range(len(self.layers))):
+            raise LayerWalkError(
+                f"the loss called the layers {len(order)} times for {len(self.layers)} layers "
+                f"(in the order {seen or 'none'}); the walk needs each layer called once per "
+                "batch, in the order of the list: use engine='autograd'"
+            )
+        raise LayerWalkError(
+            f"the loss called the layers in the order {seen}, not in the order of the list; the "
+            "walk needs each layer called once per batch, in the order of the list: list them in "
+            "the order the model calls them, or use engine='autograd'"
+        )
+
+    def _check_tail(self, state: WalkState, output: Any, collected: list[str]) -> None:
+        """The tail stage, run as the walk runs it (the layers returning their recorded outputs,
+        their hooks set aside), gives the recording's output (NOTE [what the walk checks])."""
+        h = _primary(state.calls[-1].output)
+        cause = (
+            f"the loss asks the model for {' and '.join(f'output_{k}' for k in collected)} "
+            "(transformers collects them with hooks on the layers), which the layer walk cannot "
+            "provide; use engine='autograd', or do not ask for them in the loss"
+            if collected
+            else "the loss reads something that the layers' hooks collect or that the layers' "
+            "calls change besides their outputs, which the walk's tail cannot reproduce; use "
+            "engine='autograd'"
+        )
+        try:
+            with torch.no_grad():
+                again = self.tail(state, h, {})
+        except LayerWalkError:
+            raise
+        except Exception as exc:
+            raise LayerWalkError(
+                f"{cause} (with the layers replaced by their recorded outputs it raised "
+                f"{type(exc).__name__}: {str(exc)[:120]})"
+            ) from exc
+        if not _same_values(again, output):
+            raise LayerWalkError(
+                f"{cause} (with the layers replaced by their recorded outputs it gave another "
+                "value)"
+            )
+
+    def _check_reads(self, batch: Batch) -> None:
+        """What each stage reads, by a forward with a graph cut at the layers' inputs and outputs
+        (NOTE [what the walk checks]): one forward and about one backward, per batch signature."""
+        index = {id(m): i for i, m in enumerate(self.layers)}
+        params = dict(self.model.named_parameters())
+        # the selected parameters, by the name a message gives them, and the layer of each
+        selected: list[tuple[str, torch.Tensor]] = [
+            (f"parameter {n!r}", params[n]) for n in self.names
+        ]
+        stage = {f"parameter {n!r}": i for i, loc in enumerate(self.local) for n in loc.values()}
+        heads: list[torch.Tensor] = []
+        ins: list[torch.Tensor | None] = [None] * len(self.layers)
+        outs: list[Any] = [None] * len(self.layers)
+        cuts: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.layers]
+        extra: list[list[torch.Tensor]] = [[] for _ in self.layers]
+
+        def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            i = index[id(module)]
+            extra[i] = [t for t in _tensors((args[1:], kwargs)) if t.requires_grad]
+            if i == 0:
+                heads.append(args[0])
+            leaf = _leaf(args[0])
+            ins[i] = leaf
+            return (leaf.clone(), *args[1:]), kwargs
+
+        def after(module: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+            i = index[id(module)]
+            outs[i] = out
+            items = list(out) if isinstance(out, (tuple, list)) else [out]
+            fresh = []
+            for k, t in enumerate(items):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    leaf = _leaf(t)
+                    cuts[i].append((k, leaf))
+                    t = leaf.clone()
+                fresh.append(t)
+            if isinstance(out, torch.Tensor):
+                return fresh[0]
+            return type(out)(fresh) if isinstance(out, tuple) else fresh
+
+        frozen = [p for _, p in selected if not p.requires_grad]
+        handles = [
+            *(
+                m.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+                for m in self.layers
+            ),
+            *(m.register_forward_hook(after, with_kwargs=True) for m in self.layers),
+        ]
+        try:
+            for p in frozen:  # a selected frozen parameter: read as the others for the check
+                p.requires_grad_(True)
+            with torch.enable_grad():
+                result = self.call(batch)
+            theirs = [(n, p) for n, p in selected if n in stage]
+            cut = [(f"layer {j}'s output", t) for j in range(len(self.layers)) for _, t in cuts[j]]
+            cut += [(f"layer {i}'s input", t) for i, t in enumerate(ins) if t is not None]
+            # a layer's other arguments: constants (they read no selected parameter, no layer)
+            for i, args in enumerate(extra):
+                if _reached(args, [*selected, *cut]):
+                    raise LayerWalkError(
+                        f"layer {i} ({type(self.layers[i]).__name__}) received a tensor argument "
+                        "besides its hidden state that depends on the parameters; the walk would "
+                        "take it as a constant: use engine='autograd'"
+                    )
+            # the head: the first layer's input reads no layer's parameter
+            hit = _reached(heads[:1], theirs)
+            if hit:
+                raise LayerWalkError(
+                    f"the model reads {hit[0]} of layer {stage[hit[0]]} before the first layer; "
+                    "the walk takes a layer's parameters in its own stage only: leave it out of "
+                    "param_filter, or use engine='autograd'"
+                )
+            # each layer: its output reads its input and its own parameters only
+            for i, out in enumerate(outs):
+                others = [(n, p) for n, p in selected if stage.get(n) != i]
+                others += [(n, t) for n, t in cut if t is not ins[i]]
+                hit = _reached([_primary(out)], others)
+                if hit:
+                    raise LayerWalkError(
+                        f"layer {i}'s call reads {hit[0]}, which is not its own (e.g. a hook or "
+                        "closure adding a learned tensor from outside the layer); the walk would "
+                        "drop its terms: register it in the layer, leave it out of param_filter, "
+                        "or use engine='autograd'"
+                    )
+            # the tail: the last layer's output and the parameters outside the layers only
+            last = [t for k, t in cuts[-1] if k == 0]
+            hit = _reached(
+                [t for t in _tensors(result) if t.requires_grad],
+                [*theirs, *((n, t) for n, t in cut if not any(t is u for u in last))],
+            )
+            if hit and hit[0] in stage:
+                raise LayerWalkError(
+                    f"the loss reads {hit[0]} of layer {stage[hit[0]]} outside the layer (e.g. "
+                    "weight decay written into loss_fn); the walk would drop those terms: leave the penalty out of loss_fn and add its curvature separately, or "
+                    "use engine='autograd'"
+                )
+            if hit:
+                raise LayerWalkError(
+                    f"the loss reads {hit[0]} after the layers, besides the last layer's output "
+                    "(e.g. a residual over the stack, or hidden states kept aside); the walk needs "
+                    "each layer's output read by the next layer only: use engine='autograd'"
+                )
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+            for h in handles:
+                h.remove()
 
     def _check_constant_arguments(self, batch: Batch) -> None:
         """Refuse a tensor argument of a layer, besides its hidden state, that depends on the
@@ -464,7 +742,6 @@ class LayerWalk:
                 f"layer {found[0]} received a tensor argument besides its hidden state that depends "
                 "on the parameters; the walk would take it as a constant"
             )
-        self._constants_checked = True
 
     # -- the stages --------------------------------------------------------------
     @contextlib.contextmanager
@@ -493,7 +770,20 @@ class LayerWalk:
                 d.update(items)
 
     def _outside_values(self, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {f"model.{n}": t for n, t in theta.items()}
+        values = {f"model.{n}": t for n, t in theta.items()}
+        return {**self._const_out, **values} if self._const_out else values
+
+    def _constants(self) -> None:
+        """The trainable parameters not selected, detached, for each stage that reads them: they
+        are constants of the product (NOTE [layer walk]). Read at each product's start."""
+        get = self.model.get_parameter
+        self._const_out = {
+            f"model.{n}": get(n).detach() for n in self.fixed_outside if get(n).requires_grad
+        }
+        self._const_in = [
+            {loc: get(n).detach() for loc, n in names.items() if get(n).requires_grad}
+            for names in self.fixed_local
+        ]
 
     def head(self, state: WalkState, theta: dict[str, torch.Tensor]) -> torch.Tensor:
         """h₀: the first layer's input, as a function of the parameters outside the layers."""
@@ -512,6 +802,8 @@ class LayerWalk:
         self, state: WalkState, i: int, h: torch.Tensor, theta: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         c = state.calls[i]
+        if self._const_in[i]:
+            theta = {**self._const_in[i], **theta}
         out = torch.func.functional_call(self.layers[i], theta, (h, *c.args), c.kwargs)
         return _primary(out)
 
@@ -580,8 +872,7 @@ class LayerWalk:
             def layer(x: torch.Tensor, th: dict[str, torch.Tensor], _i: int = i) -> torch.Tensor:
                 return self.layer(state, _i, x, th)
 
-            if mark is not None:
-                assert keep is not None
+            if keep is not None and mark is not None:
 
                 def tangent(
                     x: torch.Tensor,
@@ -633,6 +924,7 @@ class LayerWalk:
         like = next(iter(v.values()))
         start = _torch_compat.cuda_allocated(like.device) if like.device.type == "cuda" else 0
         self._params = dict(self.model.named_parameters())
+        self._constants()
         out_theta, out_v = self._stage(None, v)
         result: dict[str, torch.Tensor] = {}
 
@@ -688,7 +980,9 @@ class LayerWalk:
         if like.device.type == "cuda" and keep.count == 0:  # NOTE [kept layer graphs]
             working = torch.cuda.max_memory_allocated(like.device) - start
         self._sizes[sizes_key] = (working, keep.size)
-        return {n: result[n] for n in self.names}
+        # detached: a hook or closure may read a trainable parameter that is not selected (a
+        # constant of the product, NOTE [what the walk checks]) and leave a graph to it
+        return {n: result[n].detach() for n in self.names}
 
     def _pullback_tangent(
         self,
@@ -720,6 +1014,7 @@ class LayerWalk:
         of ``J v`` and a backward walk of the pullbacks (NOTE [layer walk]); no second order term."""
         _torch_compat.load_forward_ad_decompositions()
         self._params = dict(self.model.named_parameters())
+        self._constants()
         out_theta, out_v = self._stage(None, v)
         hs, (hd,), _ = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
         out, pull_tail = _vjp(lambda x, th: self.tail(state, x, th), hs[-1], out_theta)
@@ -737,7 +1032,9 @@ class LayerWalk:
             for n, t in pull_head(a)[0].items():
                 result[n] = result[n] + t
         result.update(self._done({n: result[n] for n in self.outside}))
-        return {n: result[n] for n in self.names}
+        # detached: a hook or closure may read a trainable parameter that is not selected (a
+        # constant of the product, NOTE [what the walk checks]) and leave a graph to it
+        return {n: result[n].detach() for n in self.names}
 
 
 class LayerWalkRunner:
