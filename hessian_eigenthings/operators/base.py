@@ -53,7 +53,6 @@ from hessian_eigenthings.operators.model_guard import (
     preserve_model,
     private_buffers,
 )
-from hessian_eigenthings.operators.parameter_binding import project_rows_
 from hessian_eigenthings.operators.protocol import CurvatureOperator, LambdaOperator, same_device
 from hessian_eigenthings.param_utils import RowBlock
 
@@ -125,9 +124,6 @@ class DataCurvatureOperator(DataOperatorSetup):
         # does not enter parameter_binding (tests/perf/test_module_hops.py)
         if not all(d.get(key) is value for d, key, value in self._binding.slots):
             self._follow_parameters()
-        # NOTE [padding rows]: P·A·P, on a copy of the caller's V
-        if rows := self._binding.constant_rows:
-            return project_rows_(self._products(project_rows_(V.clone(), rows)), rows)
         return self._products(V)
 
     def _products(self, V: torch.Tensor) -> torch.Tensor:

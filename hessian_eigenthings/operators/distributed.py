@@ -197,31 +197,6 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if _is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
-def _local_padding_rows(
-    model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], rank: int, world: int
-) -> list[tuple[int, int]]:
-    """The ``(start, stop)`` ranges of this rank's flat shard that hold padding rows of selected
-    embeddings (NOTE [padding rows]): FSDP2 gives rank r rows ``[r·c, (r + 1)·c)``, ``c = ceil(V /
-    W)``, so the padding row is on one rank only."""
-    owners = {
-        id(m.weight): m
-        for m in model.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None
-    }
-    ranges, offset = [], 0
-    for _, p in named_params:
-        owner = owners.get(id(p))
-        if owner is not None:
-            pad = int(owner.padding_idx) % p.shape[0]  # type: ignore[arg-type]
-            chunk = chunk_rows(p.shape[0], world)[0]
-            if pad // chunk == rank:
-                width = math.prod(p.shape[1:])
-                start = offset + (pad - rank * chunk) * width
-                ranges.append((start, start + width))
-        offset += _local(p).numel()
-    return ranges
-
-
 @functools.lru_cache(maxsize=1)
 def _dtensor_type() -> type | None:
     try:
@@ -643,12 +618,6 @@ class ShardedMixin(DataCurvatureOperator):
         signature = _layout_signature(self.layout.names, self.layout.shapes, self.dtype)
         #: length of the whole (unsharded) vector; ``size`` is this rank's shard
         self.global_size = self.layout.size
-        if self._binding.constant_rows:
-            # NOTE [padding rows]: the projection zeroes coordinates, each held by one rank: the
-            # padding row of an embedding is on the rank whose chunk of rows holds it
-            self._binding.constant_rows = _local_padding_rows(
-                self.model, self.named_params, self._ranks.rank, self._ranks.world_size
-            )
         self.layout = ParamLayout.from_named([(n, _local(p)) for n, p in self.named_params])
         self._size = self.layout.size
         self._device = self.layout.device
@@ -808,11 +777,37 @@ class FSDPHessianOperator(ShardedMixin, HessianOperator):
         self._scales = self.fd_eps / sq.sqrt().clamp_min(torch.finfo(V.dtype).tiny ** 0.5)
         user_grads = [p.grad for p in self.params]
         try:
-            super()._pass(V, out)
+            # the padding lookups read the rows of θ, not of θ ± h·v̂ (NOTE [padding rows])
+            with self.guard.padding.frozen(self._padding_rows()):
+                super()._pass(V, out)
         finally:
             self._scales = None
             for p, g in zip(self.params, user_grads, strict=True):
                 p.grad = g
+
+    def _padding_rows(self) -> dict[nn.Module, torch.Tensor]:
+        """Each padding embedding's padding row, whole on every rank: FSDP2 gives rank r rows
+        ``[r·c, (r + 1)·c)`` of a weight, so the row is copied out by its owner and summed over
+        the ranks (one all-reduce of the rows, once per pass; none without such embeddings)."""
+        hooks = self.guard.padding.hooks
+        if not hooks:
+            return {}
+        ranks = self._ranks
+        rows: dict[nn.Module, torch.Tensor] = {}
+        for h in hooks:
+            weight, pad = h.module.weight.detach(), int(h.module.padding_idx or 0)
+            local = _local(weight)
+            row = torch.zeros(weight.shape[1:], dtype=local.dtype, device=local.device)
+            if not _is_dtensor(weight):
+                row.copy_(weight[pad])
+            else:
+                chunk = -(-weight.shape[0] // ranks.world_size)
+                start = ranks.rank * chunk
+                if start <= pad < start + local.shape[0]:
+                    row.copy_(local[pad - start])
+                dist.all_reduce(row, group=ranks.group)
+            rows[h.module] = row
+        return rows
 
     def _chunk_product(
         self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool

@@ -209,10 +209,21 @@ class HessianOperator(DataCurvatureOperator):
     def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         if self.method == "autograd":
             return super()._product(batch, vecs)
-        k = vecs[0].shape[0]
         base = [p.detach() for p in self.params]
         out = [torch.empty_like(v) for v in vecs]
-        for j in range(k):
+        # the padding lookups read the rows of θ, not of θ ± h·v̂ (NOTE [padding rows])
+        with self.guard.padding.frozen():
+            self._central_differences(batch, vecs, base, out)
+        return out
+
+    def _central_differences(
+        self,
+        batch: Batch,
+        vecs: list[torch.Tensor],
+        base: list[torch.Tensor],
+        out: list[torch.Tensor],
+    ) -> None:
+        for j in range(vecs[0].shape[0]):
             plus, minus, inv = central_points(base, [v[j] for v in vecs], self.fd_eps)
             g_plus = self._grad_at(batch, plus)
             g_minus = self._grad_at(batch, minus)
@@ -222,7 +233,6 @@ class HessianOperator(DataCurvatureOperator):
                         o[j].zero_()
                     else:
                         torch.mul(gp - gm, inv, out=o[j])
-        return out
 
 
 #: the 1.0 alpha's name for the ``method`` values

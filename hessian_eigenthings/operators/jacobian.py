@@ -33,7 +33,7 @@ from hessian_eigenthings.loss_fns.checks import check_first_batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import CallWithModel
 from hessian_eigenthings.operators.model_guard import preserve_model, private_buffers
-from hessian_eigenthings.operators.parameter_binding import ParameterBinding, project_rows_
+from hessian_eigenthings.operators.parameter_binding import ParameterBinding
 from hessian_eigenthings.param_utils import (
     ParamFilter,
     ParamLayout,
@@ -168,10 +168,6 @@ class _DataJacobian:
         self._follow_parameters()
         k = V.shape[0]
         out = torch.empty(k, self.num_outputs, dtype=self.dtype, device=self.device)
-        if (
-            self._binding.constant_rows
-        ):  # NOTE [padding rows]: forward mode would move the padding row
-            V = project_rows_(V.clone(), self._binding.constant_rows)
         tangents = self.layout.split_rows(V)
         offsets = [0]
         for s in self.output_sizes:
@@ -208,7 +204,7 @@ class _DataJacobian:
                 for acc, g in zip(parts, grads, strict=True):
                     acc.add_(g)
                 start = stop
-        return project_rows_(out, self._binding.constant_rows)
+        return out
 
 
 class _Rectangular:

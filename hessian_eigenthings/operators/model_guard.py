@@ -127,6 +127,85 @@ def model_key(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
     return tensors, tuple(m.training for m in modules), precision, _optimizer_steps
 
 
+# NOTE [padding rows]
+# `nn.Embedding(padding_idx=i)` reads row `i` in its forward, but its backward
+# gives that row no gradient through the lookup: training treats the padding
+# lookup as a constant. Reverse mode (gradients, `Jᵀu`, double backward)
+# follows that; forward mode (`jvp`, `J v`) does not, it carries the row's
+# tangent into every padding position. The same row may also be read
+# elsewhere — a tied output head (HF `tie_word_embeddings` with a
+# `pad_token_id`, a GPT-2-style head given a padding index) — and there it
+# has a gradient like any weight. The curvature is that of the loss as torch
+# differentiates it: only the padding *lookup* contributes nothing. So, for
+# the duration of every pass of products, each padding embedding gets a
+# forward hook that makes its output at padding positions a constant
+# (`where(ids == i, out.detach(), out)`: the same values, no derivative).
+# Every engine then computes the same symmetric matrix — reverse and forward
+# mode, kept graphs, traced and compiled products, the layer walk, sharded
+# forwards — and the head's use of the row keeps its curvature. Finite
+# differences move the parameters themselves, so there the hook reads the
+# padding row as it was before the step (`PaddingLookups.frozen`). Cost:
+# one elementwise select per padding embedding per forward; a model without
+# padding embeddings pays nothing. `EmbeddingBag(padding_idx=...)` leaves the
+# padding row out of its forward already: nothing to do.
+
+
+def padding_embeddings(modules: Iterable[nn.Module]) -> list[nn.Embedding]:
+    """The ``nn.Embedding`` modules with a padding row (NOTE [padding rows])."""
+    return [m for m in modules if isinstance(m, nn.Embedding) and m.padding_idx is not None]
+
+
+class _ConstantPaddingLookup:
+    """The forward hook of one padding embedding (NOTE [padding rows]); one object per module
+    for an operator's life, so that a compiled product sees the same hook on every pass."""
+
+    def __init__(self, module: nn.Embedding) -> None:
+        self.module = module
+        #: the padding row to read at padding positions instead of the forward's (finite
+        #: differences); ``None``: the forward's own, detached
+        self.frozen: torch.Tensor | None = None
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> Any:
+        ids = args[0] if args else kwargs.get("input")
+        if not isinstance(ids, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return None
+        pad = torch.eq(ids, self.module.padding_idx or 0).unsqueeze(-1)
+        constant = out.detach() if self.frozen is None else self.frozen.to(out.dtype)
+        return torch.where(pad, constant, out)
+
+
+class PaddingLookups:
+    """The padding lookups of a model made constants for a pass (NOTE [padding rows])."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.hooks = [_ConstantPaddingLookup(m) for m in padding_embeddings(modules)]
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def attach(self) -> list[Any]:
+        return [h.module.register_forward_hook(h, with_kwargs=True) for h in self.hooks]
+
+    def rows(self) -> dict[nn.Module, torch.Tensor]:
+        """Each embedding's padding row as it is now (a detached view)."""
+        return {h.module: h.module.weight.detach()[h.module.padding_idx] for h in self.hooks}
+
+    @contextlib.contextmanager
+    def frozen(self, rows: dict[nn.Module, torch.Tensor] | None = None) -> Iterator[None]:
+        """Inside: each embedding in ``rows`` (default: :meth:`rows`, taken on entry) reads the
+        given padding row at its padding positions, whatever its weight holds then."""
+        rows = self.rows() if rows is None else rows
+        try:
+            for h in self.hooks:
+                h.frozen = rows.get(h.module)
+            yield
+        finally:
+            for h in self.hooks:
+                h.frozen = None
+
+
 class RandomForwardWarning(UserWarning):
     """The model draws random numbers in its forward (dropout in training mode)."""
 
@@ -160,7 +239,7 @@ def preserve_model(
     are protected per forward by :func:`private_buffers`.
     """
     mods = list(modules) if modules is not None else list(model.modules())
-    return _ProductScope(params, mods, None, double_backward)
+    return _ProductScope(params, mods, None, double_backward, padding=PaddingLookups(mods))
 
 
 @contextlib.contextmanager
@@ -196,6 +275,8 @@ class ModelGuard:
         # walked on every product (modes, buffers): listed once
         self.modules: list[nn.Module] = list(model.modules())
         self.random_said = False
+        #: padding lookups made constants during products (NOTE [padding rows])
+        self.padding = PaddingLookups(self.modules)
 
     def product(
         self, precision: Precision, *, double_backward: bool, key: bool = False
@@ -204,7 +285,9 @@ class ModelGuard:
         (``preserve_model`` and ``product_precision`` as one scope: one call in, one out). With
         ``key``, entering it gives the model's reuse key (:func:`model_key`) under the pass's
         switches, read once for the pass's kept-state checks; else ``None``."""
-        return _ProductScope(self.params, self.modules, precision, double_backward, key)
+        return _ProductScope(
+            self.params, self.modules, precision, double_backward, key, self.padding
+        )
 
     def private_buffers(self) -> contextlib.AbstractContextManager[None]:
         """One forward with private copies of the training modules' buffers."""
@@ -254,11 +337,14 @@ class _ProductScope:
         precision: Precision | None,
         double_backward: bool,
         key: bool = False,
+        padding: PaddingLookups | None = None,
     ) -> None:
         self.params = params
         self.modules = modules
         self.precision = precision
         self.key = key
+        self.padding = padding
+        self.handles: list[Any] = []
         self.sdpa = _torch_compat.math_sdpa() if double_backward else None
         self.saved: tuple[str | None, bool] | None = None
 
@@ -272,6 +358,8 @@ class _ProductScope:
         # read before the SDPA switch, whose context calls out of this module
         key = model_key(self.modules) if self.key else None
         try:
+            if self.padding:
+                self.handles = self.padding.attach()
             if self.sdpa is not None:
                 self.sdpa.__enter__()
         except BaseException:
@@ -286,6 +374,9 @@ class _ProductScope:
         # the switches are independent: the SDPA one goes back last, so that leaving this scope
         # calls out of this module once
         try:
+            for h in self.handles:
+                h.remove()
+            self.handles = []
             for p in self.frozen:
                 p.requires_grad_(False)
             for m, mode in zip(self.modules, self.modes, strict=True):

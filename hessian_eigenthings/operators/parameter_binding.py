@@ -4,9 +4,8 @@
 ``model.load_state_dict(sd, assign=True)`` or ``module.weight = nn.Parameter(...)`` puts new
 tensor objects in the model's slots, and an operator holding the old objects would
 differentiate with respect to tensors the forward no longer reads (exact zeros, NOTE [replaced
-parameters]). :func:`constant_rows` finds the rows of the selection that training treats as
-constants (``nn.Embedding(padding_idx=...)``, NOTE [padding rows]); :func:`refuse_in_place_forward`
-refuses modules whose forward rewrites their own weight.
+parameters]); :func:`refuse_in_place_forward` refuses modules whose forward rewrites their own
+weight. (Padding rows of embeddings are the model guard's: NOTE [padding rows].)
 
 Cost: one identity comparison per slot on the path to each selected parameter, per product
 (host work only: no tensor read, no device sync).
@@ -50,8 +49,7 @@ def _slots(model: nn.Module, name: str) -> list[tuple[dict[str, object], str, ob
 
 
 class ParameterBinding:
-    """The selected parameters of ``model`` by name, a cheap check that they are still there, and
-    the flat columns training keeps constant (``constant_rows``, NOTE [padding rows]).
+    """The selected parameters of ``model`` by name and a cheap check that they are still there.
     ``offsets[i]``: where parameter ``i`` starts in the flat vector. Refuses, for ``owner``, a model
     whose forward rewrites its own parameters (:func:`refuse_in_place_forward`)."""
 
@@ -70,7 +68,6 @@ class ParameterBinding:
 
     def _bind(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.tensors = [p for _, p in named_params]
-        self.constant_rows = constant_rows(self.model, named_params, self.offsets)
         seen: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
         for name, _ in named_params:
             for slot in _slots(self.model, name):
@@ -107,51 +104,6 @@ class ParameterBinding:
             now.append((name, p))
         self._bind(now)
         return now
-
-
-# NOTE [padding rows]
-# `nn.Embedding(padding_idx=i)` reads row `i` in its forward, but its backward
-# gives that row no gradient: training never moves it, it is a constant. The
-# reverse-mode products (gradients, `Jᵀu`, double backward) agree with that;
-# forward mode (`jvp`, `J v`) does not, as it propagates the row's tangent.
-# An engine that mixes the two (forward-over-reverse Hessian, `Jᵀ H J v`) then
-# computes a matrix that is neither symmetric nor the one training sees. Every
-# data operator therefore projects with `P` (the identity with the padding
-# rows' coordinates zeroed): the product is `P·A·P`, the input's padding
-# coordinates zeroed before the engine sees it and the output's after, on every
-# engine alike. Found once at construction; an operator without such rows
-# pays nothing. `EmbeddingBag(padding_idx=...)` leaves the padding row out of
-# its forward too (no tangent reaches it), so it needs no projection; it is
-# projected all the same, which costs nothing and keeps one rule.
-
-
-def constant_rows(
-    model: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], offsets: Sequence[int]
-) -> list[tuple[int, int]]:
-    """``(start, stop)`` column ranges of the flat layout that training keeps constant: the
-    padding rows of selected embedding weights (NOTE [padding rows]). ``offsets[i]`` is where
-    parameter ``i`` starts in the flat vector."""
-    owners: dict[int, nn.Module] = {}
-    for m in model.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
-            owners[id(m.weight)] = m
-    ranges: list[tuple[int, int]] = []
-    if not owners:
-        return ranges
-    for (_, p), start in zip(named_params, offsets, strict=False):
-        owner = owners.get(id(p))
-        if owner is not None:
-            pad = int(owner.padding_idx) % p.shape[0]  # type: ignore[arg-type]
-            width = p.shape[1]
-            ranges.append((start + pad * width, start + (pad + 1) * width))
-    return ranges
-
-
-def project_rows_(block: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Zero the columns ``ranges`` of a row block ``(k, n)`` in place (NOTE [padding rows])."""
-    for start, stop in ranges:
-        block[:, start:stop] = 0
-    return block
 
 
 def refuse_in_place_forward(model: nn.Module, owner: str) -> None:

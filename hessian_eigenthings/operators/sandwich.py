@@ -34,7 +34,6 @@ from hessian_eigenthings.operators.autodiff import (
 from hessian_eigenthings.operators.base import DataCurvatureOperator
 from hessian_eigenthings.operators.engines.runner import unsupported
 from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkRunner
-from hessian_eigenthings.operators.parameter_binding import project_rows_
 from hessian_eigenthings.param_utils import call_with_values
 
 JvpMethod = Literal["auto", "forward_mode", "finite_difference"]
@@ -246,9 +245,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 total += weight
         if total == 0:
             raise ValueError("the dataloader yielded no batch; check that the dataset is not empty")
-        # NOTE [padding rows]: the squared vector-Jacobian products are reverse mode (no
-        # gradient for a padding row), zeroed all the same so the diagonal is that of P·A·P
-        return project_rows_(acc.div_(total).unsqueeze(0), self._binding.constant_rows)[0]
+        # NOTE [padding rows]: reverse mode, under the pass's constant padding lookups
+        return acc.div_(total)
 
     # -- per-batch product ----------------------------------------------------------
     def _checked_output(self, out: Any) -> torch.Tensor:

@@ -398,6 +398,49 @@ def _vectors_err(
     return float(backend.all_reduce_sum(diff.square().sum(1)).sqrt().max())
 
 
+class _TiedTokens(nn.Module):
+    """An embedding with a padding row whose weight is also the output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(7, 4, padding_idx=2)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(
+            torch.tanh(self.mix(self.emb(x))).mean(1), self.emb.weight
+        )
+
+
+def _tied_tokens_batch(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(40 + r)
+    ids = torch.randint(0, 7, (r + 2, 5), generator=g)
+    ids[:, -1] = 2
+    return ids, torch.randint(0, 7, (r + 2,), generator=g)
+
+
+@check
+def fsdp_tied_padding_finite_difference() -> dict[str, Any]:
+    """NOTE [padding rows] under FSDP finite differences: the padding lookup reads the row of θ
+    (one rank holds it), the tied head's use of it keeps its curvature."""
+    if not _torch_compat.fsdp2_runs_on_cpu():
+        return {"skip": f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"}
+    union = [_tied_tokens_batch(r) for r in range(WORLD)]
+    ref = HessianOperator(_TiedTokens().double(), union, loss_fn)
+    model = _TiedTokens().double()
+    _torch_compat.fully_shard()(model)
+    op = hd.FSDPHessianOperator(model, [union[RANK]], loss_fn)
+    V = rand(ref.size, 3, seed=9)
+    RV = (ref @ V.T).T
+    got = op.matmat(torch.stack([_shard(x, ref) for x in V]).T.contiguous()).T
+    pad_row = ref @ torch.eye(ref.size, dtype=torch.float64)[:, 8:12]
+    return {
+        "vs_autograd": err(got, torch.stack([_shard(x, ref) for x in RV])),
+        "pad_row_norm": float(pad_row.norm()),
+    }
+
+
 @check
 def fsdp_finite_difference() -> dict[str, Any]:
     try:
@@ -494,6 +537,7 @@ def _walk_batch(r: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 50, (r + 1, 7), generator=g)
     mask = torch.ones(r + 1, 7, dtype=torch.long)
     mask[-1, 4 + r % 2 :] = 0
+    ids[mask == 0] = 1  # the padding id of the Llama models (NOTE [padding rows])
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -525,8 +569,9 @@ def _walk_model(kind: str) -> tuple[nn.Module, str]:
         vocab_size=50,
         max_position_embeddings=32,
         tie_word_embeddings=kind == "llama_tied",
-        # a padding row (NOTE [padding rows]): held by one rank's shard of the embedding
-        pad_token_id=None if kind == "llama_tied" else 1,
+        # a padding row (NOTE [padding rows]): held by one rank's shard of the embedding; tied,
+        # the head's use of the row keeps its curvature
+        pad_token_id=1,
     )
     return transformers.LlamaForCausalLM._from_config(
         cfg, attn_implementation="eager"

@@ -1,6 +1,7 @@
-"""Padding rows of ``nn.Embedding(padding_idx=...)``: the row is a constant in training (its
-gradient is zero), so every curvature, on every engine, is the symmetric matrix with that row's
-directions projected out (``P·A·P``), equal across engines. Oracles: reverse-mode only
+"""Padding rows of ``nn.Embedding(padding_idx=...)`` read only by their lookup: the lookup is a
+constant in training (its gradient is zero), so every curvature, on every engine, is the
+symmetric matrix with that row's directions projected out (``P·A·P``), equal across engines (a
+row the model also reads elsewhere, a tied head: ``test_padding_rows_tied.py``). Oracles: reverse-mode only
 (``torch.func.jacrev`` twice for the Hessian, the reverse-mode Jacobian for the GGN, per-sample
 gradients from plain autograd for the empirical Fisher), float64."""
 
