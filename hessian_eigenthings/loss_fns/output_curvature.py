@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import (
     HessianColumnsLoss,
@@ -286,7 +287,8 @@ class MonteCarlo(OutputCurvature):
                 "nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss()"
             )
         self.loss = loss
-        self.samples = samples
+        #: draws per sample: 0 would average no draws (every product NaN), a negative count is none
+        self.samples: int = check_count("MonteCarlo(samples=...)", samples, minimum=1)  # type: ignore[assignment]
 
     def draw(self, output: torch.Tensor, batch: Batch, key: DrawKey | None) -> torch.Tensor:
         """The loss gradients at this chunk's draws (NOTE [sampled targets as data] in ``operators.ggn``)."""
