@@ -111,7 +111,11 @@ def test_user_model_file_matches_library(tmp_path: Path, user_module: Path) -> N
     # the rule behind `converged`: residual <= max(tol·|λ|, residual_floor), the floor's pairs flagged
     assert eigen["tol"] > 0 and eigen["residual_floor"] > 0
     for r, v, c, by_floor in zip(
-        eigen["residuals"], eigen["values"], eigen["converged"], eigen["converged_by_floor"], strict=True
+        eigen["residuals"],
+        eigen["values"],
+        eigen["converged"],
+        eigen["converged_by_floor"],
+        strict=True,
     ):
         assert c == (r <= max(eigen["tol"] * abs(v), eigen["residual_floor"]))
         assert by_floor == (c and r > eigen["tol"] * abs(v))
@@ -887,7 +891,9 @@ def test_kronecker_factored_landscape_uses_exact_eigenvectors(
     model, data, criterion = _load(user_module)
     model = model.double()
     data = [(x.double(), y) for x, y in data]
-    op = he.KFACOperator(model, data, he.supervised_forward, he.supervised_loss_of_output(criterion))
+    op = he.KFACOperator(
+        model, data, he.supervised_forward, he.supervised_loss_of_output(criterion)
+    )
     dense = op.to_dense()
     values = torch.linalg.eigvalsh(dense)
     wanted = values.flip(0)[:2] if which == "LA" else values[:2]
@@ -897,8 +903,131 @@ def test_kronecker_factored_landscape_uses_exact_eigenvectors(
     torch.testing.assert_close(eig.eigenvalues, wanted, rtol=1e-10, atol=1e-13)
     for lam, u in zip(eig.eigenvalues, eig.eigenvectors, strict=True):
         assert float(u.norm()) == pytest.approx(1.0, rel=1e-12)
-        torch.testing.assert_close(dense @ u, lam * u, rtol=0, atol=1e-10 * float(values.abs().max()))
+        torch.testing.assert_close(
+            dense @ u, lam * u, rtol=0, atol=1e-10 * float(values.abs().max())
+        )
     ref = he.loss_landscape(
         model, data, he.supervised_loss(criterion), directions=eig, dims=2, span=1.0, steps=3
     )
     np.testing.assert_allclose(np.array(res["landscape"]["losses"]), ref.losses.numpy(), rtol=1e-10)
+
+
+DROPOUT_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def make():
+        gen = torch.Generator().manual_seed(123)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Tanh(), nn.Linear(8, 3))
+        x = torch.randn(40, 6, generator=gen)
+        y = torch.randint(0, 3, (40,), generator=gen)
+        return model, [(x, y)], nn.CrossEntropyLoss()
+    """
+)
+QUICK = ["-k", "2", "--trace-matvecs", "0", "--slq-runs", "0", "--no-plot", "--no-progress"]
+
+
+def test_warnings_are_one_line_without_the_source_line(tmp_path: Path) -> None:
+    """A warning during the run (dropout in training mode) is printed as ``warning: <message>``,
+    without Python's second line (the command's own ``sys.exit(main())``)."""
+    (tmp_path / "drop_model.py").write_text(DROPOUT_MODULE)
+    proc = _run_cli(["--model", "drop_model.py:make", *QUICK, "-o", "out"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "dropout" in line]
+    assert lines and all(line.startswith("warning: HessianOperator: dropout") for line in lines)
+    assert "sys.exit(main())" not in proc.stderr and "Warning:" not in proc.stderr
+
+
+@pytest.mark.filterwarnings("default::UserWarning")
+def test_main_gives_warnings_display_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process too the run's warnings are one line each, and afterwards the caller's
+    showwarning and filters are as they were."""
+    import warnings
+
+    (tmp_path / "drop_model.py").write_text(DROPOUT_MODULE)
+    show, filters = warnings.showwarning, list(warnings.filters)
+    assert (
+        cli.main(
+            ["--model", f"{tmp_path / 'drop_model.py'}:make", *QUICK, "-q", "-o", str(tmp_path)]
+        )
+        == 0
+    )
+    assert warnings.showwarning is show and warnings.filters == filters
+    assert "warning: HessianOperator: dropout in training mode" in capsys.readouterr().err
+
+
+def test_cpu_runs_say_how_many_threads_and_how_to_change_them(
+    tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Torch's default of one thread per core made the main job 4x slower on a busy CPU; the
+    run's output says the count and names --threads."""
+    args = ["--model", f"{user_module}:make", "--device", "cpu", *QUICK, "-o", str(tmp_path)]
+    assert cli.main(args) == 0
+    n = torch.get_num_threads()
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("cpu: "))
+    assert line.startswith(f"cpu: {n} torch thread") and "--threads N to change" in line
+    assert cli.main([*args, "--threads", "1"]) == 0
+    assert "cpu: 1 torch thread (--threads 1)\n" in capsys.readouterr().out
+    assert cli.main([*args, "-q"]) == 0
+    assert "cpu:" not in capsys.readouterr().out
+
+
+def test_kronecker_eigenvalue_table_has_a_header(
+    tmp_path: Path, user_module: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--model", f"{user_module}:make", "--operator", "kfac", *QUICK, "-o", str(tmp_path)]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "exact eigendecomposition" in line)
+    assert lines[at + 1] == "    i   eigenvalue"
+    assert lines[at + 2].startswith("    0   ") and lines[at + 3].startswith("    1   ")
+
+
+def test_figure_numbers_eigenvalues_from_zero_as_the_console() -> None:
+    """spectrum.png's index axis and the printed table (EigenResult.summary) both start at 0."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    A = torch.diag(torch.linspace(-1.0, 2.0, 40, dtype=torch.float64))
+    op = he.LambdaOperator(lambda v: A @ v, 40, dtype=torch.float64)
+    eig = he.lanczos(op, k=4, which="LA", seed=0)
+    assert eig.summary().splitlines()[2].startswith("    0   ")
+    fig = cli.plots.spectrum_figure(eig, None, None, "LA", "Hessian of a diagonal", "data: none")
+    try:
+        (line,) = [ln for ln in fig.axes[-1].get_lines() if len(ln.get_xdata()) == 4]
+        assert list(line.get_xdata()) == [0, 1, 2, 3]
+        assert "0" in fig.axes[-1].get_xlabel()
+    finally:
+        plt.close(fig)
+
+
+def test_spectral_density_plot_uses_the_package_style() -> None:
+    """SpectralDensityResult.plot draws as the package's other figures do (_plot_style): its
+    colour whatever came before on the axes, a light grid, a small legend when labelled."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hessian_eigenthings import _plot_style as style
+
+    A = torch.diag(torch.linspace(0.1, 2.0, 30, dtype=torch.float64))
+    op = he.LambdaOperator(lambda v: A @ v, 30, dtype=torch.float64)
+    density = he.spectral_density(op, num_runs=2, lanczos_steps=10, num_grid_points=100, seed=0)
+    fig, ax = plt.subplots()
+    try:
+        ax.plot(
+            [0.0, 1.0], [1.0, 1.0]
+        )  # a line before: matplotlib's cycle would colour the next C1
+        density.plot(ax, label="SLQ")
+        assert ax.get_lines()[-1].get_color() == style.MEASURED
+        assert any(g.get_visible() for g in ax.get_xgridlines())
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_texts()[0].get_text() == "SLQ"
+        density.plot(ax, color="k")  # the caller's colour wins
+        assert ax.get_lines()[-1].get_color() == "k"
+    finally:
+        plt.close(fig)

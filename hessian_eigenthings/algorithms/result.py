@@ -231,7 +231,9 @@ class SpectralDensityResult:
 
         On the log scale the axis stops at ``floor`` times the peak: below it the
         Gaussian tails of the smoothing kernel are far under anything the quadrature
-        resolves and would only fill the plot. ``title`` defaults to one that gives σ.
+        resolves and would only fill the plot. ``title`` defaults to one that gives σ. Drawn in
+        the package's style (its colour unless ``color`` is given, a light grid, a small legend
+        when a line is labelled), as ``spectrum.png`` and the other figures.
         """
         try:
             import matplotlib.pyplot as plt
@@ -242,8 +244,12 @@ class SpectralDensityResult:
             ) from exc
         if not 0 < floor < 1:
             raise ValueError(f"floor must be in (0, 1) (a fraction of the peak), got {floor}")
+        from hessian_eigenthings import _plot_style as style
+
         if ax is None:
             _, ax = plt.subplots()
+        if "color" not in kwargs and "c" not in kwargs:
+            kwargs["color"] = style.MEASURED  # the package's look (spectrum.png, landscapes)
         ax.plot(self.grid.numpy(), self.density.numpy(), **kwargs)
         if log:
             ax.set_yscale("log")
@@ -253,4 +259,5 @@ class SpectralDensityResult:
         ax.set_xlabel("eigenvalue λ")
         ax.set_ylabel("density")
         ax.set_title(f"spectral density (SLQ, σ = {self.sigma:.2g})" if title is None else title)
+        style.finish(ax)
         return ax

@@ -88,15 +88,15 @@ def spectrum_figure(
             )
         style.finish(ax, loc="upper right")
     ax = axes[0, -1]
-    idx = list(range(1, len(values) + 1))
+    idx = list(range(len(values)))  # from 0, as the printed table and EigenResult index them
     ax.plot(idx, values, "o-", color=style.EIGEN, ms=6 if len(values) <= 20 else 3.5)
     ax.axhline(0.0, color="0.5", lw=0.8)
-    ax.set_xlabel("index i (most wanted first)")
+    ax.set_xlabel("index i (0: most wanted)")
     ax.set_ylabel("eigenvalue λᵢ")
     ax.set_title(f"{heading} ({solver})")
     # integer ticks, about ten of them: one per index runs together from k ~ 25 on
     ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
-    ax.set_xlim(0.5, len(values) + 0.5)
+    ax.set_xlim(-0.5, len(values) - 0.5)
     style.finish(ax, legend=False)
     # long descriptions (a user's module path) wrap instead of running off the figure
     fig.suptitle(textwrap.fill(title, 120), fontsize=9)

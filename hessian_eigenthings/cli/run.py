@@ -10,6 +10,7 @@ import itertools
 import json
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -258,6 +259,8 @@ def _operator(
         f"data per product: {data_line}"
         + (f" (--num-batches {args.num_batches})" if args.num_batches else ""),
     )
+    if device.type == "cpu":
+        _log(quiet, _threads_line(args.threads))
     memory = _memory_estimate(problem, op, args)
     if memory is not None:
         _log(quiet, memory.summary())
@@ -278,6 +281,16 @@ def _operator(
         else {**asdict(memory), "required_bytes": memory.required_bytes, "fits": memory.fits},
     }
     return op, results, f"data: {data_line}, {dtype_name} on {device}"
+
+
+def _threads_line(asked: int | None) -> str:
+    """The CPU threads torch runs with, and how to change them: torch's default (one per core)
+    is often several times slower than 1 on a small or busy machine (docs/howto/speed.md)."""
+    n = torch.get_num_threads()
+    threads = f"cpu: {n} torch thread{'s' if n != 1 else ''}"
+    if asked is not None:
+        return f"{threads} (--threads {asked})"
+    return f"{threads} (torch's default; --threads N to change, 1 is often fastest on a busy or small machine)"
 
 
 def _eigenvalues(s: _Steps) -> tuple[torch.Tensor, EigenResult | None, bool]:
@@ -309,7 +322,8 @@ def _eigenvalues(s: _Steps) -> tuple[torch.Tensor, EigenResult | None, bool]:
             f"\n{plots.WHICH_WORDS[args.which][0].format(k=k)} (exact eigendecomposition of the Kronecker "
             f"factors, 0 products) [{timings['eigenvalues']:.1f} s]",
         )
-        _log(quiet, "\n".join(f"{i:5d}  {float(v): .6e}" for i, v in enumerate(values)))
+        table = ["    i   eigenvalue"] + [f"{i:5d}  {float(v): .6e}" for i, v in enumerate(values)]
+        _log(quiet, "\n".join(table))
     if exact and args.landscape != "none":
         eig = _exact_eigenpairs(op, min(k, 1 if args.landscape == "1d" else 2), args.which)
         results["eigenvectors"] = {"method": "eigh", "matvecs": 0}
@@ -505,22 +519,39 @@ def _write(
     return written
 
 
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """``warning: <message>`` on one line: the source line Python prints would be the command's
+    own ``sys.exit(main())``, which says nothing to its user."""
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hessian-eigenthings`` and ``python -m hessian_eigenthings``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
     threads = torch.get_num_threads()
-    try:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        run(args)
-    except CLIError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        torch.set_num_threads(threads)  # an in-process caller keeps its own setting
+    # the run's warnings as one line each; catch_warnings gives an in-process caller its own
+    # showwarning (and filters, untouched here) back on the way out
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            if args.threads is not None:
+                torch.set_num_threads(args.threads)
+            run(args)
+        except CLIError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{parser.prog}: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            torch.set_num_threads(threads)  # an in-process caller keeps its own setting
     return 0
