@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -367,7 +368,9 @@ def record_real(fn: Callable[..., Any], *args: torch.Tensor) -> Recording:
             out = func(*args, **kwargs)
             reads: list[Ref] = []
             j = len(ops)
-            ops.append((func, tuple(as_seq(args, reads)), as_args(kwargs, reads) if kwargs else {}, reads))
+            ops.append(
+                (func, tuple(as_seq(args, reads)), as_args(kwargs, reads) if kwargs else {}, reads)
+            )
             if isinstance(out, Tensor):
                 refs[id(out)] = (new_ref(out), Ref("op", j))
             elif isinstance(out, (tuple, list)):
@@ -462,7 +465,9 @@ def inductor_backend() -> Callable[..., Any]:
 
             if TracingContext.try_get() is not None:
                 return compile_fx(gm, example_inputs)
-            fake = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+            fake = FakeTensorMode(
+                shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True
+            )
         except (ImportError, TypeError):  # pragma: no cover - older torch: no cache, as before
             return compile_fx(gm, example_inputs)
         with tracing(TracingContext(fake)):
@@ -504,11 +509,36 @@ def load_forward_ad_decompositions() -> None:
 
     Their first use compiles them with the deprecated ``torch.jit.script``,
     which warns: torch's own business, not the user's. Loading them here,
-    once, keeps later products free of warning filters.
+    once, keeps later products free of warning filters. The warning is dropped
+    where it is shown (``warnings.showwarning``), not by a filter: changing the
+    filters, even inside ``catch_warnings``, makes Python forget which call
+    sites have warned already, so a once-per-call-site warning of the user's
+    (a 0.x deprecation) would be shown again after the first trace. Where the
+    user's filters turn the warning into an error, a filter is the fallback.
     """
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
+    shown = warnings.showwarning
+
+    def quiet(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if not re.search(r"torch\.jit\.script.*deprecated", str(message)):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = quiet
+    try:
         with contextlib.suppress(ImportError):  # a torch without them: nothing to preload
-            import torch._decomp.decompositions_for_jvp  # noqa: F401
+            import torch._decomp.decompositions_for_jvp
+    except Warning:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*deprecated")
+            with contextlib.suppress(ImportError):
+                import torch._decomp.decompositions_for_jvp  # noqa: F401
+    finally:
+        warnings.showwarning = shown

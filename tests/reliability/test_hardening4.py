@@ -3,6 +3,10 @@ suite's own rule that auto's choices in tests follow product counts, not the mac
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -50,3 +54,24 @@ def test_the_real_clock_where_asked() -> None:
     from hessian_eigenthings.operators.engines import auto
 
     assert auto.timed(torch.device("cpu"), lambda: time.sleep(0.02))[1] >= 20.0
+
+
+def test_loading_forward_mode_decompositions_keeps_once_per_call_site(tmp_path: Path) -> None:
+    """A trace loads torch's forward-mode decompositions (whose import warns); that must not make
+    Python forget which call sites have warned: a user's warning shows once per call site."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import warnings\n"
+        "from hessian_eigenthings import _torch_compat\n"
+        "def old():\n"
+        "    warnings.warn('old is deprecated', UserWarning, stacklevel=2)\n"
+        "for i in range(3):\n"
+        "    old()\n"
+        "    if i == 0:\n"
+        "        _torch_compat.load_forward_ad_decompositions()\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert run.stderr.count("old is deprecated") == 1, run.stderr
+    assert "jit.script" not in run.stderr
