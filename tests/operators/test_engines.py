@@ -25,6 +25,7 @@ from hessian_eigenthings.operators.engines import (
     TRACE_TIMES,
     CompileFallbackWarning,
     EngineUnsupportedError,
+    recorder,
     split_by_tangent,
 )
 from hessian_eigenthings.operators.engines import auto as engines_mod
@@ -767,7 +768,7 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
         return [c.double() + t * t, m.sum() * t]
 
     x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    rec = _torch_compat.record_real(f, x, t)
+    rec = recorder.record_real(f, x, t)
     primal, tangent, num_kept = tracing_mod.split_recording(rec, 1)
     for prog in (primal, tangent):
         assert prog.num_nodes == len(prog.graph.nodes)
@@ -800,17 +801,17 @@ def test_written_programs_equal_their_fx_graphs_and_free_what_they_no_longer_rea
         return lambda x: getattr(torch, op)(x).to(dtype)
 
     codes = {
-        tracing_mod.split_recording(_torch_compat.record_real(g(op, dt), x), 1)[0].code
+        tracing_mod.split_recording(recorder.record_real(g(op, dt), x), 1)[0].code
         for op in ("sin", "cos")
         for dt in (torch.float32, torch.float16)
     }
     assert len(codes) == 4
     # a keyword Python reserves, as a function recorded by another tracer may carry
-    odd = _torch_compat.Recording(1)
+    odd = recorder.Recording(1)
     odd.ops.append(
         (lambda a, **kw: a + kw["from"], (odd.inputs[0],), {"from": 2.0}, [odd.inputs[0]])
     )
-    odd.outputs = [_torch_compat.Ref("op", 0)]
+    odd.outputs = [recorder.Ref("op", 0)]
     odd.sequence = False
     live = [True]
     part = tracing_mod.Part(odd, nn.Module(), live, [(odd.inputs[0], "x")], odd.outputs, False)
@@ -1106,8 +1107,8 @@ def test_recording_refuses_a_constant_that_aliases_an_input() -> None:
     def f(a: torch.Tensor) -> torch.Tensor:
         return a * 2 + view.sum()
 
-    with pytest.raises(_torch_compat.RecordingError, match="shares storage"):
-        _torch_compat.record_real(f, x)
+    with pytest.raises(recorder.RecordingError, match="shares storage"):
+        recorder.record_real(f, x)
     assert not _torch_compat.tracing()  # recording is over, even after an error
     rec = tracing_mod.trace_real(f, [x])  # make_fx instead
     gm = tracing_mod.to_graph_module(rec)
@@ -1121,5 +1122,5 @@ def test_code_that_writes_outside_the_dispatcher_sees_tracing() -> None:
         seen.append(_torch_compat.tracing())
         return a + 1
 
-    _torch_compat.record_real(f, torch.ones(2))
+    recorder.record_real(f, torch.ones(2))
     assert seen == [True] and not _torch_compat.tracing()

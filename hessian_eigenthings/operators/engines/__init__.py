@@ -13,11 +13,13 @@ of (parameters and buffers by name, batch, one tangent) returning the product
   directions through ``vmap`` of the tangent part.
 - ``"compiled"`` (``compiled.CompiledRunner``): the same split, the tangent part compiled by
   inductor (NOTE [compile policy]).
-- ``"auto"``: chosen per operator from measurement (``auto.EngineSelector``, NOTE [auto engine]).
+- ``"auto"``: chosen per operator from measurement: ``policy.decide`` chooses from the facts,
+  the run's length and the timings (NOTE [auto engine]); ``auto.EngineSelector`` gathers them and
+  switches runners.
 
-Cost: tracing is host work (the product's own ops once, plus recording each op: NOTE [recording a
-trace]), paid once per batch signature, and its time is remembered for ``auto`` (``trace_times``,
-NOTE [trace times]); a kept batch costs the primal part once (forward, plus the backward for the
+Cost: tracing is host work (the product's own ops once, plus recording each op: ``recorder``,
+NOTE [recording a trace]), paid once per batch signature, and its time is remembered for ``auto``
+(``records``, NOTE [trace times]; the written programs' bytecode: ``bytecode_cache``); a kept batch costs the primal part once (forward, plus the backward for the
 Hessian); each product then costs the tangent part. Kept state is about the activations the
 tangent part reads.
 """
@@ -48,6 +50,7 @@ from hessian_eigenthings.operators.engines.functional import (
     FunctionalRunner,
     check_functional_model,
 )
+from hessian_eigenthings.operators.engines.records import TRACE_TIMES, TraceTimes
 from hessian_eigenthings.operators.engines.runner import (
     ENGINES,
     MISMATCH_TOL,
@@ -57,7 +60,6 @@ from hessian_eigenthings.operators.engines.runner import (
     ProductCounts,
     ProductRunner,
 )
-from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, TraceTimes
 from hessian_eigenthings.operators.engines.tracing import (
     SplitProgram,
     SplitState,

@@ -37,6 +37,7 @@ from hessian_eigenthings.operators.engines.policy import (
     decide,
     trace_estimate_ms,
 )
+from hessian_eigenthings.operators.engines.records import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.runner import (
     ENGINES,
     MISMATCH_TOL,
@@ -46,7 +47,6 @@ from hessian_eigenthings.operators.engines.runner import (
     ProductRunner,
     unsupported,
 )
-from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import SplitProgram, selected_names
 
 

@@ -20,7 +20,7 @@ import torch
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.operators.engines.functional import FunctionalRunner
-from hessian_eigenthings.operators.engines.trace_times import inductor_cache_base
+from hessian_eigenthings.operators.engines.records import inductor_cache_base
 from hessian_eigenthings.operators.engines.tracing import SplitProgram, SplitState
 
 

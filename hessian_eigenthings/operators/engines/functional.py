@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from hessian_eigenthings.batching import Batch
+from hessian_eigenthings.operators.engines.records import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.runner import EngineUnsupportedError
-from hessian_eigenthings.operators.engines.trace_times import TRACE_TIMES, structure_key
 from hessian_eigenthings.operators.engines.tracing import (
     MAX_SPECIALIZED,
     PureProduct,

@@ -1,7 +1,7 @@
 """Tracing a curvature's pure product into a program split by the direction (NOTE [tangent split]).
 
 :class:`Tracer` traces ``product(state, batch, tangent)`` (parameters and buffers by registered
-name) into one aten graph (``trace_real``: recorded, NOTE [recording a trace] in ``_torch_compat``,
+name) into one aten graph (``trace_real``: recorded, NOTE [recording a trace] in ``recorder``,
 or by ``make_fx``) and splits it into the part that reads only parameters and data (run once per
 kept batch) and the part that reads the direction (run per product). Cost: host work once per
 batch signature, the ops' own time plus tens of microseconds per graph node when recorded (about
@@ -28,7 +28,8 @@ from torch.utils import _pytree as pytree
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.forward_rules import ElementwiseLosses
-from hessian_eigenthings.operators.engines.trace_times import program_code
+from hessian_eigenthings.operators.engines.bytecode_cache import program_code
+from hessian_eigenthings.operators.engines.recorder import Recording, Ref, record_real
 
 #: a curvature's per-batch product for one direction as a pure function of ``state`` (every
 #: parameter and buffer of the model, by registered name), the batch and the tangent
@@ -60,10 +61,6 @@ PureProduct = Callable[[dict[str, torch.Tensor], Batch, list[torch.Tensor]], Seq
 # GPT-2 4 layers d768, 16 tokens): tracing as general used to stop at the
 # first value read (0.8 s) and trace again with the batch as a constant
 # (7.5 s), and every further batch traced again.
-
-
-Recording = _torch_compat.Recording
-Ref = _torch_compat.Ref
 
 
 def from_graph_module(gm: torch.fx.GraphModule) -> Recording:
@@ -271,7 +268,9 @@ def _write(part: Part) -> tuple[str, dict[str, Any]]:
             continue
         named = [f"{k}={src(v)}" for k, v in kw.items() if k.isidentifier() and not iskeyword(k)]
         odd = [f"{k!r}: {src(v)}" for k, v in kw.items() if not k.isidentifier() or iskeyword(k)]
-        call = ", ".join([src(x) for x in a] + named + (["**{" + ", ".join(odd) + "}"] if odd else []))
+        call = ", ".join(
+            [src(x) for x in a] + named + (["**{" + ", ".join(odd) + "}"] if odd else [])
+        )
         read = [var(r) for r in rec.ops[j][3] if r.kind != "constant"]
         lines.append((f"v{j} = {bind(func, 'f')}({call})", read, f"v{j}"))
     result = [var(r) for r in outputs]
@@ -374,7 +373,14 @@ def split_recording(rec: Recording, n_primal: int) -> tuple[Program, Program, in
     )
     root = _constants_root(rec)
     primal = Program(
-        Part(rec, root, primal_live, [(r, f"arg{r.i}") for r in rec.inputs[:n_primal]], boundary, True)
+        Part(
+            rec,
+            root,
+            primal_live,
+            [(r, f"arg{r.i}") for r in rec.inputs[:n_primal]],
+            boundary,
+            True,
+        )
     )
     tangent_in = [(r, f"kept_{i}") for i, r in enumerate(boundary)]
     tangent_in += [(r, f"arg{r.i}") for r in rec.inputs[n_primal:]]
@@ -492,7 +498,7 @@ def is_data_dependent(exc: BaseException) -> bool:
     return "data-dependent" in text or "_local_scalar_dense" in text or "data dependent" in text
 
 
-#: how programs are traced: "record" (``_torch_compat.record_real``, NOTE [recording a trace]; make_fx
+#: how programs are traced: "record" (``recorder.record_real``, NOTE [recording a trace]; make_fx
 #: where recording fails) or "make_fx"
 TRACER = "record"
 
@@ -502,7 +508,7 @@ def trace_real(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Recordin
     values allowed)."""
     if TRACER == "record":
         try:
-            return _torch_compat.record_real(fn, *args)
+            return record_real(fn, *args)
         except torch.cuda.OutOfMemoryError:
             raise  # a second tracer would run out of memory too
         except Exception:  # make_fx traces it (or raises the function's own error)
