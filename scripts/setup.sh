@@ -27,12 +27,17 @@ if [ ! -f "$stamp" ]; then
     pipi "torch==2.13.0"
     say "[3/5] hessian-eigenthings (editable) with its dev dependencies"
     pipi -e ".[dev]"
-    say "[4/5] curvlinops and its dependencies except backpack"
+    say "[4/5] curvlinops and laplace-torch, without torchvision"
     pipi einconv einops linear_operator opt-einsum
     pipi --no-deps "curvlinops-for-pytorch==3.0.1"
+    # laplace-torch for tests/interop/test_laplace_backend.py, with what its import needs (BackPACK,
+    # unfoldNd, ASDL from asdfghjkl 0.1a4), all --no-deps: laplace-torch and BackPACK require
+    # torchvision, which would replace torch 2.13.0 (CPU) with a CUDA build; nothing here imports it
+    pipi --no-deps "laplace-torch==0.3" "asdfghjkl==0.1a4" "backpack-for-pytorch==1.7.1" "unfoldNd==0.2.3" torchmetrics lightning-utilities
     say "[5/5] pip check"
     conflicts="$(.venv/bin/python -m pip check 2>&1 \
-        | grep -v -e '^curvlinops-for-pytorch .* requires backpack-for-pytorch' -e '^No broken requirements' || true)"
+        | grep -v -e '^curvlinops-for-pytorch .* requires backpack-for-pytorch' -e '^No broken requirements' \
+            -e '^laplace-torch .* requires torchvision' -e '^backpack-for-pytorch .* requires torchvision' || true)"
     if [ -n "$conflicts" ]; then
         say "warning: pip check reports conflicting requirements:"
         echo "$conflicts" >&2
