@@ -9,9 +9,11 @@ per-sample gradients of the last layer).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -436,3 +438,23 @@ def test_bad_options_are_refused() -> None:
     sub = HessianEigenthingsGGN(model, "classification", subnetwork_indices=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="subnetwork Laplace takes 'full' or 'diag'"):
         sub.kron(X, y, N=23)
+
+
+# -- the how-to ------------------------------------------------------------------------------------
+
+
+def test_howto_laplace_torch_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/howto/laplace.md fences its laplace-torch block `py` (see the comment beside it), so
+    # tests/test_docs.py does not run it: this test does
+    page = Path(__file__).resolve().parents[2] / "docs" / "howto" / "laplace.md"
+    blocks = re.findall(r"^```py\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 1 and blocks[0].startswith("# requires: laplace")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "docs_laplace_torch"}
+    with warnings.catch_warnings():
+        # laplace-torch reminds of its default link_approx on every classification call
+        warnings.filterwarnings("ignore", message=".*By default `link_approx` is `probit`.*")
+        exec(compile(blocks[0], "laplace.md (laplace-torch block)", "exec"), namespace)
+    la, lowrank = namespace["la"], namespace["lowrank"]
+    assert float(la.prior_precision) > 0  # type: ignore[attr-defined]
+    assert lowrank.H[0].shape[1] == 8  # type: ignore[attr-defined]
