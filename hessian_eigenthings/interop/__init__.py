@@ -11,7 +11,10 @@
   shapes; ``.to_scipy()``, ``+``, ``*`` and curvlinops' trace, diagonal and
   spectrum estimators take it.
 
-A scipy ``LinearOperator`` needs no adapter: ``op.to_scipy()``.
+A scipy ``LinearOperator`` needs no adapter: ``op.to_scipy()``. laplace-torch backends
+(its ``CurvatureInterface`` from our operators) live in :mod:`hessian_eigenthings.interop.laplace`,
+a submodule that needs laplace-torch (``pip install hessian-eigenthings[laplace]``); this package
+does not import it.
 
 curvlinops (``pip install hessian-eigenthings[curvlinops]``) is imported
 only when an adapter is called. Both adapters add no copy beyond the
