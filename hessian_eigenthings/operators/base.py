@@ -135,22 +135,20 @@ class DataCurvatureOperator(DataOperatorSetup):
         # the flat output buffer: V is a (k, n) block in the layout's dtype and device
         out = torch.empty_like(V, memory_format=torch.contiguous_format)
         start = 0
-        sel.seen += k
-        if sel.seen >= sel.next_check:  # a loop that declared no budget (NOTE [auto engine])
-            sel.judge_loop()
-        if sel.pending:  # engine="auto" decides on the first block (NOTE [auto engine])
-            first = self._block_limit(k)
+        counts = self.counts
+        counts.products += k
+        if counts.products >= sel.look_at:  # engine="auto" looks at this block (NOTE [auto engine])
             keeps = self._reuse_enabled() and self._states.may_keep()
-            if sel.before_block(
-                V[:first],
-                out[:first],
+            start = sel.block(
+                V,
+                out,
+                first=self._block_limit(k),
                 product=self._rows,
                 keeps_states=keeps,
                 cold=2 if keeps and self._records_graphs(sel.runner) else 1,
                 on_switch=self.clear_cache,
-                counts=self.counts,
-            ):
-                start = first
+                counts=counts,
+            )
         while start < k:
             start = self._block_step(V, out, start)
         return out

@@ -320,6 +320,7 @@ class DataOperatorSetup(CurvatureOperator):
             )
         own = self.__dict__.get("_engine_selector")
         self.clear_cache()
+        made = self.counts.products
         self.__dict__["_engine_selector"] = EngineSelector(self, engine)
         try:
             yield
@@ -328,6 +329,7 @@ class DataOperatorSetup(CurvatureOperator):
             if own is None:
                 self.__dict__.pop("_engine_selector", None)
             else:
+                own.discount(self.counts.products - made)  # not products of its run
                 self.__dict__["_engine_selector"] = own
 
     def expect_products(self, n: int) -> None:

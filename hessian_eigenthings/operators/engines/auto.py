@@ -60,6 +60,7 @@ class Curvature(Protocol):
     model: nn.Module
     params: list[nn.Parameter]
     supports_functional: bool
+    counts: ProductCounts
 
     @property
     def device(self) -> torch.device: ...
@@ -190,8 +191,10 @@ BlockProduct = Callable[[torch.Tensor, torch.Tensor], None]
 class EngineSelector:
     """Owns which runner computes a curvature's per-batch products, and ``auto``'s choice.
 
-    ``runner`` is the active :class:`ProductRunner`; the operator calls :meth:`before_block`
-    before a block product (``auto`` decides there, timing the ``product`` it is given).
+    ``runner`` is the active :class:`ProductRunner`. The operator's data loop counts the
+    directions it is asked for (``counts.products``) and calls :meth:`block` when the count
+    reaches ``look_at`` (``auto`` judges the loop and decides there, timing the ``product`` it is
+    given); a steady product reads ``look_at`` and nothing else of the selector.
     """
 
     def __init__(self, curvature: Curvature, engine: str) -> None:
@@ -222,13 +225,15 @@ class EngineSelector:
         self.expected_products = 1
         self.auto = AutoChoice(chosen="autograd", reason="undecided")
         self.decided = engine != "auto"
-        #: ``auto`` decides on the next block (enough products expected, not decided yet)
-        self.pending = False
         self.trial_products = 0
-        #: products (single directions) seen while ``auto`` is undecided, and the count at which
-        #: a bare loop is judged next (NOTE [auto engine]); the operator's data loop counts
-        self.seen = 0
-        self.next_check: float = 1 if engine == "auto" else float("inf")
+        #: the operator's count of products; this selector's start at ``counts.products - _made``
+        self.counts = curvature.counts
+        self._start = self.counts.products
+        self._pending = False
+        self._next_check: float = 1 if engine == "auto" else float("inf")
+        #: the operator's product count at which its data loop calls ``block`` next
+        self.look_at: float = 0.0
+        self._arm()
         #: the model-and-curvature key of NOTE [trace times], made at the first judgement
         self._structure: str | None = None
         self._hint: str | None = None
@@ -236,6 +241,76 @@ class EngineSelector:
         self._records_tried = engine != "auto"
         if engine in ("functional", "compiled", "layers"):
             self.runner = self._make(engine)
+
+    # -- when the data loop calls ------------------------------------------------------
+    @property
+    def seen(self) -> int:
+        """Products (single directions) the operator made since this selector was built."""
+        return self.counts.products - self._start
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self._start = self.counts.products - value
+        self._arm()
+
+    @property
+    def pending(self) -> bool:
+        """``auto`` decides on the next block (enough products expected, not decided yet)."""
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: bool) -> None:
+        self._pending = value
+        self._arm()
+
+    @property
+    def next_check(self) -> float:
+        """The count of products at which a bare loop is judged next (NOTE [auto engine])."""
+        return self._next_check
+
+    @next_check.setter
+    def next_check(self, value: float) -> None:
+        self._next_check = value
+        self._arm()
+
+    def _arm(self) -> None:
+        """``look_at``: the next block while a decision is pending, else the next judgement."""
+        self.look_at = float("-inf") if self._pending else self._start + self._next_check
+
+    def discount(self, products: int) -> None:
+        """``products`` made on another selector (``using_engine``) are not this run's."""
+        self._start += products
+        self._arm()
+
+    def block(
+        self,
+        V: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        first: int,
+        product: BlockProduct,
+        keeps_states: bool,
+        on_switch: Callable[[], None],
+        counts: ProductCounts,
+        cold: int = 1,
+    ) -> int:
+        """The data loop's call for the block ``V`` (k, n) once its count reached ``look_at``:
+        judge a loop that declared no length, and decide on the first ``first`` rows where a
+        decision is pending (:meth:`before_block`). Returns the first row the loop computes
+        (``first`` where the decision's last product wrote ``out[:first]``, else 0)."""
+        if self.seen >= self._next_check:  # a loop that declared no budget (NOTE [auto engine])
+            self.judge_loop()
+        if self._pending and self.before_block(
+            V[:first],
+            out[:first],
+            product=product,
+            keeps_states=keeps_states,
+            cold=cold,
+            on_switch=on_switch,
+            counts=counts,
+        ):
+            return first
+        return 0
 
     # -- which engine ---------------------------------------------------------------
     @property
@@ -349,53 +424,7 @@ class EngineSelector:
         ``A V`` (the decision's last product)."""
         if not self.pending:
             return False  # few products: autograd, undecided (a later budget may change that)
-        n, a = self.expected_products, self.auto
-        if not self._records_tried:
-            self._records_tried = True
-            d = decide(self.facts_now(keeps_states, first_look=True), n, {}, current_policy())
-            if d.step == "adopt":  # decided from records (NOTE [what auto remembers])
-                self.decided, self.pending = True, False
-                a.expected_products = n
-                a.take(d)
-                _Trial(self, product, on_switch).functional_from_records(V, out, d)
-                return True
-        if self.seen <= cold * V.shape[0]:
-            # the operator's first products are cold: decide later (NOTE [auto engine])
-            return False
-        self.decided, self.pending = True, False
-        a.expected_products = n
-        d = decide(self.facts_now(keeps_states), n, {}, current_policy())
-        if d.step == "keep":  # the traced engines are refused here
-            a.settle(d)
-            self.next_check = float("inf")
-            return False
-        # the first product is the run's own (counted) and sizes the run
-        self._switch("autograd", on_switch)
-        try:
-            _, first = timed(self.device, lambda: product(V, out))
-        except BaseException:
-            self.decided = False  # judged again later (NOTE [auto engine])
-            raise
-        per = first / V.shape[0]
-        a.timings_ms["autograd_first"] = per
-        self.note_facts(autograd_ms=round(per, 4))
-        d = decide(self.facts_now(), n, {"autograd_first": per}, current_policy())
-        a.take(d)
-        if d.step == "later":  # a short run
-            a.settle(d)
-            self.decided = False  # judged again if the run goes on (NOTE [auto engine])
-            return True
-        # the trial runs single products (a few per engine, whatever the block width) into a
-        # scratch row; they are reported (trial_products), not counted as the run's
-        passes, forwards = counts.passes, counts.forwards
-        try:
-            if d.step == "check":
-                _Trial(self, product, on_switch).adopt_functional(V[:1], out[:1], d)
-            else:
-                _Trial(self, product, on_switch).run(V[:1], out[:1].clone(), out[:1].clone())
-        finally:
-            counts.passes, counts.forwards = passes, forwards
-        return True
+        return _Trial(self, product, on_switch).judge(V, out, keeps_states, counts, cold)
 
     def facts_now(
         self,
@@ -454,7 +483,8 @@ class EngineSelector:
 
 
 class _Trial:
-    """``auto``'s timing of the engines on single products (NOTE [auto engine])."""
+    """``auto``'s judgement of a block and its timing of the engines on single products (NOTE
+    [auto engine]): what ``policy.decide`` says to measure or adopt, done."""
 
     def __init__(
         self, selector: EngineSelector, product: BlockProduct, on_switch: Callable[[], None]
@@ -510,6 +540,65 @@ class _Trial:
             "autograd",
             f"functional engine failed: {type(exc).__name__}: {str(exc)[:120]}",
         )
+
+    def judge(
+        self,
+        V: torch.Tensor,
+        out: torch.Tensor,
+        keeps_states: bool,
+        counts: ProductCounts,
+        cold: int,
+    ) -> bool:
+        """``EngineSelector.before_block`` on a block where a decision is pending: what
+        ``policy.decide`` says, run (NOTE [auto engine]). True when ``out`` holds ``A V``."""
+        sel, on_switch = self.sel, self.on_switch
+        n, a = sel.expected_products, sel.auto
+        if not sel._records_tried:
+            sel._records_tried = True
+            d = decide(sel.facts_now(keeps_states, first_look=True), n, {}, current_policy())
+            if d.step == "adopt":  # decided from records (NOTE [what auto remembers])
+                sel.decided, sel.pending = True, False
+                a.expected_products = n
+                a.take(d)
+                self.functional_from_records(V, out, d)
+                return True
+        if sel.seen <= cold * V.shape[0]:
+            # the operator's first products are cold: decide later (NOTE [auto engine])
+            return False
+        sel.decided, sel.pending = True, False
+        a.expected_products = n
+        d = decide(sel.facts_now(keeps_states), n, {}, current_policy())
+        if d.step == "keep":  # the traced engines are refused here
+            a.settle(d)
+            sel.next_check = float("inf")
+            return False
+        # the first product is the run's own (counted) and sizes the run
+        sel._switch("autograd", on_switch)
+        try:
+            _, first = timed(sel.device, lambda: self.product(V, out))
+        except BaseException:
+            sel.decided = False  # judged again later (NOTE [auto engine])
+            raise
+        per = first / V.shape[0]
+        a.timings_ms["autograd_first"] = per
+        sel.note_facts(autograd_ms=round(per, 4))
+        d = decide(sel.facts_now(), n, {"autograd_first": per}, current_policy())
+        a.take(d)
+        if d.step == "later":  # a short run
+            a.settle(d)
+            sel.decided = False  # judged again if the run goes on (NOTE [auto engine])
+            return True
+        # the trial runs single products (a few per engine, whatever the block width) into a
+        # scratch row; they are reported (trial_products), not counted as the run's
+        passes, forwards = counts.passes, counts.forwards
+        try:
+            if d.step == "check":
+                self.adopt_functional(V[:1], out[:1], d)
+            else:
+                self.run(V[:1], out[:1].clone(), out[:1].clone())
+        finally:
+            counts.passes, counts.forwards = passes, forwards
+        return True
 
     def adopt_functional(self, V: torch.Tensor, reference: torch.Tensor, d: Decision) -> None:
         """The functional engine without timing the engines again (an earlier run's trial found it

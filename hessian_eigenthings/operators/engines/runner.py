@@ -56,11 +56,13 @@ class ProductRunner(Protocol):
 class ProductCounts:
     """Cost counters of one operator's products, shared by its collaborators (noise-free costs
     for tests and benchmarks): passes over the data (one per batch chunk), forward passes,
-    replayed CUDA-graph products."""
+    replayed CUDA-graph products, products asked for."""
 
     passes: int = 0
     forwards: int = 0
     replays: int = 0
+    #: directions the operator's products were asked for (``auto`` judges a loop by it)
+    products: int = 0
 
 
 class AutogradRunner:
