@@ -1,0 +1,471 @@
+"""Influence scores from a fitted curvature: pairwise scores and self-influence.
+
+Convention (NOTE [influence sign]): the score of a training example ``z`` on a query ``q`` is
+
+    score(q, z) = −∇L(q)ᵀ (C + λI)⁻¹ ∇L(z)
+
+the rate at which the query's loss changes when ``z`` is up-weighted in the training objective
+(Koh & Liang's ``I_up,loss``, with the per-example loss ``L`` and the objective of the task,
+``influence.tasks``). **Positive: up-weighting ``z`` raises the query's loss (``z`` is harmful to
+``q``); negative: it lowers it (``z`` helps ``q``).** Kronfluence reports
+``∇L(q)ᵀ (C + λI)⁻¹ ∇L(z)`` without the minus sign, so its scores are ours negated: its
+"most positive" (helpful) examples are our most negative ones.
+
+Cost. ``fit`` builds ``C`` once: EK-FAC two passes over the training data (K-FAC one), the exact
+GGN or Hessian nothing until a solve. Query gradients are preconditioned once: one exact
+damped inverse of the Kronecker operator (an eigendecomposition per factor, cached), or one
+block CG (MINRES for the Hessian) over the data with every query as a column. Training
+gradients are then streamed batch by batch, one batched backward per batch
+(``influence.gradients``), each block of scores a product ``(n_query, n) @ (n, B)``.
+Self-influence preconditions every training gradient (a block solve per batch on the exact
+routes: slow on large data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hessian_eigenthings.algorithms import solve
+from hessian_eigenthings.algorithms._checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    remove_checkpoint,
+    save_checkpoint,
+)
+from hessian_eigenthings.algorithms._common import progress_bar
+from hessian_eigenthings.batching import Batch, BatchSource, no_batch_message
+from hessian_eigenthings.influence.gradients import PerExampleGradients
+from hessian_eigenthings.influence.tasks import InfluenceTask
+from hessian_eigenthings.operators import (
+    EKFACOperator,
+    GGNOperator,
+    HessianOperator,
+    KFACOperator,
+)
+from hessian_eigenthings.operators.engines import EngineName
+from hessian_eigenthings.operators.factor_pass import FisherType, is_hf_conv1d
+from hessian_eigenthings.operators.protocol import CurvatureOperator
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
+
+__all__ = ["Curvature", "Influence", "fit"]
+
+Curvature = Literal["ekfac", "kfac", "ggn", "hessian"]
+_CURVATURES = ("ekfac", "kfac", "ggn", "hessian")
+#: more output classes than this take fisher_type="mc" by default: type-2 takes a batched
+#: backward per column_chunk (16) classes, mc one plain backward
+_TYPE2_MAX_CLASSES = 16
+
+
+class _OperatorBatches:
+    """The training data as the task's operator batches, re-iterable as the data is."""
+
+    def __init__(self, data: Iterable[Batch], task: InfluenceTask) -> None:
+        self.data = data
+        self.task = task
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.data:
+            yield self.task.operator_batch(batch)
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+
+def _refuse_training_mode(model: nn.Module) -> None:
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    if training:
+        raise ValueError(
+            f"the model is in training mode ({training[0]!r}{' and more' if len(training) > 1 else ''}): "
+            "dropout would make every gradient random and BatchNorm would couple the examples; "
+            "call model.eval() before computing influence"
+        )
+
+
+def _first_batch(data: Iterable[Batch], what: str) -> Batch:
+    source = BatchSource(data)
+    first = source.first_batch()
+    if first is None:
+        raise ValueError(f"{what} has no examples ({no_batch_message(data)})")
+    return first
+
+
+def _kronecker_selection(model: nn.Module) -> tuple[list[str], tuple[str, ...]]:
+    """The default parameters of the Kronecker routes: every trainable weight and bias of an
+    ``nn.Linear`` / ``nn.Conv2d`` / ``Conv1D`` layer that no other module uses; and those left
+    out, with why (NOTE [tied heads])."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((mname, module, pname))
+    chosen: list[str] = []
+    left_out: list[str] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        uses = owners[id(p)]
+        if len(uses) > 1:
+            aliases = " = ".join(f"{m}.{n}" if m else n for m, _, n in uses)
+            left_out.append(f"{name} (tied: {aliases})")
+            continue
+        _, module, pname = uses[0]
+        covered = isinstance(module, (nn.Linear, nn.Conv2d)) or is_hf_conv1d(module)
+        if covered and pname in ("weight", "bias"):
+            chosen.append(name)
+        else:
+            left_out.append(f"{name} ({type(module).__name__})")
+    if not chosen:
+        raise ValueError(
+            "the model has no trainable, untied nn.Linear / nn.Conv2d / Conv1D parameter for "
+            "curvature='ekfac'/'kfac'; use curvature='ggn' (exact, any parameter)"
+        )
+    return chosen, tuple(left_out)
+
+
+def fit(
+    model: nn.Module,
+    train_data: Iterable[Batch],
+    task: InfluenceTask,
+    *,
+    curvature: Curvature = "ekfac",
+    damping: float | None = None,
+    param_filter: ParamFilter | str | Sequence[str] | None = None,
+    fisher_type: FisherType | None = None,
+    mc_samples: int = 1,
+    seed: int = 0,
+    tol: float = 1e-8,
+    max_iter: int | None = None,
+    engine: EngineName = "auto",
+) -> Influence:
+    """The curvature ``C`` of the task's objective over ``train_data``, ready to score.
+
+    Args:
+        model: in eval mode (refused in training mode: dropout makes gradients random).
+        train_data: an iterable of batches that can be read again (a list, a DataLoader).
+        task: :func:`~hessian_eigenthings.influence.supervised_task` or
+            :func:`~hessian_eigenthings.influence.causal_lm_task` (or a subclass of
+            :class:`~hessian_eigenthings.influence.InfluenceTask`).
+        curvature: ``"ekfac"`` (default, :class:`~hessian_eigenthings.operators.EKFACOperator`),
+            ``"kfac"`` (:class:`~hessian_eigenthings.operators.KFACOperator`), both inverted
+            exactly with their damping; ``"ggn"`` (the exact GGN, solved by block CG on its
+            products) or ``"hessian"`` (the exact Hessian, block MINRES: ``H + λI`` may be
+            indefinite), for small and medium models.
+        damping: ``λ``. Default for the Kronecker routes: ``0.1 ·`` the operator's mean
+            eigenvalue (``trace / size``, Kronfluence's heuristic); the exact routes need it.
+        param_filter: the parameters scored. Default: every trainable parameter for the exact
+            routes; for the Kronecker routes the weights and biases of ``nn.Linear`` /
+            ``nn.Conv2d`` / ``Conv1D`` layers, tied parameters left out (NOTE [tied heads];
+            listed in ``.excluded_parameters``).
+        fisher_type: the Kronecker routes' ``"type2"``, ``"mc"`` or ``"empirical"``; default
+            ``"type2"`` for outputs of at most 16 classes (one batched backward), else ``"mc"`` (a language model's
+            vocabulary: type-2 takes a backward per 16 classes, mc one per batch; Kronfluence
+            samples one label per token too).
+        mc_samples, seed: of ``fisher_type="mc"``.
+        tol, max_iter: of the exact routes' solves (relative residual, iterations per column).
+        engine: the exact routes' product engine (``engine=`` of the data operators).
+
+    NOTE [tied heads]: a parameter used by two modules (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) has one gradient summing both uses, while a Kronecker block sees
+    one layer's use. Kronfluence tracks ``lm_head`` as a Linear and ignores the embedding use
+    in both its factors and its gradients. Here the default leaves tied parameters out of the
+    Kronecker routes (named in ``excluded_parameters``), and a ``param_filter`` that selects one
+    is refused by the operator; the exact routes (``"ggn"``, ``"hessian"``) score them with
+    their whole gradient.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(task, InfluenceTask):
+        raise TypeError(
+            "task must be an influence task: influence.supervised_task(criterion), "
+            f"influence.causal_lm_task() or an InfluenceTask subclass; got {type(task).__name__}"
+        )
+    if curvature not in _CURVATURES:
+        raise ValueError(
+            f"curvature must be one of {', '.join(map(repr, _CURVATURES))}; got {curvature!r}"
+        )
+    _refuse_training_mode(model)
+    first = _first_batch(train_data, "train_data")
+    task.check_batch(model, first, "train_data's first batch")
+    data = _OperatorBatches(train_data, task)
+    excluded: tuple[str, ...] = ()
+    op: CurvatureOperator
+    if curvature in ("ekfac", "kfac"):
+        if param_filter is None:
+            names, excluded = _kronecker_selection(model)
+            chosen = set(names)
+            param_filter = _named_filter(chosen)
+        if fisher_type is None:
+            with torch.no_grad():
+                out = task.forward(model, task.operator_batch(first))
+            classes = int(out.shape[1]) if out.dim() > 1 else 1
+            fisher_type = "type2" if classes <= _TYPE2_MAX_CLASSES else "mc"
+        cls = EKFACOperator if curvature == "ekfac" else KFACOperator
+        op = cls(
+            model,
+            data,
+            task.forward,
+            task.loss_of_output,
+            fisher_type=fisher_type,
+            param_filter=param_filter,
+            mc_samples=mc_samples,
+            seed=seed,
+        )
+        if damping is None:
+            damping = 0.1 * float(op.trace()) / op.size
+    else:
+        if fisher_type is not None:
+            raise ValueError(
+                f"fisher_type applies to curvature='ekfac'/'kfac'; curvature={curvature!r} is exact"
+            )
+        if damping is None:
+            raise ValueError(
+                f"curvature={curvature!r} needs damping=λ > 0 (e.g. 1e-3 · the curvature's mean "
+                "eigenvalue, he.trace(op) / op.size)"
+            )
+        if curvature == "ggn":
+            op = GGNOperator(
+                model,
+                data,
+                task.forward,
+                task.loss_of_output,
+                param_filter=param_filter,
+                engine=engine,
+            )
+        else:
+
+            def loss_fn(m: nn.Module, batch: Batch) -> torch.Tensor:
+                return task.loss_of_output(task.forward(m, batch), batch)
+
+            op = HessianOperator(model, data, loss_fn, param_filter=param_filter, engine=engine)
+    if not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping < 0:
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+    if damping == 0 and curvature in ("ggn", "hessian"):
+        raise ValueError(f"curvature={curvature!r} needs damping > 0 (the curvature is singular)")
+    return Influence(
+        model, task, op, float(damping), curvature, fisher_type, excluded, tol, max_iter
+    )
+
+
+def _named_filter(names: set[str]) -> ParamFilter:
+    def keep(name: str, _p: nn.Parameter) -> bool:
+        return name in names
+
+    return keep
+
+
+class Influence:
+    """A fitted curvature and the task it belongs to (made by :func:`fit`).
+
+    Attributes: ``operator`` (``C``, undamped), ``damping`` (``λ``), ``curvature``,
+    ``fisher_type`` (the Kronecker routes'), ``layout`` (the scored parameters: names, shapes),
+    ``excluded_parameters`` (left out by the default selection, with why).
+
+    ``pairwise_scores(query_data, train_data)`` ``(n_query, n_train)``,
+    ``self_influence(train_data)`` ``(n_train,)``, ``gradients(batch)`` ``(B, n)``,
+    ``precondition(G)`` ``(C + λI)⁻¹`` applied to rows ``(k, n)``. Scores follow NOTE
+    [influence sign] (module docstring): positive raises the query's loss.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: InfluenceTask,
+        operator: CurvatureOperator,
+        damping: float,
+        curvature: Curvature,
+        fisher_type: FisherType | None,
+        excluded: tuple[str, ...],
+        tol: float,
+        max_iter: int | None,
+    ) -> None:
+        self.model = model
+        self.task = task
+        self.operator = operator
+        self.damping = damping
+        self.curvature: Curvature = curvature
+        self.fisher_type = fisher_type
+        self.excluded_parameters = excluded
+        self.layout: ParamLayout = operator.layout  # type: ignore[attr-defined]
+        self.tol = tol
+        self.max_iter = max_iter
+        self._grads = PerExampleGradients(model, self.layout, task.per_example_loss)
+        self._inverse: CurvatureOperator | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Influence(curvature={self.curvature!r}, damping={self.damping:.3g}, "
+            f"parameters={self.layout.size}, task={self.task!r})"
+        )
+
+    # -- the pieces ------------------------------------------------------------------------------
+    def gradients(self, batch: Batch) -> torch.Tensor:
+        """``∇L`` of each example of ``batch``, rows ``(B, n)`` in ``layout``'s order."""
+        return self._grads(batch)
+
+    def precondition(self, G: torch.Tensor) -> torch.Tensor:
+        """``(C + λI)⁻¹ g`` for each row ``g`` of ``G (k, n)``."""
+        if G.shape[0] == 0:
+            return G.clone()
+        if self.curvature in ("ekfac", "kfac"):
+            if self._inverse is None:
+                self._inverse = self.operator.inverse(self.damping)  # type: ignore[attr-defined]
+            assert self._inverse is not None
+            return (self._inverse @ G.T).T
+        result = solve(
+            self.operator,
+            G.T,
+            damping=self.damping,
+            method="cg" if self.curvature == "ggn" else "minres",
+            tol=self.tol,
+            max_iter=self.max_iter,
+            progress=False,
+        )
+        return result.x.T
+
+    def _checked_batches(self, data: Iterable[Batch], what: str) -> Iterator[tuple[int, Batch]]:
+        _first_batch(data, what)  # an iterable of batches, not one batch; not empty
+        _refuse_training_mode(self.model)
+        for i, batch in enumerate(data):
+            self.task.check_batch(self.model, batch, f"{what} batch {i}")
+            yield i, batch
+
+    def query_gradients(self, query_data: Iterable[Batch]) -> torch.Tensor:
+        """``(C + λI)⁻¹ ∇L(q)`` of every query, rows ``(n_query, n)``."""
+        rows = [self.gradients(b) for _, b in self._checked_batches(query_data, "query_data")]
+        return self.precondition(torch.cat(rows))
+
+    # -- scores ----------------------------------------------------------------------------------
+    def pairwise_scores(
+        self,
+        query_data: Iterable[Batch],
+        train_data: Iterable[Batch],
+        *,
+        rank: int | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
+        progress: bool | None = None,
+    ) -> torch.Tensor:
+        """``score(q, z)`` for every query and training example, ``(n_query, n_train)``.
+
+        The query gradients are preconditioned once; the training gradients are streamed batch
+        by batch. ``rank``: keep the top-``rank`` singular triplets of each preconditioned query
+        gradient's parameter matrices (Kronfluence's low-rank queries: memory ``rank·(m + q)``
+        per ``m × q`` weight instead of ``m·q``; vectors stay whole); ``None``: exact.
+        ``checkpoint``: a file the scores so far are saved to every ``checkpoint_every``
+        training batches, and resumed from (bit for bit those of an unbroken run; refused if
+        written by another call: other queries, curvature, damping or rank); removed when the
+        scores are complete. ``progress``: a bar over the training batches (``None``: on a
+        terminal).
+        """
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+            raise ValueError(f"rank must be an integer >= 1 or None, got {rank!r}")
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+        _first_batch(train_data, "train_data")  # before the queries' work: an empty set says so now
+        Q = self.query_gradients(query_data)
+        path = checkpoint_path(checkpoint)
+        config = {
+            "curvature": self.curvature,
+            "damping": self.damping,
+            "rank": rank,
+            "n_query": int(Q.shape[0]),
+            "parameters": list(self.layout.names),
+            "queries": _fingerprint(Q),
+        }
+        gen = torch.Generator()  # the checkpoint format's; nothing here is random
+        blocks: list[torch.Tensor] = []
+        done = 0
+        if path is not None and path.exists():
+            state = load_checkpoint(path, "influence.pairwise_scores", config, gen)
+            done = int(state["batches"])
+            blocks = [state["scores"]]
+        scorer = _LowRank(Q, self.layout, rank) if rank is not None else None
+        total = _length(train_data)
+        with progress_bar(total, "influence scores", progress) as bar:
+            bar.update(done)
+            for i, batch in self._checked_batches(train_data, "train_data"):
+                if i < done:
+                    continue
+                G = self.gradients(batch).to(Q.dtype)
+                blocks.append(-(scorer(G) if scorer is not None else Q @ G.T))
+                bar.update(1)
+                if path is not None and (i + 1 - done) % checkpoint_every == 0:
+                    so_far = torch.cat(blocks, dim=1)
+                    blocks = [so_far]
+                    save_checkpoint(
+                        path,
+                        "influence.pairwise_scores",
+                        config,
+                        {"batches": i + 1, "scores": so_far.clone()},
+                        gen,
+                    )
+        scores = torch.cat(blocks, dim=1)
+        if path is not None:
+            remove_checkpoint(path)
+        return scores
+
+    def self_influence(
+        self, train_data: Iterable[Batch], *, progress: bool | None = None
+    ) -> torch.Tensor:
+        """``score(z, z) = −∇L(z)ᵀ (C + λI)⁻¹ ∇L(z)`` for every training example, ``(n_train,)``
+        (never positive: ``C + λI`` is positive definite on the GGN and Kronecker routes)."""
+        out: list[torch.Tensor] = []
+        with progress_bar(_length(train_data), "self-influence", progress) as bar:
+            for _, batch in self._checked_batches(train_data, "train_data"):
+                G = self.gradients(batch)
+                out.append(-(self.precondition(G) * G).sum(1))
+                bar.update(1)
+        return torch.cat(out)
+
+
+def _length(data: Iterable[Batch]) -> int | None:
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _fingerprint(Q: torch.Tensor) -> str:
+    """A hash of the preconditioned query gradients' bytes: a checkpoint belongs to one set."""
+    data = Q.detach().to("cpu").contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+class _LowRank:
+    """Scores against preconditioned query gradients kept as rank-``r`` factors per weight
+    matrix: ``Σ_i s_i u_iᵀ G v_i`` for a training gradient's matrix ``G`` (vectors whole)."""
+
+    def __init__(self, Q: torch.Tensor, layout: ParamLayout, rank: int) -> None:
+        self.layout = layout
+        self.parts: list[tuple[str, Any]] = []
+        for view, shape in zip(layout.split_rows(Q), layout.shapes, strict=True):
+            k = view.shape[0]
+            if len(shape) < 2:
+                self.parts.append(("dense", view.reshape(k, -1).clone()))
+                continue
+            M = view.reshape(k, shape[0], -1)
+            U, S, Vh = torch.linalg.svd(M, full_matrices=False)
+            r = min(rank, S.shape[-1])
+            left = U[..., :r] * S[:, None, :r]  # (k, m, r)
+            right = Vh[:, :r, :].transpose(1, 2)  # (k, q, r)
+            self.parts.append(("factored", (left.contiguous(), right.contiguous())))
+
+    def __call__(self, G: torch.Tensor) -> torch.Tensor:
+        B = G.shape[0]
+        total: torch.Tensor | None = None
+        for (kind, held), view in zip(self.parts, self.layout.split_rows(G), strict=True):
+            if kind == "dense":
+                term = held @ view.reshape(B, -1).T
+            else:
+                left, right = held
+                M = view.reshape(B, left.shape[1], -1)
+                term = torch.einsum("jmr,bmq,jqr->jb", left, M, right)
+            total = term if total is None else total + term
+        assert total is not None
+        return total
