@@ -198,11 +198,12 @@ _registry.export_into(__all__)
 
 
 def __getattr__(attr: str) -> object:
-    # `he.testing` (dense oracles, check_operator) without importing it with the package
-    if attr == "testing":
+    # `he.testing` (dense oracles, check_operator) and `he.influence` (influence scores) without
+    # importing them with the package
+    if attr in ("testing", "influence"):
         import importlib
 
-        return importlib.import_module("hessian_eigenthings.testing")
+        return importlib.import_module(f"hessian_eigenthings.{attr}")
     cls = _registry.exported_class(attr)
     if cls is not None:
         return cls
