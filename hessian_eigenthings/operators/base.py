@@ -133,7 +133,10 @@ class DataCurvatureOperator(DataOperatorSetup):
             self.guard.warn_random_forward(type(self).__name__)
         k = V.shape[0]
         # the flat output buffer: V is a (k, n) block in the layout's dtype and device
-        out = torch.empty_like(V, memory_format=torch.contiguous_format)
+        if self.ranks.distributed:  # see NOTE [one process, no ranks module]
+            out = self.ranks.output(V, self._block_limit(k) >= k)
+        else:
+            out = torch.empty_like(V, memory_format=torch.contiguous_format)
         start = 0
         counts = self.counts
         counts.products += k
@@ -188,6 +191,7 @@ class DataCurvatureOperator(DataOperatorSetup):
         curvature."""
         return bool(
             self.cuda_graphs
+            and self.ranks.records_graphs
             and self._device.type == "cuda"
             and RNG_RESTORABLE
             and getattr(runner, "recordable", True)
@@ -199,8 +203,17 @@ class DataCurvatureOperator(DataOperatorSetup):
 
         ``out = Σ bᵢ·Pᵢ / Σ bᵢ`` over the chunks of the pass, where ``Pᵢ`` is
         the product of chunk ``i`` (mean loss over its ``bᵢ`` samples). With
-        one chunk this is a single copy into the buffer.
+        one chunk this is a single copy into the buffer. The pass runs in its ranks' scope
+        (``ranks.product_pass``: a distributed pass joins the other ranks when it fails).
         """
+        if not self.ranks.distributed:  # NOTE [one process, no ranks module]
+            self._weighted_pass(V, out)
+            return
+        with self.ranks.product_pass(V, out):
+            self._weighted_pass(V, out)
+
+    def _weighted_pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
+        """``_pass`` inside its ranks' scope."""
         runner = (self.__dict__.get("_engine_selector") or self._engines).runner
         graphs = self._records_graphs(runner)
         # the model's reuse key, read once per pass under its switches when a state is kept
@@ -244,32 +257,49 @@ class DataCurvatureOperator(DataOperatorSetup):
 
     def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
         """Normalize the weighted sum. ``out`` holds ``P₁`` when ``count == 1``, else
-        ``Σ wᵢ·Pᵢ``; ``total = Σ wᵢ`` (``wᵢ = bᵢ`` unless NOTE [batch weighting]). Distributed
-        wrappers override this to reduce across ranks before dividing; curvatures that count
-        their own samples override it to say why none counted."""
+        ``Σ wᵢ·Pᵢ``; ``total = Σ wᵢ`` (``wᵢ = bᵢ`` unless NOTE [batch weighting]). The ranks
+        finish it (distributed ones reduce across the ranks before dividing).
+
+        NOTE [one process, no ranks module]: on one process (``LOCAL``) the data loop does what
+        ``Ranks`` would do without calling it, so that a steady product stays in the modules
+        ``tests/perf/test_module_hops.py`` pins (``Ranks.finish`` is this same finish)."""
+        if self.ranks.distributed:
+            self.ranks.finish(out, count, total, self._check_counted)
+            return
+        self._check_counted(count, total)
+        if count > 1:
+            out.mul_(1.0 / total)
+
+    def _check_counted(self, count: int, total: float) -> None:
+        """Raise when the pass (over every rank) counted nothing; curvatures that count their
+        own samples override this to say why none counted."""
         if count == 0:
             raise ValueError(
                 "the data has zero samples to average over (every batch is empty or has no weight)"
             )
-        if count > 1:
-            out.mul_(1.0 / total)
 
     def _fresh_chunks(self) -> Iterator[tuple[Batch, Batch]]:
-        """``(batch, chunk)`` for every chunk of one pass (products without kept states)."""
-        for raw in self._empty.filter(self.source):  # NOTE [empty batches]
-            for chunk in self._chunks(raw):
-                yield raw, chunk
+        """``(batch, chunk)`` for every chunk of one pass that this rank runs (products without
+        kept states; ``ranks.chunks``: sharded ranks agree before each)."""
+        chunks = (
+            (raw, chunk)
+            for raw in self._empty.filter(self.source)  # NOTE [empty batches]
+            for chunk in self._chunks(raw)
+        )
+        return self.ranks.chunks(chunks, lambda raw, chunk: self._weight(self._samples(chunk), raw))
 
     def _chunk_product(
         self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
     ) -> tuple[Product, float]:
-        """The product of one chunk without a kept state, and its weight (``_weight``)."""
+        """The product of one chunk without a kept state, and its weight (``_weight``), as its
+        ranks take it (``ranks.chunk_product``: sharded ranks sum it over the ranks)."""
         if graphs:
             product = self.recorder.fresh_product(runner, chunk, rows, self._product)
-        else:
-            with self.guard.private_buffers():
-                product = self._product(chunk, rows.views)
-        return product, self._weight(self._samples(chunk), raw)
+            return product, self._weight(self._samples(chunk), raw)
+        with self.guard.private_buffers():
+            return self.ranks.chunk_product(
+                chunk, rows.views, self._product, lambda: self._weight(self._samples(chunk), raw)
+            )
 
     def _state_builder(self, runner: ProductRunner, graphs: bool) -> Callable[[Batch], Any]:
         """How a chunk's state to keep is built: private buffers, and with recordings on the

@@ -26,7 +26,7 @@ from hessian_eigenthings.batching import (
     BatchSource,
     check_microbatching,
 )
-from hessian_eigenthings.linalg import LinAlgBackend, default_backend
+from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.standard import check_first_targets, target_check
 from hessian_eigenthings.operators.cuda_graphs import GraphRecorder
 from hessian_eigenthings.operators.empty_batches import EmptyBatches
@@ -43,6 +43,7 @@ from hessian_eigenthings.operators.layer_walk import find_layers
 from hessian_eigenthings.operators.model_guard import ModelGuard, Precision, check_precision
 from hessian_eigenthings.operators.parameter_binding import ParameterBinding
 from hessian_eigenthings.operators.protocol import CurvatureOperator
+from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 __all__ = ["DataOperatorSetup", "DataOptions", "Reuse"]
@@ -62,6 +63,7 @@ class DataOptions(TypedDict, total=False):
     engine: EngineName
     precision: Precision
     layers: str | Sequence[nn.Module] | None
+    ranks: Ranks | None
 
 
 def _unexpected_keyword(cls: type, name: str) -> TypeError:
@@ -107,12 +109,21 @@ class DataOperatorSetup(CurvatureOperator):
         def __init__(self: DataOperatorSetup, *args: Any, **kw: Any) -> None:
             outermost = "_constructing" not in self.__dict__
             self.__dict__["_constructing"] = True
+            failure: Exception | None = None
             try:
                 init(self, *args, **kw)
+            except Exception as exc:
+                if not outermost:
+                    raise
+                failure = exc
             finally:
                 if outermost:
                     del self.__dict__["_constructing"]
             if outermost:
+                # the ranks agree that each built the operator, or raise together (a thin
+                # constructor such as DDPHessianOperator sets them before the curvature's own)
+                ranks = self.__dict__.get("ranks") or kw.get("ranks") or LOCAL
+                ranks.constructed(self, failure)
                 self._constructed()
 
         __init__._then_constructed = True  # type: ignore[attr-defined]
@@ -160,14 +171,20 @@ class DataOperatorSetup(CurvatureOperator):
         precision: Precision = "fp32",
         layers: str | Sequence[nn.Module] | None = None,
         backend: LinAlgBackend | None = None,
+        ranks: Ranks | None = None,
         **unknown: object,
     ) -> None:
+        #: the processes products span (NOTE [rank agreement] in ``ranks``): one by default
+        self.ranks = self.__dict__.get("ranks") or ranks or LOCAL
         if unknown:
             # a misspelt option reaches this base through the subclass's **options: name the
             # class the user called, not this one
             raise _unexpected_keyword(type(self), next(iter(unknown)))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.ranks.check_model(model, type(self).__name__)
+        if not self.ranks.keeps_states:
+            graph_reuse = False
         microbatch_size = check_count("microbatch_size", microbatch_size, allow_none=True)
         max_block_size = check_count("max_block_size", max_block_size, allow_none=True)
         graph_reuse_max_batches = check_count(
@@ -199,7 +216,7 @@ class DataOperatorSetup(CurvatureOperator):
         self.graph_reuse_max_batches = graph_reuse_max_batches
         self.graph_memory_budget = graph_memory_budget
         self.cuda_graphs = cuda_graphs
-        self.backend = default_backend(backend)
+        self.backend = self.ranks.backend(backend)
         self.precision = check_precision(precision)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -223,6 +240,25 @@ class DataOperatorSetup(CurvatureOperator):
         #: widest block that fit after an out-of-memory retry (NOTE [block out of memory])
         self._oom_block_limit: int | None = None
         self.chunk_position = 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the operator's ranks (0 on one process)."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    @property
+    def process_group(self) -> Any:
+        """The ranks' process group (``None`` on one process)."""
+        return self.ranks.group
+
+    @property
+    def auto_trials(self) -> bool:
+        """Whether ``engine="auto"`` may time engines (not across ranks: they must agree)."""
+        return self.ranks.auto_trials
 
     num_passes = CountField("passes")
     num_forwards = CountField("forwards")

@@ -209,13 +209,13 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
             return super()._samples(chunk)
         return int(self._counted.sample_count(chunk))  # the host sync of a batch read
 
-    def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
+    def _check_counted(self, count: int, total: float) -> None:
         if total == 0:
             raise ValueError(
                 f"{self.per_sample_loss_fn!r} counted no sample in the data (sample_count was 0 for every "
                 "batch: are all labels -100?)"
             )
-        super()._finish_pass(out, count, total)
+        super()._check_counted(count, total)
 
     def _vmapped(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Per-sample losses of an un-batched ``per_sample_loss_fn``; see NOTE [un-batched per-sample functions]."""

@@ -64,7 +64,7 @@ this module only turns the pass's inputs and output gradients into factors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -91,6 +91,7 @@ from hessian_eigenthings.operators.kronecker import (
     refuse_not_finite,
 )
 from hessian_eigenthings.operators.precision import Precision
+from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamFilter
 
 __all__ = [
@@ -115,6 +116,7 @@ class LayerKroneckerOperator(KroneckerOperator):
     excluded_parameters: tuple[str, ...]
 
     def _start_pass(self, factor_pass: FactorPass) -> None:
+        self.ranks.start_factor_pass(factor_pass)  # its key by rank; sharded: agreed batches
         self._pass = factor_pass
         self.model = factor_pass.model
         self.forward_fn = factor_pass.forward_fn
@@ -239,7 +241,9 @@ class _KFACFactors(LayerKroneckerOperator):
         exclude_unsupported: bool = False,
         precision: Precision = "fp32",
         column_chunk: int = 16,
+        ranks: Ranks | None = None,
     ) -> None:
+        self.ranks = ranks or LOCAL
         factor_pass = FactorPass(
             type(self).__name__,
             model,
@@ -261,7 +265,7 @@ class _KFACFactors(LayerKroneckerOperator):
         self._start_pass(factor_pass)
         self.kfac_approx: KFACApprox = kfac_approx
         self.separate_bias = separate_bias
-        G_of, A_of = self._kfac_factors()
+        G_of, A_of = self.ranks.factor_pass(self._kfac_factors)
         self._init_layer_blocks(G_of, A_of)
         self._after_factors()
 
@@ -315,19 +319,11 @@ class _KFACFactors(LayerKroneckerOperator):
         """Each weighted sum over the batches divided by the total weight (a plain tensor: a sum
         of zeros). One process: one scaling per sum, none with one batch (NOTE [factor weights
         applied late]); data parallel: the sums are summed over the processes first."""
-        if not self.sums_over_processes and total > 0:
+        if not self.ranks.sums_factors and total > 0:
             return [s.mean(total) if isinstance(s, WeightedSum) else s for s in sums]
         values = [s.mean(1.0) if isinstance(s, WeightedSum) else s for s in sums]
-        total = self._sum_over_processes(values, total)
+        total = self.ranks.sum_factors(values, total)
         return [v.div_(total) for v in values]
-
-    #: whether factor sums are summed over processes before they are divided (data parallel)
-    sums_over_processes: ClassVar[bool] = False
-
-    def _sum_over_processes(self, sums: list[torch.Tensor], total: float) -> float:
-        """Sum ``sums`` (in place) and ``total`` over the processes of a data-parallel pass;
-        one process: as they are."""
-        return total
 
 
 class KFACOperator(_KFACFactors):
@@ -390,7 +386,7 @@ class EKFACOperator(_KFACFactors):
     def _after_factors(self) -> None:
         self._kfac_blocks = self._blocks
         bases = self._eigen()
-        scalings = self._compute_scalings(bases)
+        scalings = self.ranks.factor_pass(lambda: self._compute_scalings(bases))
         self._init_blocks(
             self.layout,
             [

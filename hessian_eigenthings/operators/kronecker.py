@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from hessian_eigenthings.operators.protocol import CurvatureOperator, same_device
+from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamLayout
 
 __all__ = [
@@ -367,6 +368,11 @@ class KroneckerOperator(CurvatureOperator):
     factors' may be wider (products are computed in the factors' dtype).
     """
 
+    #: the processes the vectors are spread over (``operators.ranks``): one by default. Sharded
+    #: ranks hold vectors in pieces: products, ``_eigen`` and eigenvectors go through their
+    #: ``module_blocks`` (``operators.sharded_kronecker``), one module's blocks at a time
+    ranks: Ranks = LOCAL
+
     def __init__(
         self,
         layout: ParamLayout | Mapping[str, torch.Tensor | Sequence[int]],
@@ -489,6 +495,8 @@ class KroneckerOperator(CurvatureOperator):
             views[block.bias].copy_(Y[..., d])
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
+        if (sharded := self.ranks.module_blocks) is not None:
+            return sharded.apply(V, lambda op, X: op._matmat_rows(X))
         out = self.layout.empty(V.shape[0])
         views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
         for block in self._blocks:
@@ -513,6 +521,8 @@ class KroneckerOperator(CurvatureOperator):
         (NOTE [eigenvalues at the rounding level]; a factor shared by several blocks is
         decomposed once); cached, and recomputed for the factors changed in place since (NOTE
         [factors changed in place])."""
+        if (sharded := self.ranks.module_blocks) is not None:
+            return sharded.eigen()
         stamp = self._versions()
         if self._eigen_cache is not None and stamp == self._eigen_stamp:
             return self._eigen_cache
@@ -599,6 +609,8 @@ class KroneckerOperator(CurvatureOperator):
             raise IndexError(
                 f"(i, j) = ({i}, {j}) out of range for a block of ({slot.m}, {slot.q}) eigenvalues"
             )
+        if (sharded := self.ranks.module_blocks) is not None:
+            return sharded.eigenvector(block % len(self._blocks), i, j)
         _, U_G, U_A = self._eigen()[block]
         out = torch.zeros(1, self.size, dtype=self.dtype, device=self.device)
         self._scatter(
@@ -686,6 +698,8 @@ class KroneckerOperator(CurvatureOperator):
     def _eigen_apply(
         self, V: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
+        if (sharded := self.ranks.module_blocks) is not None:
+            return sharded.apply(V, lambda op, X: op._eigen_apply(X, fn))
         eigen = self._eigen()
         held = self._applied.get(fn)
         if held is None or held[0] is not eigen:  # fn(D) once per decomposition, not per product
