@@ -280,6 +280,38 @@ def ddp_mismatched_parameters() -> dict[str, Any]:
 
 
 @check
+def ddp_toy_curvature() -> dict[str, Any]:
+    """A curvature the package does not know (tests/operators/toy_curvature.py), distributed by
+    being given replicated ranks: no class or code of its own for it."""
+    from tests.operators.toy_curvature import BatchGradientOuterProduct
+
+    model = mlp()
+    snap = params_snapshot(model)
+    op = BatchGradientOuterProduct(model, MINE, loss_fn, ranks=hd.Replicated())
+    blocks = BatchGradientOuterProduct(
+        mlp(), MINE, loss_fn, ranks=hd.Replicated(), max_block_size=3
+    )
+    ref = BatchGradientOuterProduct(mlp(), ALL, loss_fn)
+    v, V = rand(op.size), rand(op.size, 4, seed=3).T.contiguous()
+    hv, HV = op @ v, op @ V
+    mismatch = _expect_raise(
+        lambda: BatchGradientOuterProduct(
+            mlp(), MINE, loss_fn, ranks=hd.Replicated(), param_filter="0.*" if RANK == 0 else None
+        )
+    )
+    return {
+        "matvec": err(hv, ref @ v),
+        "matmat": err(HV, ref @ V),
+        "blocks": err(blocks @ V, ref @ V),
+        "reuse": err(op @ v, hv),
+        "same_on_ranks": gather_equal(hv) and gather_equal(HV),
+        "model_unchanged": unchanged(model, snap),
+        "world_size": op.world_size,
+        "mismatch": mismatch["type"],
+    }
+
+
+@check
 def ddp_ggn_fisher() -> dict[str, Any]:
     from hessian_eigenthings.loss_fns import (
         supervised_forward,

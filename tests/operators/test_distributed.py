@@ -203,6 +203,20 @@ def test_ddp_ggn_and_empirical_fisher(ranks: list[dict[str, Any]]) -> None:
         assert res["same_on_ranks"]
 
 
+def test_a_new_curvature_runs_on_replicated_ranks_without_a_twin(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """A test-only curvature given ``ranks=Replicated()`` equals itself on the union of the
+    shards, with blocks and graph reuse, and agrees on its layout at construction."""
+    for res in get(ranks, "ddp_toy_curvature"):
+        assert res["matvec"] < ROUNDING and res["matmat"] < ROUNDING and res["blocks"] < ROUNDING
+        assert res["reuse"] == 0.0
+        assert res["same_on_ranks"]
+        assert res["model_unchanged"]
+        assert res["world_size"] == len(ranks)
+        assert res["mismatch"] == "ValueError"
+
+
 def test_ddp_low_precision(ranks: list[dict[str, Any]]) -> None:
     for res in get(ranks, "ddp_low_precision"):
         assert res["float32"] < 1e-5
