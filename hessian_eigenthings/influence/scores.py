@@ -142,6 +142,7 @@ def fit(
     tol: float = 1e-8,
     max_iter: int | None = None,
     engine: EngineName = "auto",
+    separate_bias: bool = True,
 ) -> Influence:
     """The curvature ``C`` of the task's objective over ``train_data``, ready to score.
 
@@ -169,6 +170,8 @@ def fit(
         mc_samples, seed: of ``fisher_type="mc"``.
         tol, max_iter: of the exact routes' solves (relative residual, iterations per column).
         engine: the exact routes' product engine (``engine=`` of the data operators).
+        separate_bias: the Kronecker routes' bias in its own block (default) or joined to its
+            weight through a column of ones (``False``: one block per layer, as Kronfluence's).
 
     NOTE [tied heads]: a parameter used by two modules (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) has one gradient summing both uses, while a Kronecker block sees
@@ -215,6 +218,7 @@ def fit(
             param_filter=param_filter,
             mc_samples=mc_samples,
             seed=seed,
+            separate_bias=separate_bias,
         )
         if damping is None:
             damping = 0.1 * float(op.trace()) / op.size

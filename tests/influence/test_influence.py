@@ -225,11 +225,21 @@ def test_damped_hessian_route_equals_dense_hessian_influence() -> None:
 
 
 # -- the Kronecker routes -------------------------------------------------------------------------
+@pytest.mark.parametrize("separate_bias", [True, False])
 @pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
-def test_kronecker_scores_equal_dense_operator_influence_mlp(curvature: str) -> None:
+def test_kronecker_scores_equal_dense_operator_influence_mlp(
+    curvature: str, separate_bias: bool
+) -> None:
     model, train, query = _mlp()
     task = influence.supervised_task(nn.CrossEntropyLoss())
-    fitted = influence.fit(model, train, task, curvature=curvature, damping=DAMPING)  # type: ignore[arg-type]
+    fitted = influence.fit(
+        model,
+        train,
+        task,
+        curvature=curvature,  # type: ignore[arg-type]
+        damping=DAMPING,
+        separate_bias=separate_bias,
+    )
     assert fitted.fisher_type == "type2"  # 3 classes
     scores = fitted.pairwise_scores(query, train, progress=False)
     names = fitted.layout.names
