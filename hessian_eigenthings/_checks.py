@@ -24,3 +24,16 @@ def check_count(
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be {what}, got {number}")
     return number
+
+
+class InternalError(RuntimeError):
+    """An invariant of the package's own code did not hold: a bug of hessian-eigenthings, never a
+    mistake of the caller (those get a ValueError or TypeError saying how to fix them). Raised
+    where an ``assert`` would vanish under ``python -O``; the package has no ``assert``
+    (ruff's S101)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"hessian-eigenthings internal error: expected {what}; please report this with the "
+            "traceback"
+        )

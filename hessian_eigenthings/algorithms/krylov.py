@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.algorithms._common import (
     HOST_ARITHMETIC_MAX_NUMEL,
     apply_rows,
@@ -581,7 +581,8 @@ def _host_step(
     """``_device_step`` for ``b = 1`` in numpy on the host view ``Vn`` of the basis
     (the same arithmetic and tests). See NOTE [small operators on the host]."""
     Vn, T = st.Vn, st.T
-    assert Vn is not None
+    if Vn is None:
+        raise InternalError("Vn is not None")
     top = j + 1
     w = host_matvec(st.op, Vn[j])
     B = Vn[lo:top]

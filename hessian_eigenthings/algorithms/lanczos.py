@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.algorithms._checkpoint import (
     checkpoint_path,
     load_checkpoint,
@@ -247,7 +247,8 @@ class _Saves:
         gen: torch.Generator,
     ) -> KrylovState:
         """The saved iteration (``gen`` set to the saved generator state)."""
-        assert self.path is not None
+        if self.path is None:
+            raise InternalError("self.path is not None")
         state = load_checkpoint(self.path, "lanczos", self.config, gen)
         run = KrylovState.from_checkpoint(state, plan, op, backend, gen, self.path)
         self.saved_at = run.products

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.algorithms._common import (
     apply_rows,
     check_operator,
@@ -447,7 +447,8 @@ def solve(
             elif method == "minres":
                 res, code = _minres_step(sys_, state)
             else:
-                assert scale_f is not None
+                if scale_f is None:
+                    raise InternalError("scale_f is not None")
                 res, code = _neumann_step(sys_, state, scale_f)
             cols, state = _freeze(
                 cols, state, res, code, bnorm, tol_f, X_out, recursive, codes, iterations

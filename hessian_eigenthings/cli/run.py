@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings._version import __version__
 from hessian_eigenthings.algorithms import lanczos, spectral_density, trace
 from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
@@ -437,7 +438,8 @@ def _landscape(s: _Steps, problem: Problem, eig: EigenResult | None) -> Landscap
     k = args.k
     land = None
     if args.landscape != "none":
-        assert eig is not None  # computed above whenever a landscape is asked for
+        if eig is None:  # computed above whenever a landscape is asked for
+            raise InternalError("eig is not None")
         dims = 1 if args.landscape == "1d" else 2
         wanted = plots.WHICH_WORDS[args.which][2]
         if k < dims:

@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hessian_eigenthings._checks import InternalError
+
 # Finite stand-in for −inf as the running maximum: exp(-inf - (-inf)) is NaN,
 # exp(-inf - _MIN) is 0, so masked lanes and ignored rows contribute nothing.
 _MIN = tl.constexpr(-3.0e38)
@@ -283,7 +285,8 @@ def cross_entropy_hvp_triton(
         logits, u = logits.reshape(rows, V), u.reshape(rows, V)
         target = torch.empty((rows, V), dtype=out.dtype, device=out.device)
         layout = _row_layout(logits, u, target)
-        assert layout is not None
+        if layout is None:
+            raise InternalError("layout is not None")
     inner, strides = layout
 
     valid_flat = valid.reshape(rows).view(torch.uint8) if valid is not None else None

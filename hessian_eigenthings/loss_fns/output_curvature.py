@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import (
     HessianColumnsLoss,
@@ -312,7 +312,8 @@ class MonteCarlo(OutputCurvature):
     def traced_apply(
         self, output: torch.Tensor, batch: Batch, key: torch.Tensor | None, u: torch.Tensor
     ) -> torch.Tensor:
-        assert isinstance(self.loss, KeyedSampledFisherLoss) and key is not None
+        if not (isinstance(self.loss, KeyedSampledFisherLoss) and key is not None):
+            raise InternalError("isinstance(self.loss, KeyedSampledFisherLoss) and key is not None")
         grads = self.loss.keyed_sample_grads(output.detach(), batch, self.samples, key)
         return self.loss.sampled_hvp(output, batch, grads, u.unsqueeze(0))[0]
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.linalg import SingleDeviceBackend
 from hessian_eigenthings.operators.protocol import CurvatureOperator, bind_algebra, same_device
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, as_param_filter
@@ -453,7 +454,8 @@ def block(
     offsets = layout.offsets
     idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in chosen])
     sub = submatrix(op, idx)
-    assert isinstance(sub, SubmatrixOperator)
+    if not (isinstance(sub, SubmatrixOperator)):
+        raise InternalError("isinstance(sub, SubmatrixOperator)")
     sub.layout = ParamLayout(
         names=tuple(layout.names[i] for i in chosen),
         shapes=tuple(layout.shapes[i] for i in chosen),

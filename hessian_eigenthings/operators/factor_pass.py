@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings._warnings import FactorPassCostWarning, user_stacklevel
 from hessian_eigenthings.batching import (
     Batch,
@@ -167,7 +167,8 @@ class WeightedSum:
         self.scale = 1.0
 
     def _settle(self) -> torch.Tensor:
-        assert self.value is not None
+        if self.value is None:
+            raise InternalError("self.value is not None")
         if self.scale != 1.0:
             self.value.mul_(self.scale)
             self.scale = 1.0
@@ -187,7 +188,8 @@ class WeightedSum:
             self._settle().addmm_(a, b, alpha=weight)
 
     def mean(self, total: float) -> torch.Tensor:
-        assert self.value is not None
+        if self.value is None:
+            raise InternalError("self.value is not None")
         factor = self.scale / total
         return self.value if factor == 1.0 else self.value.mul_(factor)
 
@@ -457,7 +459,8 @@ class FactorPass:
         """``(m, q)`` of the layer's weight as a matrix (a Conv2d's kernel flattened; the bias
         alone ``(m, 1)``), without a joined bias's column."""
         if layer.weight is None:
-            assert layer.bias is not None
+            if layer.bias is None:
+                raise InternalError("layer.bias is not None")
             return self.params[layer.bias].shape[0], 1
         shape = self.params[layer.weight].shape
         if layer.transposed:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
@@ -191,9 +191,13 @@ class GGNOperator(OutputSandwichOperator):
                 "get_output_embeddings() is a plain nn.Linear without hooks"
             )
         if head is not None:
-            assert isinstance(forward_fn, HiddenStatesForward) and isinstance(
-                loss_of_output_fn, LinearHeadLoss
-            )
+            if not (
+                isinstance(forward_fn, HiddenStatesForward)
+                and isinstance(loss_of_output_fn, LinearHeadLoss)
+            ):
+                raise InternalError(
+                    "isinstance(forward_fn, HiddenStatesForward) and isinstance(loss_of_output_fn, LinearHeadLoss )"
+                )
             self._head = ChunkedHead(
                 head,
                 forward_fn,

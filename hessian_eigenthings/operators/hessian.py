@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
@@ -132,7 +133,8 @@ class HessianOperator(DataCurvatureOperator):
         arguments of :class:`LayerWalk` (a sharded operator's ``gather`` and ``finish``)."""
         if self.method == "finite_difference":
             raise unsupported("layers", type(self).__name__, f"method={self.method!r}")
-        assert self.layers is not None  # checked at construction
+        if self.layers is None:  # checked at construction
+            raise InternalError("self.layers is not None")
         return LayerWalkRunner(
             LayerWalk(self.model, self.loss_fn, self.layout.names, self.layers, **walk), self.counts
         )

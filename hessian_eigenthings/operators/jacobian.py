@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch, BatchSource, to_device
 from hessian_eigenthings.loss_fns.checks import check_first_batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
@@ -156,7 +157,8 @@ class _DataJacobian:
             )
 
     def _check_size(self, out: torch.Tensor, b: int, lead: int) -> None:
-        assert self._shapes is not None
+        if self._shapes is None:
+            raise InternalError("self._shapes is not None")
         if out.shape[lead:] != self._shapes[b]:
             raise RuntimeError(
                 f"forward_fn returned shape {tuple(out.shape[lead:])} for batch {b}, {tuple(self._shapes[b])} on the "

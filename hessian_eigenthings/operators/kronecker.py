@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.operators.protocol import CurvatureOperator, same_device
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamLayout
@@ -156,7 +157,8 @@ def _slot(
     alone), by their indices in ``layout``, with the reading rules of the module docstring."""
     names = tuple(layout.names[i] for i in (weight, bias) if i is not None)
     if weight is None:
-        assert bias is not None
+        if bias is None:
+            raise InternalError("bias is not None")
         shape = layout.shapes[bias]
         if len(shape) != 1 or transposed:
             raise ValueError(
@@ -430,7 +432,8 @@ class KroneckerOperator(CurvatureOperator):
         as ``G ⊗ A`` (``A=None``: a bias alone, ``[[1]]``) or in the eigenbasis ``eigen``."""
         names = layout.names
         if weight is None:
-            assert bias is not None
+            if bias is None:
+                raise InternalError("bias is not None")
             m = layout.shapes[bias][0]
             return _Block((names[bias],), module, None, bias, False, m, 0, G, A, eigen)
         w = layout.shapes[weight]
@@ -443,7 +446,8 @@ class KroneckerOperator(CurvatureOperator):
             return block.A
         if self._unit is None:
             G = block.G
-            assert G is not None
+            if G is None:
+                raise InternalError("G is not None")
             self._unit = torch.ones(1, 1, dtype=G.dtype, device=G.device)
         return self._unit
 
@@ -483,7 +487,8 @@ class KroneckerOperator(CurvatureOperator):
 
     def _scatter(self, block: _Block, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
         if block.weight is None:
-            assert block.bias is not None
+            if block.bias is None:
+                raise InternalError("block.bias is not None")
             views[block.bias].copy_(Y[..., 0])
             return
         w, d = views[block.weight], block.d
@@ -502,7 +507,8 @@ class KroneckerOperator(CurvatureOperator):
         for block in self._blocks:
             X = self._gather(block, views)
             if block.eigen is None:
-                assert block.G is not None
+                if block.G is None:
+                    raise InternalError("block.G is not None")
                 Y = block.G @ X @ self._A(block)
                 if self.damping:
                     Y = Y.add_(X, alpha=self.damping)

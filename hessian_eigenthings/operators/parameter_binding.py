@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
+
 # NOTE [replaced parameters]
 # An operator lists its selected parameters once, at construction. Loading a
 # state dict with `assign=True` (and `module.weight = nn.Parameter(...)`, or
@@ -42,7 +44,8 @@ def _slots(model: nn.Module, name: str) -> list[tuple[dict[str, object], str, ob
     for part in path:
         child = module._modules[part]
         out.append((module._modules, part, child))  # type: ignore[arg-type]
-        assert child is not None
+        if child is None:
+            raise InternalError("child is not None")
         module = child
     out.append((module._parameters, leaf, module._parameters[leaf]))  # type: ignore[arg-type]
     return out

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend, default_backend
 from hessian_eigenthings.linalg_distributed import resolve_process_group
@@ -415,7 +416,8 @@ class Replicated(Ranks):
             flat is not None and flat.data_ptr() == out.data_ptr() and flat.numel() == m + 1 + world
         )
         if in_place:
-            assert flat is not None
+            if flat is None:
+                raise InternalError("flat is not None")
             buf = flat
         else:
             buf = torch.empty(m + 1 + world, dtype=out.dtype, device=out.device)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
-from hessian_eigenthings._checks import check_count
+from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.batching import Batch, batch_size
 from hessian_eigenthings.loss_fns.output_curvature import DrawKey, DrawKeys, OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
@@ -163,7 +163,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
         blocker = self._functional_blocker()
         if blocker is not None:
             raise unsupported("layers", type(self).__name__, blocker)
-        assert self.layers is not None  # checked at construction
+        if self.layers is None:  # checked at construction
+            raise InternalError("self.layers is not None")
         return LayerWalkRunner(
             LayerWalk(self.model, self._functional_call.fn, self.layout.names, self.layers, **walk),
             self.counts,
@@ -368,7 +369,8 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 if out is None:
                     out = torch.empty((k, *plus.shape), dtype=plus.dtype, device=plus.device)
                 torch.mul(plus - minus, inv, out=out[j])
-        assert out is not None
+        if out is None:
+            raise InternalError("out is not None")
         return out
 
     # -- Jᵀ u -----------------------------------------------------------------------

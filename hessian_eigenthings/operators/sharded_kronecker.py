@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch, BatchSource, batch_size
 from hessian_eigenthings.linalg_distributed import DistributedBackend
 from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
@@ -198,7 +199,8 @@ class _AgreedColumns(OutputCurvature):
                 "their backwards would not pair up in FSDP's collectives; the output curvature "
                 "must give every batch the same number of columns"
             )
-        assert result is not None
+        if result is None:
+            raise InternalError("result is not None")
         return result
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import scalar_loss
 from hessian_eigenthings.operators.engines.runner import ProductCounts
@@ -59,7 +60,8 @@ class ShardedWalk(ShardedProduct):
         except Exception as exc:
             failure = exc
         total = float(self.agreement.agree(failure, weight, what="a product")[:, 0].sum())
-        assert state is not None
+        if state is None:
+            raise InternalError("state is not None")
         with self.shards.walking(weight / total):
             return [t for t in self.walk.apply(state, vecs, False)], total  # type: ignore[misc]
 
@@ -133,7 +135,8 @@ class ShardedDifferences(ShardedProduct):
     ) -> tuple[list[torch.Tensor], float]:
         """Central differences on one chunk; the product over the union of the ranks' chunks
         and their total weight (``weight``: this chunk's, see ``_weight``)."""
-        assert self._scales is not None
+        if self._scales is None:
+            raise InternalError("self._scales is not None")
         shards = [local_shard(p) for p in self.params]
         saved = [s.detach().clone() for s in shards]
         out = [torch.empty_like(v) for v in vecs]
@@ -187,7 +190,8 @@ class ShardedDifferences(ShardedProduct):
             failure = exc
         # agree before the backward: its reduce-scatters would wait forever for a failed rank
         total = float(self.agreement.agree(failure, b, what="a product")[:, 0].sum())
-        assert loss is not None
+        if loss is None:
+            raise InternalError("loss is not None")
         for p in self.params:
             p.grad = None
         (loss * (b * self.world_size / total)).backward()

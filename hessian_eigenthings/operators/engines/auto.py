@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.engines.compiled import CompiledRunner, recorded_compile_s
@@ -645,7 +646,8 @@ class _Trial:
             autograd_ms=round(a.timings_ms["autograd"] / V.shape[0], 4),
         )
         runner = sel.runner
-        assert isinstance(runner, FunctionalRunner)
+        if not (isinstance(runner, FunctionalRunner)):
+            raise InternalError("isinstance(runner, FunctionalRunner)")
         facts = sel.facts_now(programs=list(runner._programs.values()), rows=V.shape[0])
         timings = {name: a.timings_ms[name] for name in ("autograd", "functional")}
         d = decide(facts, sel.expected_products, timings, current_policy())

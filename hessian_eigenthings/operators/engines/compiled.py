@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.operators.engines.functional import FunctionalRunner
 from hessian_eigenthings.operators.engines.records import inductor_cache_base
@@ -204,7 +205,8 @@ def views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in nodes:
         if _aliases_input(n):
             base = n.args[0]
-            assert isinstance(base, torch.fx.Node)
+            if not (isinstance(base, torch.fx.Node)):
+                raise InternalError("isinstance(base, torch.fx.Node)")
             root[find(n)] = find(base)
             if n.target._schema.is_mutable:
                 written.append(base)
