@@ -437,7 +437,7 @@ def _length(data: Iterable[Batch]) -> int | None:
 
 def _fingerprint(Q: torch.Tensor) -> str:
     """A hash of the preconditioned query gradients' bytes: a checkpoint belongs to one set."""
-    data = Q.detach().to("cpu").contiguous().numpy().tobytes()
+    data = Q.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()  # exact for any dtype
     return hashlib.sha256(data).hexdigest()[:32]
 
 
