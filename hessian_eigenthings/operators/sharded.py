@@ -187,6 +187,11 @@ class Sharded(Replicated):
     def _attach(self, op: Any) -> tuple[int, int, int]:
         """``op``'s layout cut to this rank's shards and its sharded product; the whole
         layout's signature."""
+        if self.product is not None:
+            raise ValueError(
+                "these Sharded ranks already serve another operator (they hold its sharded "
+                "product); build one Sharded(model) per operator"
+            )
         plain = [n for n, p in op.named_params if not is_dtensor(p)]
         if plain:
             raise TypeError(
