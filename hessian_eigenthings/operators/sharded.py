@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.linalg_distributed import DistributedBackend
@@ -238,7 +239,8 @@ class Sharded(Replicated):
     def product_pass(
         self, V: torch.Tensor, out: torch.Tensor
     ) -> contextlib.AbstractContextManager[None]:
-        assert self.product is not None
+        if self.product is None:
+            raise InternalError("a sharded product, set at construction")
         return self.product.scope(V)
 
     def finish(
@@ -278,7 +280,8 @@ class Sharded(Replicated):
                     "every rank must yield the same number of batches (and microbatches) per product; "
                     "their sizes may differ"
                 )
-            assert item is not None
+            if item is None:
+                raise InternalError("a chunk on this rank, as on every rank")
             yield item
 
     def chunk_product(
@@ -288,7 +291,8 @@ class Sharded(Replicated):
         product: Callable[[Batch, list[torch.Tensor]], Product],
         weigh: Callable[[], float],
     ) -> tuple[Product, float]:
-        assert self.product is not None
+        if self.product is None:
+            raise InternalError("a sharded product, set at construction")
         return self.product(chunk, self._chunk_weight, vecs)
 
     def __repr__(self) -> str:
