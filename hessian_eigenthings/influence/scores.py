@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.algorithms import solve
 from hessian_eigenthings.algorithms._checkpoint import (
     checkpoint_path,
@@ -319,7 +320,8 @@ class Influence:
         if self.curvature in ("ekfac", "kfac"):
             if self._inverse is None:
                 self._inverse = self.operator.inverse(self.damping)  # type: ignore[attr-defined]
-            assert self._inverse is not None
+            if self._inverse is None:
+                raise InternalError("self._inverse is not None")
             return (self._inverse @ G.T).T
         result = solve(
             self.operator,
@@ -471,5 +473,6 @@ class _LowRank:
                 M = view.reshape(B, left.shape[1], -1)
                 term = torch.einsum("jmr,bmq,jqr->jb", left, M, right)
             total = term if total is None else total + term
-        assert total is not None
+        if total is None:
+            raise InternalError("total is not None")
         return total
