@@ -66,10 +66,12 @@ class DataOptions(TypedDict, total=False):
     ranks: Ranks | None
 
 
-def _unexpected_keyword(cls: type, name: str) -> TypeError:
+def unexpected_keyword(cls: type, name: str, owner: type | None = None) -> TypeError:
     """``Cls() got an unexpected keyword argument 'name'; did you mean ...?`` for the class the
-    user called: the keywords of its ``__init__`` and of those its ``**options`` reach."""
-    accepted: set[str] = set(DataOptions.__annotations__)
+    user called: the keywords of its ``__init__`` and of those its ``**options`` reach, up to
+    ``owner`` (the class whose ``__init__`` took the unknown keyword; default the data operators'
+    base, whose options are ``DataOptions``)."""
+    accepted: set[str] = set(DataOptions.__annotations__) if owner is None else set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -80,7 +82,9 @@ def _unexpected_keyword(cls: type, name: str) -> TypeError:
             for p in params
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
         )
-        if klass is DataOperatorSetup or not any(p.kind is p.VAR_KEYWORD for p in params):
+        if klass is (owner or DataOperatorSetup) or not any(
+            p.kind is p.VAR_KEYWORD for p in params
+        ):
             break
     close = difflib.get_close_matches(name, sorted(accepted), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -179,7 +183,7 @@ class DataOperatorSetup(CurvatureOperator):
         if unknown:
             # a misspelt option reaches this base through the subclass's **options: name the
             # class the user called, not this one
-            raise _unexpected_keyword(type(self), next(iter(unknown)))
+            raise unexpected_keyword(type(self), next(iter(unknown)))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.ranks.check_model(model, type(self).__name__)

@@ -72,6 +72,7 @@ from torch import nn
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
+from hessian_eigenthings.operators.data_setup import unexpected_keyword
 from hessian_eigenthings.operators.factor_pass import (
     FactorPass,
     FisherType,
@@ -242,7 +243,10 @@ class _KFACFactors(LayerKroneckerOperator):
         precision: Precision = "fp32",
         column_chunk: int = 16,
         ranks: Ranks | None = None,
+        **unknown: object,
     ) -> None:
+        if unknown:  # a misspelt keyword: name the class called and the close match
+            raise unexpected_keyword(type(self), next(iter(unknown)), _KFACFactors)
         self.ranks = ranks or LOCAL
         factor_pass = FactorPass(
             type(self).__name__,

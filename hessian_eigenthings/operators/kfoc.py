@@ -71,6 +71,7 @@ from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
+from hessian_eigenthings.operators.data_setup import unexpected_keyword
 from hessian_eigenthings.operators.factor_pass import FactorPass, FisherType, Layer
 from hessian_eigenthings.operators.kfac import LayerKroneckerOperator
 from hessian_eigenthings.operators.precision import Precision
@@ -175,7 +176,10 @@ class KFOCOperator(LayerKroneckerOperator):
         weight_sharing: WeightSharing = "sample",
         max_iter: int = 10,
         tol: float = 1e-4,
+        **unknown: object,
     ) -> None:
+        if unknown:  # a misspelt keyword: name the class called and the close match
+            raise unexpected_keyword(type(self), next(iter(unknown)), KFOCOperator)
         if weight_sharing not in ("sample", "position"):
             raise ValueError(
                 f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"

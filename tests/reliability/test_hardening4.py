@@ -75,3 +75,17 @@ def test_loading_forward_mode_decompositions_keeps_once_per_call_site(tmp_path: 
     )
     assert run.stderr.count("old is deprecated") == 1, run.stderr
     assert "jit.script" not in run.stderr
+
+
+@pytest.mark.parametrize("name", ["KFACOperator", "EKFACOperator", "KFOCOperator"])
+def test_a_misspelt_kronecker_keyword_names_the_class_and_the_close_match(name: str) -> None:
+    import hessian_eigenthings as he
+
+    model, data = mlp(), classification_data(n=6, batch=3)
+    cls = getattr(he, name)
+    with pytest.raises(
+        TypeError,
+        match=rf"^{name}\(\) got an unexpected keyword argument 'fisher_typ'; did you mean "
+        r"'fisher_type'\?$",
+    ):
+        cls(model, data, supervised_forward, CE_OUT, fisher_typ="mc")
