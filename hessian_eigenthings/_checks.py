@@ -5,6 +5,19 @@ the argument."""
 from __future__ import annotations
 
 import operator
+from typing import Literal, overload
+
+
+@overload
+def check_count(
+    name: str, value: object, *, minimum: int | None = 1, allow_none: Literal[False] = False
+) -> int: ...
+
+
+@overload
+def check_count(
+    name: str, value: object, *, minimum: int | None = 1, allow_none: bool
+) -> int | None: ...
 
 
 def check_count(

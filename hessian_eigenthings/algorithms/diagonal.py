@@ -110,7 +110,7 @@ def diagonal(
     else:
         num_matvecs = check_count(
             "num_matvecs", num_matvecs, minimum=3 if method == "diag++" else 1
-        )  # type: ignore[assignment]
+        )
     block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_matvecs)

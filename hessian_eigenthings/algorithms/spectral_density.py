@@ -105,10 +105,10 @@ def spectral_density(
     """
     op = check_operator(op)
     backend = operator_backend(op, backend)
-    num_runs = check_count("num_runs", num_runs)  # type: ignore[assignment]
-    lanczos_steps = check_count("lanczos_steps", lanczos_steps)  # type: ignore[assignment]
-    num_grid_points = check_count("num_grid_points", num_grid_points, minimum=2)  # type: ignore[assignment]
-    memory_budget = check_count("memory_budget", memory_budget)  # type: ignore[assignment]
+    num_runs = check_count("num_runs", num_runs)
+    lanczos_steps = check_count("lanczos_steps", lanczos_steps)
+    num_grid_points = check_count("num_grid_points", num_grid_points, minimum=2)
+    memory_budget = check_count("memory_budget", memory_budget)
     check_count("seed", seed, minimum=None, allow_none=True)
     if sigma is not None and not sigma > 0:
         raise ValueError(f"sigma must be > 0 or None, got {sigma}")

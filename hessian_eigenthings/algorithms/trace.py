@@ -147,7 +147,7 @@ def hutchinson(
     progress: bool | None = None,
 ) -> TraceResult:
     """Hutchinson's estimate of ``tr(A)`` from ``num_samples`` probes (one product each)."""
-    num_samples = check_count("num_samples", num_samples)  # type: ignore[assignment]
+    num_samples = check_count("num_samples", num_samples)
     block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     op.expect_products(num_samples)
@@ -193,7 +193,7 @@ def hutch_plus_plus(
     smaller deflated remainder and a smaller error. Unbiased either way. ``keep_sketch``
     returns ``Q`` in ``result.sketch`` (``q · n`` numbers kept alive).
     """
-    num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3)  # type: ignore[assignment]
+    num_matvecs = check_count("num_matvecs", num_matvecs, minimum=3)
     block_size = check_count("block_size", block_size, allow_none=True)
     op, backend, gen, wd = probe_setup(op, backend, distribution, seed, precision)
     warm = sketch.sketch if isinstance(sketch, TraceResult) else sketch
@@ -451,7 +451,7 @@ def trace(
         )
     if method == "hutchinson":
         # checked here: hutchinson() would name the budget num_samples
-        num_matvecs = check_count("num_matvecs", num_matvecs)  # type: ignore[assignment]
+        num_matvecs = check_count("num_matvecs", num_matvecs)
         return hutchinson(
             op,
             num_samples=num_matvecs,

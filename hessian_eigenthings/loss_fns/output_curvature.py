@@ -288,7 +288,7 @@ class MonteCarlo(OutputCurvature):
             )
         self.loss = loss
         #: draws per sample: 0 would average no draws (every product NaN), a negative count is none
-        self.samples: int = check_count("MonteCarlo(samples=...)", samples, minimum=1)  # type: ignore[assignment]
+        self.samples: int = check_count("MonteCarlo(samples=...)", samples, minimum=1)
 
     def draw(self, output: torch.Tensor, batch: Batch, key: DrawKey | None) -> torch.Tensor:
         """The loss gradients at this chunk's draws (NOTE [sampled targets as data] in ``operators.ggn``)."""

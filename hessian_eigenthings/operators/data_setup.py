@@ -193,7 +193,7 @@ class DataOperatorSetup(CurvatureOperator):
         max_block_size = check_count("max_block_size", max_block_size, allow_none=True)
         graph_reuse_max_batches = check_count(
             "graph_reuse_max_batches", graph_reuse_max_batches, minimum=0
-        )  # type: ignore[assignment]
+        )
         if graph_reuse not in (True, False, "auto"):
             raise ValueError(f"graph_reuse must be True, False or 'auto', got {graph_reuse!r}")
         if not isinstance(cuda_graphs, bool):

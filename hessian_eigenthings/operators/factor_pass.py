@@ -377,9 +377,9 @@ class FactorPass:
             mc_samples,
             curvature,
         )
-        self.mc_samples: int = check_count("mc_samples", mc_samples)  # type: ignore[assignment]
-        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
-        self.column_chunk: int = check_count("column_chunk", column_chunk)  # type: ignore[assignment]
+        self.mc_samples: int = check_count("mc_samples", mc_samples)
+        self.seed: int = check_count("seed", seed, minimum=0)
+        self.column_chunk: int = check_count("column_chunk", column_chunk)
         if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
             raise TypeError("separate_bias and exclude_unsupported must be True or False")
         refuse_in_place_forward(model, who)

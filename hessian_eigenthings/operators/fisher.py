@@ -99,7 +99,7 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 "per_sample_loss_fn got hf_lm_loss(), the mean loss of a batch; the empirical Fisher needs "
                 f"one loss per sample: {_HF_HELPERS}"
             )
-        sample_dim = check_count("sample_dim", sample_dim, minimum=None)  # type: ignore[assignment]
+        sample_dim = check_count("sample_dim", sample_dim, minimum=None)
         self.per_sample_loss_fn = per_sample_loss_fn
         self.sample_dim = sample_dim
         #: the loss when it counts its own samples (CountedPerSampleLoss), else None

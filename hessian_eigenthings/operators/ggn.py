@@ -142,7 +142,7 @@ class GGNOperator(OutputSandwichOperator):
         )
         if loss_hvp not in ("analytical", "autograd"):
             raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
-        self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)  # type: ignore[assignment]
+        self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)
         if curvature is None:
             curvature = ggn_curvature(loss_of_output_fn, loss_hvp, self.mc_samples)
         elif mc_samples or loss_hvp != "analytical":

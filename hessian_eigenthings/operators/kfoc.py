@@ -185,7 +185,7 @@ class KFOCOperator(LayerKroneckerOperator):
                 f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"
             )
         self.weight_sharing: WeightSharing = weight_sharing
-        self.max_iter: int = check_count("max_iter", max_iter)  # type: ignore[assignment]
+        self.max_iter: int = check_count("max_iter", max_iter)
         try:
             self.tol = float(tol)
         except (TypeError, ValueError):

@@ -115,7 +115,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 f"AutogradLossHessian, MonteCarlo, Empirical), got {type(curvature).__name__}"
             )
         self.curvature = curvature
-        self.seed: int = check_count("seed", seed, minimum=0)  # type: ignore[assignment]
+        self.seed: int = check_count("seed", seed, minimum=0)
         self._keys = DrawKeys(self.seed)
         super().__init__(model, dataloader, **base)
         self.jvp = jvp
