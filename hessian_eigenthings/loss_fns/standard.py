@@ -166,6 +166,10 @@ class TargetCheck:
         self.ignore_index = ignore_index
         self.source = source
         self._checked = False
+        #: the first batch's smallest and largest counted label, read when an operator was built
+        #: (``targets``, one host sync there), so that the first product compares it with the
+        #: output's classes without a sync; ``False``: not read
+        self._span: tuple[int, int] | Literal[False] | None = False
 
     @classmethod
     def of(cls, label: str, criterion: object, *, source: str = "the model") -> TargetCheck | None:
@@ -217,7 +221,9 @@ class TargetCheck:
                 f"shape {shape}: convert them with .long()"
             )
         if values and _concrete(y):
-            self._negative(self._range(y))
+            span = self._range(y)
+            self._negative(span)
+            self._span = span
 
     def _negative(self, span: tuple[int, int] | None) -> None:
         if span is not None and span[0] < 0:
@@ -262,8 +268,11 @@ class TargetCheck:
         if self.kind == "values" or y.is_floating_point() or output.dim() < 1:
             return
         classes = output.shape[1] if output.dim() >= 2 else output.shape[0]
-        span = self._range(y)
-        self._negative(span)
+        if self._span is False:  # not read at construction: one host sync, on this call only
+            span = self._range(y)
+            self._negative(span)
+        else:
+            span = self._span
         if span is not None and span[1] >= classes:
             raise ValueError(
                 f"{self.label}: labels must be class indices in [0, {classes}) (int64); got values "

@@ -192,17 +192,41 @@ def test_the_first_batch_is_read_once_at_construction() -> None:
     assert data.iterations == 1
 
 
-def test_the_range_check_syncs_once() -> None:
-    """The label range is read on the helper's first call only (one host sync), not per product."""
-    loss = supervised_loss(nn.CrossEntropyLoss())
-    op = he.HessianOperator(nn.Linear(5, 3), [(X, LABELS)], loss, graph_reuse=False)
+def test_the_range_check_syncs_once_when_built_and_never_in_a_product() -> None:
+    """The label range is read once, when the operator is built (one host sync there); products
+    compare it with the output's classes without reading anything (no sync on the product path)."""
+    from hessian_eigenthings.loss_fns.standard import TargetCheck
+
+    reads = []
+    original = TargetCheck._range
+
+    def counted(self: TargetCheck, y: torch.Tensor) -> object:
+        reads.append(1)
+        return original(self, y)
+
+    TargetCheck._range = counted  # type: ignore[method-assign,assignment]
+    try:
+        loss = supervised_loss(nn.CrossEntropyLoss())
+        op = he.HessianOperator(nn.Linear(5, 3), [(X, LABELS)], loss, graph_reuse=False)
+        assert len(reads) == 1
+        for _ in range(3):
+            op.matvec(torch.randn(op.size))
+        assert len(reads) == 1
+    finally:
+        TargetCheck._range = original  # type: ignore[method-assign]
+
+
+def test_labels_past_the_classes_without_a_construction_check_sync_once() -> None:
+    """A helper called outside an operator reads the range on its first call only."""
     from hessian_eigenthings.loss_fns.standard import target_check
 
+    loss = supervised_loss(nn.CrossEntropyLoss())
     check = target_check(loss)
     assert check is not None
     reads = []
     original = check._range
     check._range = lambda y: reads.append(1) or original(y)  # type: ignore[method-assign]
+    model = nn.Linear(5, 3)
     for _ in range(3):
-        op.matvec(torch.randn(op.size))
+        loss(model, (X, LABELS))
     assert len(reads) == 1
