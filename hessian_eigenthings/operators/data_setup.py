@@ -31,6 +31,7 @@ from hessian_eigenthings.loss_fns.standard import check_first_targets, target_ch
 from hessian_eigenthings.operators.cuda_graphs import GraphRecorder
 from hessian_eigenthings.operators.empty_batches import EmptyBatches
 from hessian_eigenthings.operators.engines.auto import EngineSelector
+from hessian_eigenthings.operators.engines.layer_checks import find_layers
 from hessian_eigenthings.operators.engines.runner import (
     ENGINES,
     CountField,
@@ -39,7 +40,6 @@ from hessian_eigenthings.operators.engines.runner import (
     unsupported,
 )
 from hessian_eigenthings.operators.graph_reuse import StateCache
-from hessian_eigenthings.operators.layer_walk import find_layers
 from hessian_eigenthings.operators.model_guard import ModelGuard, Precision, check_precision
 from hessian_eigenthings.operators.parameter_binding import ParameterBinding
 from hessian_eigenthings.operators.protocol import CurvatureOperator

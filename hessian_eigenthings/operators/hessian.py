@@ -34,8 +34,8 @@ from hessian_eigenthings.operators.autodiff import (
     selected_function,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
+from hessian_eigenthings.operators.engines.layers import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import unsupported
-from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.param_utils import ParamFilter, call_with_values
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]

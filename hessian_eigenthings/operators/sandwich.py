@@ -32,8 +32,8 @@ from hessian_eigenthings.operators.autodiff import (
     selected_function,
 )
 from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.engines.layers import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import unsupported
-from hessian_eigenthings.operators.layer_walk import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.param_utils import call_with_values
 
 JvpMethod = Literal["auto", "forward_mode", "finite_difference"]

@@ -19,9 +19,9 @@ from torch import nn
 from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import scalar_loss
+from hessian_eigenthings.operators.engines.layers import LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.operators.hessian import LossFn
-from hessian_eigenthings.operators.layer_walk import LayerWalkRunner
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, local_shard
 from hessian_eigenthings.operators.sharded_walk import ShardGather

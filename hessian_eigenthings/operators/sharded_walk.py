@@ -1,6 +1,6 @@
 """The layer walk on a model sharded with FSDP2 (NOTE [sharded layer walk]).
 
-:class:`ShardGather` lets :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk` run with each
+:class:`ShardGather` lets :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk` run with each
 stage's parameters and direction gathered whole just before the stage and its block of the
 product reduced over the ranks and cut back to this rank's shard just after: exact products on
 sharded parameters and sharded vectors, no rank ever holding more than one layer (and the
@@ -77,7 +77,7 @@ def without_fsdp_hooks(model: nn.Module, fsdp_cls: type) -> Iterator[None]:
 
 class ShardGather:
     """The gathering and reducing of NOTE [sharded layer walk] for one FSDP2 model: ``gather`` and
-    ``finish`` are a :class:`~hessian_eigenthings.operators.layer_walk.LayerWalk`'s arguments;
+    ``finish`` are a :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk`'s arguments;
     :meth:`walking` is the scope of one chunk's walk."""
 
     def __init__(self, model: nn.Module, fsdp_cls: type, group: Any, names: Sequence[str]) -> None:
