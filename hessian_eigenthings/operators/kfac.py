@@ -83,7 +83,6 @@ from hessian_eigenthings.operators.factor_pass import (
 )
 from hessian_eigenthings.operators.kronecker import (
     NOT_FINITE_FIX,
-    Eigen,
     KroneckerBlock,
     KroneckerEigen,
     KroneckerEigenBlock,
@@ -91,6 +90,7 @@ from hessian_eigenthings.operators.kronecker import (
     not_finite_message,
     refuse_not_finite,
 )
+from hessian_eigenthings.operators.kronecker_blocks import Eigen
 from hessian_eigenthings.operators.precision import Precision
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamFilter

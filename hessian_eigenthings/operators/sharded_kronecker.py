@@ -26,11 +26,11 @@ from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.operators.factor_pass import FactorPass
 from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator, LayerKroneckerOperator
 from hessian_eigenthings.operators.kronecker import (
-    Eigen,
     KroneckerBlock,
     KroneckerEigenBlock,
     KroneckerOperator,
 )
+from hessian_eigenthings.operators.kronecker_blocks import Eigen
 from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, layout_signature, local_shard
 from hessian_eigenthings.operators.sharded import Sharded
 from hessian_eigenthings.operators.sharded_walk import chunk_rows
