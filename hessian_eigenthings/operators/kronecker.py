@@ -57,8 +57,8 @@ from hessian_eigenthings.operators.kronecker_blocks import (
     Eigen,
     KroneckerBlock,
     KroneckerEigenBlock,
-    _Block,
-    _checked,
+    Slot,
+    checked_blocks,
 )
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
@@ -186,11 +186,11 @@ class KroneckerOperator(CurvatureOperator):
         *,
         damping: float = 0.0,
     ) -> None:
-        lay, slots = _checked(layout, blocks)
+        lay, slots = checked_blocks(layout, blocks)
         self._init_blocks(lay, slots, check_damping(damping))
 
     # -- for subclasses that build their blocks from a model (KFAC, EKFAC, KFOC) -----------------
-    def _init_blocks(self, layout: ParamLayout, blocks: list[_Block], damping: float = 0.0) -> None:
+    def _init_blocks(self, layout: ParamLayout, blocks: list[Slot], damping: float = 0.0) -> None:
         """Trusted blocks (no checks; the factor path adds no kernel: a bias alone keeps ``A``
         unset until it is read)."""
         self.layout = layout
@@ -230,7 +230,7 @@ class KroneckerOperator(CurvatureOperator):
         A: torch.Tensor | None,
         transposed: bool = False,
         eigen: Eigen | None = None,
-    ) -> _Block:
+    ) -> Slot:
         """For :meth:`_init_blocks`, trusted (no checks, little host time: it runs once per block
         of a factor pass): the block over the parameters ``weight`` and ``bias`` (layout indices)
         as ``G ⊗ A`` (``A=None``: a bias alone, ``[[1]]``) or in the eigenbasis ``eigen``."""
@@ -239,13 +239,13 @@ class KroneckerOperator(CurvatureOperator):
             if bias is None:
                 raise InternalError("bias is not None")
             m = layout.shapes[bias][0]
-            return _Block((names[bias],), module, None, bias, False, m, 0, G, A, eigen)
+            return Slot((names[bias],), module, None, bias, False, m, 0, G, A, eigen)
         w = layout.shapes[weight]
         m, d = (w[1], w[0]) if transposed else (w[0], math.prod(w[1:]))
         held = (names[weight],) if bias is None else (names[weight], names[bias])
-        return _Block(held, module, weight, bias, transposed, m, d, G, A, eigen)
+        return Slot(held, module, weight, bias, transposed, m, d, G, A, eigen)
 
-    def _A(self, block: _Block) -> torch.Tensor:
+    def _A(self, block: Slot) -> torch.Tensor:
         if block.A is not None:
             return block.A
         if self._unit is None:
@@ -264,7 +264,7 @@ class KroneckerOperator(CurvatureOperator):
         """The blocks ``G ⊗ A`` in the order of the flat vector's parameters."""
         return self._public_factors(self._blocks)
 
-    def _public_factors(self, blocks: Sequence[_Block]) -> tuple[KroneckerBlock, ...]:
+    def _public_factors(self, blocks: Sequence[Slot]) -> tuple[KroneckerBlock, ...]:
         if any(b.G is None for b in blocks):
             raise ValueError(
                 f"{type(self).__name__} holds blocks given in their eigenbasis, not as factors; see eigh()"
@@ -275,7 +275,7 @@ class KroneckerOperator(CurvatureOperator):
         )
 
     # -- blocks as matrices ------------------------------------------------------------------
-    def _gather(self, block: _Block, views: list[torch.Tensor]) -> torch.Tensor:
+    def _gather(self, block: Slot, views: list[torch.Tensor]) -> torch.Tensor:
         """``(k, m, q)`` of the block's parameters in a row block's per-parameter views."""
         parts = []
         if block.weight is not None:
@@ -289,7 +289,7 @@ class KroneckerOperator(CurvatureOperator):
         X = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return X.to(self.factor_dtype)
 
-    def _scatter(self, block: _Block, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
+    def _scatter(self, block: Slot, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
         if block.weight is None:
             if block.bias is None:
                 raise InternalError("block.bias is not None")
@@ -338,9 +338,9 @@ class KroneckerOperator(CurvatureOperator):
             return self._eigen_cache
         known = self._factor_eigh
         fresh: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        made: list[tuple[str, _Block, torch.Tensor]] = []  # eigenvalues computed now
+        made: list[tuple[str, Slot, torch.Tensor]] = []  # eigenvalues computed now
 
-        def eig(M: torch.Tensor, which: str, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        def eig(M: torch.Tensor, which: str, block: Slot) -> tuple[torch.Tensor, torch.Tensor]:
             key = id(M)
             if key not in fresh:
                 version = -1 if M.is_inference() else M._version
@@ -378,7 +378,7 @@ class KroneckerOperator(CurvatureOperator):
         return result
 
     def _decompose(
-        self, M: torch.Tensor, which: str, block: _Block
+        self, M: torch.Tensor, which: str, block: Slot
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``torch.linalg.eigh(M)``; a factor holding NaN or inf is refused naming its block
         (where the decomposition fails on it; where it returns NaN instead, :meth:`_eigen`

@@ -1,7 +1,7 @@
 """The blocks of a Kronecker-factored operator as a user gives them, and how they are read.
 
 :class:`KroneckerBlock` (``G ⊗ A`` over one parameter, or a weight and its bias) and
-:class:`KroneckerEigenBlock` (a block in its eigenbasis) are read into ``_Block``: where the block
+:class:`KroneckerEigenBlock` (a block in its eigenbasis) are read into ``Slot``: where the block
 sits in the flat vector, with the reading rules of the ``kronecker`` module's docstring (a
 weight's rows, a conv weight flattened, a ``Conv1D`` weight transposed, a bias as a last column or
 alone), checked (:func:`_checked`: shapes, every parameter in one block, one floating dtype, the
@@ -58,7 +58,7 @@ Eigen = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (D (m, q), U_G (m, m)
 
 
 @dataclass(eq=False)
-class _Block:
+class Slot:
     """Where a block sits in the flat vector and what it holds (factors or an eigenbasis)."""
 
     names: tuple[str, ...]
@@ -79,7 +79,7 @@ class _Block:
 
 def _slot(
     layout: ParamLayout, weight: int | None, bias: int | None, module: str, transposed: bool
-) -> _Block:
+) -> Slot:
     """The block over parameters ``weight`` (read as a matrix) and ``bias`` (a last column, or
     alone), by their indices in ``layout``, with the reading rules of ``kronecker``'s docstring."""
     names = tuple(layout.names[i] for i in (weight, bias) if i is not None)
@@ -92,7 +92,7 @@ def _slot(
                 f"a parameter alone in a block as a column (m, 1) is one-dimensional; "
                 f"{names[0]!r} has shape {tuple(shape)}{' (transposed=True)' if transposed else ''}"
             )
-        return _Block(names, module, None, bias, False, shape.numel(), 0)
+        return Slot(names, module, None, bias, False, shape.numel(), 0)
     w = layout.shapes[weight]
     if len(w) < 2 or (transposed and len(w) != 2):
         raise ValueError(
@@ -104,7 +104,7 @@ def _slot(
             f"the second parameter of a block is a bias of shape ({m},) for {names[0]!r}; "
             f"{names[1]!r} has shape {tuple(layout.shapes[bias])}"
         )
-    return _Block(names, module, weight, bias, transposed, m, d)
+    return Slot(names, module, weight, bias, transposed, m, d)
 
 
 def _place(
@@ -113,7 +113,7 @@ def _place(
     names: str | Sequence[str],
     module: str,
     transposed: bool,
-) -> _Block:
+) -> Slot:
     """The block over ``names`` (one parameter, or a weight and its bias) in ``layout``."""
     names = (names,) if isinstance(names, str) else tuple(names)
     missing = [n for n in names if n not in index]
@@ -147,7 +147,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _normalize(layout: ParamLayout, index: Mapping[str, int], block: object) -> _Block:
+def _normalize(layout: ParamLayout, index: Mapping[str, int], block: object) -> Slot:
     if isinstance(block, KroneckerBlock):
         slot = _place(layout, index, block.names, block.module, block.transposed)
         _check_square("G", block.G, slot.m, slot.names)
@@ -190,7 +190,7 @@ def _as_layout(layout: object, first: torch.Tensor) -> ParamLayout:
     )
 
 
-def _checked(layout: object, given: Sequence[object]) -> tuple[ParamLayout, list[_Block]]:
+def checked_blocks(layout: object, given: Sequence[object]) -> tuple[ParamLayout, list[Slot]]:
     """The layout and the blocks of a user's ``KroneckerOperator(layout, blocks)``, checked:
     shapes, every parameter in one block, one floating dtype, the layout's device."""
     blocks = list(given)

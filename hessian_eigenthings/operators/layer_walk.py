@@ -7,15 +7,6 @@ from __future__ import annotations
 from hessian_eigenthings.operators.engines.layer_checks import (
     LayerCall,
     LayerWalkError,
-    _cache_len,
-    _hf_collecting,
-    _is_cache,
-    _leaf,
-    _reached,
-    _relative_gap,
-    _same_values,
-    _tensors,
-    _without_cache,
     find_layers,
 )
 from hessian_eigenthings.operators.engines.layers import (
@@ -26,14 +17,6 @@ from hessian_eigenthings.operators.engines.layers import (
     LayerWalk,
     LayerWalkRunner,
     WalkState,
-    _DifferentiableNorms,
-    _jvp,
-    _Keep,
-    _layer_norm,
-    _primary,
-    _Stop,
-    _vjp,
-    _with_primary,
 )
 
 __all__ = [
@@ -46,22 +29,17 @@ __all__ = [
     "LayerWalkError",
     "LayerWalkRunner",
     "WalkState",
-    "_DifferentiableNorms",
-    "_Keep",
-    "_Stop",
-    "_cache_len",
-    "_hf_collecting",
-    "_is_cache",
-    "_jvp",
-    "_layer_norm",
-    "_leaf",
-    "_primary",
-    "_reached",
-    "_relative_gap",
-    "_same_values",
-    "_tensors",
-    "_vjp",
-    "_with_primary",
-    "_without_cache",
     "find_layers",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The walk's private helpers, as this module had them (tests and old code read them here):
+    looked up in their new modules, not imported by name (no module of ``operators/`` imports a
+    private name of another)."""
+    from hessian_eigenthings.operators.engines import layer_checks, layers
+
+    for module in (layers, layer_checks):
+        if name.startswith("_") and name in vars(module):
+            return vars(module)[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
