@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import deprecation
 from packaging.version import Version
 
-from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._version import __version__
 
 #: the first release that ships the facade (its pre-releases count as that release)
@@ -150,47 +149,28 @@ def message(name: str) -> str:
 # and it imports sympy). Imported during the first 0.x call, after its warning, they
 # cleared that record, so a loop warned twice. Importing them before the first warning
 # settles the filters first; later calls find them loaded (a dict lookup each).
-# A third change comes with the first trace of a process: `engine="auto"` traces its
-# product when it judges a run long enough (a trial), and the trace first loads torch's
-# forward-mode decompositions under warnings.catch_warnings (they warn through the
-# deprecated torch.jit.script; `_torch_compat.load_forward_ad_decompositions`, once per
-# process). Whether a run gets a trial depends on timing (its products' time against a
-# trace's expected cost: a busy machine makes products slower) and on the records of earlier
-# runs, so a loop of 0.x calls warned twice only now and then. Paths that can trace (a data
-# operator's products: compute_hessian_eigenthings, HVPOperator, a 0.x solver on a data
-# operator) load them before their first warning too (~0.2-0.3 s once per process, on a
-# 2-core CPU host, torch 2.13); the rest do not pay for it.
+# (The first trace of a process loads torch's forward-mode decompositions, which warn through
+# the deprecated torch.jit.script; `_torch_compat.load_forward_ad_decompositions` drops that
+# warning where it is shown, without touching the filters, so it clears no record.)
 _FILTER_CHANGING_IMPORTS = ("tqdm.auto", "torch.fx.experimental.symbolic_shapes")
-#: 0.x names whose call runs a data operator's products (which `engine="auto"` may trace)
-_TRACING_NAMES = frozenset({"compute_hessian_eigenthings", "HVPOperator"})
 
 
-def _settle_lazy_imports(traces: bool) -> None:
+def _settle_lazy_imports() -> None:
     for module in _FILTER_CHANGING_IMPORTS:
         if module not in sys.modules:
             # an optional dependency absent: nothing will import it
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
-    if traces:
-        _torch_compat.load_forward_ad_decompositions()  # once per process (cached)
 
 
-def _may_trace(name: str, operator: object) -> bool:
-    """Whether the 0.x call warned about can run products that `engine="auto"` may trace."""
-    from hessian_eigenthings.operators.base import DataCurvatureOperator
-
-    return name in _TRACING_NAMES or isinstance(operator, DataCurvatureOperator)
-
-
-def warn_deprecated(name: str, operator: object = None) -> None:
+def warn_deprecated(name: str) -> None:
     """Warn that the 0.x ``name`` was used, pointing at the user's line.
 
     Python's default filter shows a ``DeprecationWarning`` once per call site
-    (when the call site is ``__main__``); no state is kept here. ``operator``:
-    the operator a 0.x solver was given (whether its products may be traced).
-    See NOTE [once per call site].
+    (when the call site is ``__main__``); no state is kept here. See NOTE [once
+    per call site].
     """
-    _settle_lazy_imports(_may_trace(name, operator))
+    _settle_lazy_imports()
     entry = DEPRECATIONS[name]
     cls = deprecation.UnsupportedWarning if _removed() else deprecation.DeprecatedWarning
     warning = cls(f"hessian_eigenthings 0.x {entry.name}", DEPRECATED_IN, REMOVED_IN, message(name))

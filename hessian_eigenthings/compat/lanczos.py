@@ -58,7 +58,7 @@ def lanczos(
     Returns ``(eigenvalues (k,), eigenvectors (k, n))`` as numpy arrays,
     eigenvalues in ascending order (ARPACK's convention).
     """
-    warn_deprecated("lanczos", operator)
+    warn_deprecated("lanczos")
     return run_lanczos(
         operator,
         num_eigenthings,

@@ -84,7 +84,7 @@ def power_iteration(
     Returns ``(eigenvalue, eigenvector)``: the eigenvalue of largest
     magnitude as a float and its unit eigenvector as a tensor ``(n,)``.
     """
-    warn_deprecated("power_iteration", operator)
+    warn_deprecated("power_iteration")
     op = as_core_operator(operator, use_gpu=use_gpu, fp16=fp16, what="power_iteration")
     steps = _steps("steps", steps, "power_iteration_one(op, max_iter=...)")
     tol = _tol("error_threshold", error_threshold, "1.0: power_iteration_one(op, tol=...)")
@@ -116,7 +116,7 @@ def deflated_power_iteration(
     Returns ``(eigenvalues (k,), eigenvectors (k, n))`` sorted by eigenvalue,
     descending; numpy arrays whatever ``to_numpy`` says, as 0.x (NOTE [0.x deflated results]).
     """
-    warn_deprecated("deflated_power_iteration", operator)
+    warn_deprecated("deflated_power_iteration")
     return run_deflated_power_iteration(
         operator,
         num_eigenthings,
