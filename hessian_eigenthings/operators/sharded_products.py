@@ -24,7 +24,7 @@ from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.operators.hessian import LossFn
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, local_shard
-from hessian_eigenthings.operators.sharded_walk import ShardGather
+from hessian_eigenthings.operators.sharded_walk import ShardGather, chunk_rows
 
 __all__ = ["ShardedDifferences", "ShardedProduct", "ShardedWalk"]
 
@@ -107,8 +107,8 @@ class ShardedDifferences(ShardedProduct):
                 p.grad = g
 
     def _padding_rows(self) -> dict[nn.Module, torch.Tensor]:
-        """Each padding embedding's padding row, whole on every rank: FSDP2 gives rank r rows
-        ``[r·c, (r + 1)·c)`` of a weight, so the row is copied out by its owner and summed over
+        """Each padding embedding's padding row, whole on every rank: FSDP2 gives each rank a
+        run of a weight's rows (``chunk_rows``), so the row is copied out by its owner and summed over
         the ranks (one all-reduce of the rows, once per pass; none without such embeddings)."""
         hooks = self.guard.padding.hooks
         if not hooks:
@@ -122,9 +122,9 @@ class ShardedDifferences(ShardedProduct):
             if not is_dtensor(weight):
                 row.copy_(weight[pad])
             else:
-                chunk = -(-weight.shape[0] // world)
-                start = rank * chunk
-                if start <= pad < start + local.shape[0]:
+                sizes = chunk_rows(weight.shape[0], world)  # FSDP2's split of dim 0
+                start = sum(sizes[:rank])
+                if start <= pad < start + sizes[rank]:
                     row.copy_(local[pad - start])
                 dist.all_reduce(row, group=self.agreement.group)
             rows[h.module] = row
