@@ -318,11 +318,7 @@ class Influence:
         if G.shape[0] == 0:
             return G.clone()
         if self.curvature in ("ekfac", "kfac"):
-            if self._inverse is None:
-                self._inverse = self.operator.inverse(self.damping)  # type: ignore[attr-defined]
-            if self._inverse is None:
-                raise InternalError("self._inverse is not None")
-            return (self._inverse @ G.T).T
+            return self._kronecker_precondition(G.clone())
         result = solve(
             self.operator,
             G.T,
@@ -334,6 +330,17 @@ class Influence:
         )
         return result.x.T
 
+    def _kronecker_precondition(self, G: torch.Tensor, rows: int = 4) -> torch.Tensor:
+        """``G`` overwritten by ``(C + λI)⁻¹ G`` a few rows at a time (the Kronecker inverse
+        acts on each row alone): memory of ``G`` plus a few rows, not of two copies of it."""
+        if self._inverse is None:
+            self._inverse = self.operator.inverse(self.damping)  # type: ignore[attr-defined]
+        if self._inverse is None:
+            raise InternalError("the inverse of a Kronecker operator is None")
+        for s in range(0, G.shape[0], rows):
+            G[s : s + rows] = (self._inverse @ G[s : s + rows].T).T
+        return G
+
     def _checked_batches(self, data: Iterable[Batch], what: str) -> Iterator[tuple[int, Batch]]:
         _first_batch(data, what)  # an iterable of batches, not one batch; not empty
         _refuse_training_mode(self.model)
@@ -344,7 +351,11 @@ class Influence:
     def query_gradients(self, query_data: Iterable[Batch]) -> torch.Tensor:
         """``(C + λI)⁻¹ ∇L(q)`` of every query, rows ``(n_query, n)``."""
         rows = [self.gradients(b) for _, b in self._checked_batches(query_data, "query_data")]
-        return self.precondition(torch.cat(rows))
+        G = rows[0] if len(rows) == 1 else torch.cat(rows)
+        del rows
+        if self.curvature in ("ekfac", "kfac") and G.shape[0] > 0:
+            return self._kronecker_precondition(G)  # in place: G is ours
+        return self.precondition(G)
 
     # -- scores ----------------------------------------------------------------------------------
     def pairwise_scores(
