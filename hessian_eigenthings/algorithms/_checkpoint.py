@@ -97,6 +97,12 @@ def load_checkpoint(
         for key, value in config.items()
         if saved.get(key) != value
     ]
+    # an argument that only some calls record (None when absent): the file's, not this call's
+    diff += [
+        f"{key}: {value!r} in the file, None now"
+        for key, value in saved.items()
+        if key not in config and value is not None
+    ]
     if diff:
         raise ValueError(
             f"{where} was written by a call with other arguments ({'; '.join(diff)}); "

@@ -28,7 +28,6 @@ from hessian_eigenthings.algorithms._common import (
     check_gap,
     check_k,
     global_size,
-    host_arithmetic,
     host_matvec,
     householder_ok,
     non_finite_error,
@@ -37,6 +36,13 @@ from hessian_eigenthings.algorithms._common import (
     rounding_level,
     row_dots,
     work_dtype,
+)
+from hessian_eigenthings.algorithms.basis import (
+    CHUNK_BYTES,
+    KrylovBasis,
+    as_basis_device,
+    new_basis,
+    panel_width,
 )
 from hessian_eigenthings.algorithms.result import EigenResult, warn_convergence
 from hessian_eigenthings.linalg import LinAlgBackend
@@ -75,6 +81,8 @@ class LanczosPlan:
     full: bool  # full reorthogonalization
     residuals: Residuals  # the policy after the budget's adjustments
     work_dtype: torch.dtype
+    # where the basis lives (None: the operator's device); See NOTE [basis off the device]
+    basis_device: torch.device | None = None
 
     @classmethod
     def for_call(
@@ -90,6 +98,7 @@ class LanczosPlan:
         block_size: int,
         residuals: Residuals,
         precision: torch.dtype | None,
+        basis_device: str | torch.device | None = None,
     ) -> LanczosPlan:
         """Validate ``lanczos``'s arguments and fix the budget; raises ``ValueError`` naming
         the argument to change."""
@@ -166,12 +175,13 @@ class LanczosPlan:
             full=full,
             residuals=residuals,
             work_dtype=wd,
+            basis_device=as_basis_device(basis_device),
         )
 
     def config(self, op: CurvatureOperator, seed: int | None, v0: str | None) -> dict[str, Any]:
         """The arguments a checkpoint must have been written with (``v0``: a digest of the
         start). See NOTE [resumable lanczos]."""
-        return {
+        config: dict[str, Any] = {
             "n": self.n,
             "op_dtype": str(op.dtype),
             "work_dtype": str(self.work_dtype),
@@ -186,13 +196,19 @@ class LanczosPlan:
             "seed": seed,
             "v0": v0,
         }
+        if self.basis_device is not None:  # sums over panels of this width: See NOTE [basis off
+            # the device]; a key that only such files have (load_checkpoint refuses it elsewhere)
+            rows = self.ncv + self.block
+            config["basis_panel"] = panel_width(rows, self.n_local, self.work_dtype, CHUNK_BYTES)
+        return config
 
 
 class KrylovState:
     """A thick-restart Lanczos iteration between two steps.
 
-    The basis ``V (ncv + b, n)`` in the working dtype (``Vn``: its numpy view when steps run
-    on the host, NOTE [small operators on the host]); the projected matrix ``T`` and every
+    The basis ``V (ncv + b, n)`` in the working dtype, a :class:`~.basis.KrylovBasis` on the
+    operator's device or streamed from ``plan.basis_device`` (NOTE [basis off the device]; ``Vn``:
+    its numpy view when steps run on the host, NOTE [small operators on the host]); the projected matrix ``T`` and every
     product's projections ``Hf`` on the host in float64 (NOTE [recorded residuals]); rows
     ``[0, restart_l)`` are the Ritz vectors kept at the last restart and ``V[j : j + b]`` is
     the block expanded next. ``theta``, ``S``, ``est``, ``order`` are the Ritz data of the
@@ -212,22 +228,24 @@ class KrylovState:
         b, m, wd = plan.block, plan.ncv, plan.work_dtype
         self.plan, self.op, self.backend, self.gen = plan, op, backend, gen
         self.n, self.full = plan.n, plan.full  # read by the steps
-        self.V = torch.empty(m + b, plan.n_local, dtype=wd, device=op.device)
+        self.basis: KrylovBasis = new_basis(m + b, plan.n_local, wd, op.device, plan.basis_device)
         self.T = np.zeros((m + b, m + b))
         # See NOTE [recorded residuals]: every product's projections (Hf) and a bound of the
         # parts of products that restarts dropped (lost[0])
         self.Hf = np.zeros((m + b, m + b))
         self.lost = np.zeros(1)
         if start is not None:
-            self.V[:b] = start
+            self.basis.write(0, start)
         self.noise = rounding_level(wd, op.dtype)
         self.eps = float(torch.finfo(wd).eps)
         # See NOTE [small operators on the host]
-        self.Vn = self.V.numpy() if b == 1 and host_arithmetic(self.V, backend) else None
+        self.Vn = self.basis.host_view(backend) if b == 1 else None
         self.R1 = np.zeros((1, 1))  # the host step's R
         # checks are skipped only where a step costs about as little as a check: small
         # operators whose vectors live in host memory (NOTE [ritz check schedule])
-        self.scheduled = self.V.device.type == "cpu" and self.V.numel() <= HOST_ARITHMETIC_MAX_NUMEL
+        self.scheduled = (
+            op.device.type == "cpu" and (m + b) * plan.n_local <= HOST_ARITHMETIC_MAX_NUMEL
+        )
         self.j = 0  # first row of the block being expanded
         self.restart_l = 0  # rows [0, restart_l) are kept Ritz vectors of the last restart
         self.top = b
@@ -319,10 +337,9 @@ class KrylovState:
             self.Vn[n_keep] = self.Vn[top]
         else:
             Sk = torch.from_numpy(np.ascontiguousarray(S[:, keep].T)).to(
-                device=self.V.device, dtype=self.V.dtype
+                device=self.op.device, dtype=plan.work_dtype
             )
-            self.V[:n_keep] = Sk @ self.V[:top]
-            self.V[n_keep : n_keep + b] = self.V[top : top + b].clone()  # the ranges may overlap
+            self.basis.restart(Sk, top, b)
         coupling = self.Rh @ S[top - b : top, keep]
         _restart_record(self.Hf, self.lost, S[:, keep], top, b, self.noise * self.anorm)
         T = self.T
@@ -336,16 +353,19 @@ class KrylovState:
     def result(self) -> EigenResult:
         """The ``k`` most wanted Ritz pairs of the last check, their residuals by the plan's
         policy (``"exact"``: ``k`` more products) and convergence flags."""
-        plan, op, wd, top = self.plan, self.op, self.V.dtype, self.top
+        plan, op, wd, top = self.plan, self.op, self.plan.work_dtype, self.top
         want = self.order[: plan.k]
         S = torch.from_numpy(np.ascontiguousarray(self.S[:, want].T))
-        Y = S.to(device=self.V.device, dtype=wd) @ self.V[:top]
+        Y = self.basis.combine(S.to(device=op.device, dtype=wd), 0, top)
         lam = torch.from_numpy(self.theta[want].copy())
         if plan.residuals == "exact":
-            AY = apply_rows(op, Y)
+            # a streamed basis' Ritz vectors are in host memory: to the device a block at a time
+            rows = plan.block if self.basis.streamed else plan.k
+            res = torch.cat(
+                [_exact_residuals(op, self.backend, Y[i : i + rows], lam[i : i + rows])
+                 for i in range(0, plan.k, rows)]
+            )  # fmt: skip
             self.products += plan.k
-            Rm = AY - lam.to(device=Y.device, dtype=wd).unsqueeze(1) * Y
-            res = row_dots(self.backend, Rm, Rm).sqrt().to("cpu", torch.float64)
             if not bool(torch.isfinite(res).all()):
                 raise non_finite_error("residual check", self.it)
         elif plan.residuals == "recorded":
@@ -406,7 +426,7 @@ class KrylovState:
             "anorm": self.anorm,
             "next_check": self.next_check,
             "last_check": None if self.last_check is None else list(self.last_check),
-            "V": self.V[:rows].to("cpu", copy=True),
+            "V": self.basis.to_cpu(slice(0, rows)),
             "T": torch.from_numpy(self.T[:rows, :rows].copy()),
             "Hf": torch.from_numpy(self.Hf[:rows, :rows].copy()),
             "lost": torch.from_numpy(self.lost.copy()),
@@ -428,7 +448,7 @@ class KrylovState:
         """The iteration ``to_checkpoint`` saved, in freshly allocated buffers (``gen``: already
         set to the saved generator state). Raises ``ValueError`` for an incomplete state."""
         run = cls(plan, op, backend, gen, None)
-        loop = _restore(state, run.V, run.T, run.Hf, run.lost, plan.block, path)
+        loop = _restore(state, run.basis, run.T, run.Hf, run.lost, plan.block, path)
         run.j, run.restart_l, run.it = loop["j"], loop["restart_l"], loop["it"]
         run.products, run.anorm = loop["products"], loop["anorm"]
         run.theta, run.S, run.est, run.order = loop["theta"], loop["S"], loop["est"], loop["order"]
@@ -457,7 +477,7 @@ class KrylovState:
 
 def _restore(
     state: dict[str, Any],
-    V: torch.Tensor,
+    V: KrylovBasis,
     T: np.ndarray[Any, Any],
     Hf: np.ndarray[Any, Any],
     lost: np.ndarray[Any, Any],
@@ -477,9 +497,9 @@ def _restore(
             loop[name] = state[name].numpy()
         rows = loop["j"] + b
         Vs, Ts = state["V"], state["T"]
-        if Vs.shape != (rows, V.shape[1]) or Vs.dtype != V.dtype or rows > V.shape[0]:
+        if Vs.shape != (rows, V.n) or Vs.dtype != V.dtype or rows > V.rows:
             raise ValueError(
-                f"a basis of shape {tuple(Vs.shape)} ({Vs.dtype}), expected ({rows}, {V.shape[1]}) ({V.dtype})"
+                f"a basis of shape {tuple(Vs.shape)} ({Vs.dtype}), expected ({rows}, {V.n}) ({V.dtype})"
             )
         if Ts.shape != (rows, rows) or Ts.dtype != torch.float64:
             raise ValueError(f"a projection of shape {tuple(Ts.shape)}, expected ({rows}, {rows})")
@@ -494,7 +514,7 @@ def _restore(
             f"checkpoint {str(path)!r} is not a complete lanczos state for this call ({exc}); "
             "remove it to start afresh"
         ) from exc
-    V[:rows] = Vs.to(V.device)
+    V.write(0, Vs)
     T[:rows, :rows] = Ts.numpy()
     Hf[:rows, :rows] = Hs.numpy()
     lost[:] = Ls.numpy()
@@ -534,16 +554,16 @@ def _device_step(
     against ``V[lo : j + b]``, the new block in ``V[j + b : j + 2b]`` and its couplings in
     ``T``. Returns the coupling ``R`` (host, ``(b, b)``), the updated norm estimate and
     whether the Krylov space is exhausted."""
-    V, T, backend = st.V, st.T, st.backend
+    V, T, backend = st.basis, st.T, st.backend
     top = j + b
-    W = apply_rows(st.op, V[j:top])
-    B = V[lo:top]
-    H = backend.inner_rows(B, W)  # (top - lo, b)
-    W = W - H.T @ B
+    W = apply_rows(st.op, V.read(j, top))
+    H = V.inner(lo, top, W, backend)  # (top - lo, b)
     if st.full:
-        H2 = backend.inner_rows(B, W)
-        W = W - H2.T @ B
+        W, H2 = V.subtract_inner(lo, top, H, W, backend)
+        W = V.subtract(lo, top, H2, W)
         H = H + H2
+    else:
+        W = V.subtract(lo, top, H, W)
     Q, R = _block_qr(W, backend)
     # the one host sync of this step: the projections H (NOTE [recorded residuals]; its last
     # block is T's diagonal block) and the coupling R
@@ -561,14 +581,14 @@ def _device_step(
     exhausted = False
     if b == 1 and diag.min() < math.sqrt(st.eps) * anorm and diag.min() > st.noise * anorm:
         # small residual: one more Gram-Schmidt pass keeps Q orthogonal to the basis
-        Q = Q - backend.inner_rows(Q, V[:top]) @ V[:top]
+        Q = V.project_out(Q, top, backend)
         Q = Q / backend.norm(Q)
     if diag.min() <= st.noise * max(anorm, torch.finfo(torch.float64).tiny):
         # invariant subspace (or the whole space) reached: continue with a fresh
         # direction orthogonal to the basis; its coupling to the basis is W's
-        Q, Rh, exhausted = _fresh_block(W, V[:top], b, st.n, st.gen, backend)
+        Q, Rh, exhausted = _fresh_block(W, V, top, b, st.n, st.gen, backend)
     if not exhausted:
-        V[top : top + b] = Q
+        V.write(top, Q)
         T[top : top + b, j:top] = Rh
         T[j:top, top : top + b] = Rh.T
         st.Hf[top : top + b, j:top] = Rh
@@ -603,7 +623,7 @@ def _host_step(
     if beta <= st.noise * max(anorm, _TINY):
         # invariant subspace (or the whole space) reached, as in _device_step
         Q, Rh, exhausted = _fresh_block(
-            torch.from_numpy(w).unsqueeze(0), st.V[:top], 1, st.n, st.gen, st.backend
+            torch.from_numpy(w).unsqueeze(0), st.basis, top, 1, st.n, st.gen, st.backend
         )
         if exhausted:
             return Rh, anorm, True
@@ -717,6 +737,16 @@ def _recorded_residuals(
     return np.sqrt(est**2 + inner**2 + product_rounding**2) + lost[0]
 
 
+def _exact_residuals(
+    op: CurvatureOperator, backend: LinAlgBackend, Y: torch.Tensor, lam: torch.Tensor
+) -> torch.Tensor:
+    """``||A y - λ y||`` (host, float64) of the Ritz pairs ``(λ, y)``: one product a row;
+    ``Y`` moved to the operator's device when it is not there."""
+    Y = Y.to(op.device)
+    Rm = apply_rows(op, Y) - lam.to(device=Y.device, dtype=Y.dtype).unsqueeze(1) * Y
+    return row_dots(backend, Rm, Rm).sqrt().to("cpu", torch.float64)
+
+
 def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:
     """Ritz vectors kept at a restart.
 
@@ -735,24 +765,24 @@ def _num_kept(k: int, m: int, b: int, n_conv: int) -> int:
 
 def _fresh_block(
     W: torch.Tensor,
-    basis: torch.Tensor,
+    basis: KrylovBasis,
+    top: int,
     b: int,
     n: int,
     gen: torch.Generator,
     backend: LinAlgBackend,
 ) -> tuple[torch.Tensor, np.ndarray, bool]:
     """Orthonormal rows ``Q (b, n)`` spanning ``W``'s numerically nonzero part,
-    completed by random directions orthogonal to ``basis``; ``W = Rᵀ Q``.
+    completed by random directions orthogonal to the basis rows ``[0, top)``; ``W = Rᵀ Q``.
 
     Returns ``exhausted=True`` when the basis already spans the whole space
     (``n`` is the global length; vectors may be local shards).
     """
-    J = basis.shape[0]
-    if J + b > n:
+    if top + b > n:
         return W, np.zeros((b, b)), True
     Z = random_rows(b, W.shape[1], gen, device=W.device, dtype=W.dtype)
     for _ in range(2):
-        Z = Z - backend.inner_rows(Z, basis) @ basis
+        Z = basis.project_out(Z, top, backend)
     Qw = orthonormalize_rows(W, backend, rtol=math.sqrt(float(torch.finfo(W.dtype).eps)))
     Qw = Qw[:b]
     for _ in range(2):

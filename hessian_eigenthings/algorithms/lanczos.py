@@ -67,6 +67,7 @@ from hessian_eigenthings.algorithms._common import (
     warm_start_rows,
     work_dtype,
 )
+from hessian_eigenthings.algorithms.basis import RunBases, as_basis_device, new_run_bases
 from hessian_eigenthings.algorithms.krylov import KrylovState, LanczosPlan, Residuals, Which
 from hessian_eigenthings.algorithms.result import EigenResult, LanczosTridiag
 from hessian_eigenthings.linalg import LinAlgBackend
@@ -141,6 +142,7 @@ def lanczos(
     progress: bool | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
+    basis_device: str | torch.device | None = None,
 ) -> EigenResult:
     """Top-``k`` eigenpairs of a symmetric operator by thick-restart Lanczos.
 
@@ -175,6 +177,13 @@ def lanczos(
             (NOTE [resumable lanczos] in ``krylov``); one of other arguments is refused; a finished call
             deletes it. One file per rank.
         checkpoint_every: save every this many products; default: at each thick restart.
+        basis_device: where the Krylov basis lives; default (``None``) the operator's device.
+            ``"cpu"``: in host memory (pinned when the operator is on CUDA), moved to the
+            operator's device in panels of at most ``basis.CHUNK_BYTES`` (1 GiB) for each
+            product with it, for models whose basis does not fit beside them (NOTE [basis off
+            the device] in ``basis``). The same products and, to rounding, the same result;
+            the eigenvectors are then returned in host memory. Each step moves about
+            ``3 · rows + b`` vectors to the device and ``b`` back.
 
     Returns an :class:`EigenResult`, most wanted first; warns :class:`ConvergenceWarning` when
     the budget ends first. An exhausted Krylov space gives the exact answer.
@@ -184,6 +193,7 @@ def lanczos(
     plan = LanczosPlan.for_call(
         op, k=k, max_iter=max_iter, tol=tol, reorthogonalize=reorthogonalize, which=which,
         ncv=ncv, block_size=block_size, residuals=residuals, precision=precision,
+        basis_device=basis_device,
     )  # fmt: skip
     saves = _Saves.for_call(checkpoint, checkpoint_every)
     resuming = saves.path is not None and saves.path.exists()
@@ -198,9 +208,23 @@ def lanczos(
         run = saves.resume(plan, op, backend, gen)
     else:
         run = KrylovState(plan, op, backend, gen, start)
+    try:
+        result = _iterate(run, saves, gen, progress)
+    finally:
+        run.basis.release()
+    saves.finish()
+    run.warn_unconverged(result)
+    return result
+
+
+def _iterate(
+    run: KrylovState, saves: _Saves, gen: torch.Generator, progress: bool | None
+) -> EigenResult:
+    """Step ``run`` until it is done or its budget ends; its result."""
+    plan = run.plan
     # the bar counts products with no total: max_iter is a cap that a converging run never
     # reaches, and a percentage of it would promise an ETA many times too long
-    with progress_bar(None, f"lanczos (k={k})", progress) as bar:
+    with progress_bar(None, f"lanczos (k={plan.k})", progress) as bar:
         if run.products:
             bar.update(run.products)
         while True:
@@ -208,16 +232,13 @@ def lanczos(
             bar.update(plan.block)
             if run.check_due():
                 done = run.check()
-                bar.set_postfix(converged=f"{run.n_conv}/{k}")
+                bar.set_postfix(converged=f"{run.n_conv}/{plan.k}")
                 if done:
                     break
             if run.last_step:
                 break
             saves.after_advance(run, restarted=run.advance(), gen=gen)
-    result = run.result()
-    saves.finish()
-    run.warn_unconverged(result)
-    return result
+    return run.result()
 
 
 @dataclass
@@ -282,11 +303,13 @@ def _start_block(
         # a previous result or a basis of p != b vectors: See NOTE [warm starts]
         Y = warm_start_rows(v0, n_local, "v0")
         if Y is not None:
-            Y = Y.to(device=device, dtype=wd)
+            # a basis off the device: a warm start's k vectors are summed where they are
+            where = device if plan.basis_device is None else Y.device
+            Y = Y.to(device=where, dtype=wd)
             # row i of the start block sums the vectors i, i + b, i + 2b, ... (all of them for b = 1)
-            G = torch.zeros(b, Y.shape[0], dtype=wd, device=device)
+            G = torch.zeros(b, Y.shape[0], dtype=wd, device=where)
             G[torch.arange(Y.shape[0]) % b, torch.arange(Y.shape[0])] = 1.0
-            X0 = G @ Y
+            X0 = (G @ Y).to(device)
     elif v0 is not None:
         if not isinstance(v0, torch.Tensor):
             raise TypeError(f"v0 must be a torch.Tensor or an EigenResult, got {type(v0).__name__}")
@@ -335,11 +358,14 @@ def lanczos_tridiagonal(
     backend: LinAlgBackend | None = None,
     precision: torch.dtype | None = None,
     keep_basis: bool = True,
+    basis_device: str | torch.device | None = None,
 ) -> LanczosTridiag:
     """One unrestarted Lanczos run of ``max_iter`` steps from ``v0`` (shared with SLQ).
 
     Stops early when the Krylov space becomes invariant (``last_beta ≈ 0``),
     so ``iterations`` may be smaller than ``max_iter``. ``v0`` is normalized.
+    ``basis_device``: where the basis lives, as in :func:`lanczos` (``"cpu"``: host memory,
+    streamed to the operator's device; ``basis`` is then returned in host memory).
     """
     op = check_operator(op)
     if not isinstance(v0, torch.Tensor):
@@ -354,6 +380,7 @@ def lanczos_tridiagonal(
         backend=operator_backend(op, backend),
         precision=precision,
         keep_basis=keep_basis,
+        basis_device=basis_device,
     )
     return runs[0]
 
@@ -368,11 +395,13 @@ def tridiagonal_runs(
     precision: torch.dtype | None,
     keep_basis: bool,
     bar: object | None = None,
+    basis_device: str | torch.device | None = None,
 ) -> list[LanczosTridiag]:
     """``r`` independent Lanczos runs in lockstep: one ``op @ V`` block per step.
 
     Each run's basis is a slice of one ``(r, steps, n)`` buffer and is
-    reorthogonalized by batched matrix products (CGS2). A run that hits an
+    reorthogonalized by batched matrix products (CGS2); with ``basis_device``, the buffer
+    lives there and is streamed (NOTE [basis off the device] in ``basis``). A run that hits an
     invariant subspace stops (its vector is zeroed, costing nothing but
     arithmetic) while the others go on. One host sync per step.
     """
@@ -391,8 +420,28 @@ def tridiagonal_runs(
         raise ValueError("the start vector is zero or non-finite; pass a nonzero finite v0")
     X = X / norms.unsqueeze(1)
     store = reorthogonalize or keep_basis
-    Vb = torch.empty(r, steps if store else 2, n, dtype=wd, device=device)
-    Vb[:, 0] = X
+    where = as_basis_device(basis_device)
+    Vb = new_run_bases(r, steps if store else 2, n, wd, device, where if store else None)
+    try:
+        return _runs(op, Vb, X, steps, reorthogonalize, backend, eps, keep_basis and store, bar)
+    finally:
+        Vb.release()
+
+
+def _runs(
+    op: CurvatureOperator,
+    Vb: RunBases,
+    X: torch.Tensor,
+    steps: int,
+    reorthogonalize: bool,
+    backend: LinAlgBackend,
+    eps: float,
+    keep_basis: bool,
+    bar: object | None,
+) -> list[LanczosTridiag]:
+    """The steps of :func:`tridiagonal_runs` from the unit rows ``X``, bases in ``Vb``."""
+    r, device, wd = X.shape[0], X.device, X.dtype
+    Vb.set(0, X)
     alphas = np.zeros((r, steps))
     betas = np.zeros((r, steps))
     length = np.full(r, steps)
@@ -400,21 +449,16 @@ def tridiagonal_runs(
     anorm = np.zeros(r)
     prev_beta = torch.zeros(r, dtype=wd, device=device)
     for j in range(steps):
-        cur = Vb[:, j] if store else Vb[:, j % 2]
+        cur = Vb.vector(j)
         W = apply_rows(op, cur)
         if reorthogonalize:
-            basis = Vb[:, : j + 1]
-            H = backend.all_reduce_sum(torch.bmm(basis, W.unsqueeze(2)).squeeze(2))  # (r, j+1)
-            W = W - torch.bmm(H.unsqueeze(1), basis).squeeze(1)
-            H2 = backend.all_reduce_sum(torch.bmm(basis, W.unsqueeze(2)).squeeze(2))
-            W = W - torch.bmm(H2.unsqueeze(1), basis).squeeze(1)
-            alpha = (H + H2)[:, j]
+            W, H = Vb.reorthogonalize(j + 1, W, backend)  # H: (r, j + 1)
+            alpha = H[:, j]
         else:
             alpha = row_dots(backend, cur, W)
             W = W - alpha.unsqueeze(1) * cur
             if j > 0:
-                prev = Vb[:, j - 1] if store else Vb[:, (j - 1) % 2]
-                W = W - prev_beta.unsqueeze(1) * prev
+                W = W - prev_beta.unsqueeze(1) * Vb.vector(j - 1)
         beta = row_dots(backend, W, W).sqrt()
         host = torch.cat([alpha, beta]).to("cpu", torch.float64).numpy()
         if not np.isfinite(host[:r][active]).all() or not np.isfinite(host[r:][active]).all():
@@ -433,11 +477,7 @@ def tridiagonal_runs(
         scale = torch.from_numpy(np.where(active, 1.0 / np.maximum(b_h, 1e-300), 0.0)).to(
             device=device, dtype=wd
         )
-        nxt = W * scale.unsqueeze(1)
-        if store:
-            Vb[:, j + 1] = nxt
-        else:
-            Vb[:, (j + 1) % 2] = nxt
+        Vb.set(j + 1, W * scale.unsqueeze(1))
         prev_beta = beta
     out = []
     for i in range(r):
@@ -446,7 +486,7 @@ def tridiagonal_runs(
             LanczosTridiag(
                 alphas=torch.from_numpy(alphas[i, :m].copy()),
                 betas=torch.from_numpy(betas[i, : m - 1].copy()),
-                basis=Vb[i, :m].to(op.dtype) if (keep_basis and store) else None,
+                basis=Vb.basis(i, m).to(op.dtype) if keep_basis else None,
                 last_beta=float(betas[i, m - 1]),
                 iterations=m,
             )

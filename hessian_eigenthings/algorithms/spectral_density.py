@@ -39,6 +39,7 @@ from hessian_eigenthings.algorithms._common import (
     random_rows,
     work_dtype,
 )
+from hessian_eigenthings.algorithms.basis import CHUNK_BYTES, as_basis_device, panel_width
 from hessian_eigenthings.algorithms.lanczos import tridiagonal_runs
 from hessian_eigenthings.algorithms.result import LanczosTridiag, SpectralDensityResult
 from hessian_eigenthings.linalg import LinAlgBackend
@@ -78,6 +79,7 @@ def spectral_density(
     progress: bool | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_runs: int | None = None,
+    basis_device: str | torch.device | None = None,
 ) -> SpectralDensityResult:
     """Smoothed spectral density of ``op`` by stochastic Lanczos quadrature.
 
@@ -102,6 +104,10 @@ def spectral_density(
             With a sharded backend, give each rank a file of its own.
         checkpoint_runs: runs per group when checkpointing (default: as many as
             ``memory_budget`` allows): the most work an interruption can lose.
+        basis_device: where the reorthogonalized bases live; default (``None``) the
+            operator's device. ``"cpu"``: host memory (pinned for a CUDA operator), streamed
+            to the device in panels as in :func:`lanczos` (NOTE [basis off the device] in
+            ``basis``); ``memory_budget`` then bounds host memory. The same result to rounding.
     """
     op = check_operator(op)
     backend = operator_backend(op, backend)
@@ -118,6 +124,7 @@ def spectral_density(
     steps = min(lanczos_steps, global_size(op))
     op.expect_products(num_runs * steps)
     wd = work_dtype(op, precision)
+    where = as_basis_device(basis_device)
     gen = make_generator(seed, backend)
     per_run = (steps if reorthogonalize else 2) * n * torch.empty((), dtype=wd).element_size()
     group = _group_size(num_runs, per_run, memory_budget, checkpoint, checkpoint_runs)
@@ -136,6 +143,8 @@ def spectral_density(
         "work_dtype": str(wd),
         "op_dtype": str(op.dtype),
     }
+    if where is not None and reorthogonalize:  # sums over panels of this width
+        config["basis_panel"] = panel_width(group * steps, n, wd, CHUNK_BYTES)
     if path is not None and path.exists():
         saved = load_checkpoint(path, "spectral_density", config, gen)
         first, nodes, weights = int(saved["done"]), list(saved["nodes"]), list(saved["weights"])
@@ -153,6 +162,7 @@ def spectral_density(
                 precision=precision,
                 keep_basis=False,
                 bar=bar,
+                basis_device=where,
             )
             for run in runs:
                 theta, weight = _quadrature(run)
