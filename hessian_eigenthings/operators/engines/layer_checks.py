@@ -175,7 +175,7 @@ def find_layers(model: nn.Module, layers: str | Sequence[nn.Module]) -> list[nn.
     return mods
 
 
-def _relative_gap(got: Sequence[Any], ref: Sequence[Any]) -> float:
+def relative_gap(got: Sequence[Any], ref: Sequence[Any]) -> float:
     """The largest ``‖got − ref‖ / ‖ref‖`` over matching tensors (dicts compared by key)."""
     worst = 0.0
     for x, y in zip(got, ref, strict=True):
