@@ -180,6 +180,76 @@ class RecordedProduct:
 #   holds nothing). At most ``graph_reuse_max_batches`` signatures are recorded.
 
 
+# NOTE [direction copied ahead]
+# A replayed product's device work starts with copying the direction into the
+# recording's static input, and the device idles while the host checks the reuse
+# key and guards the model (about 0.5 ms for a 12-layer GPT-2). So a pass of one
+# vector starts by copying the direction into the input of the recording the last
+# such product replayed, on the operator's stream (ordered after that replay and
+# after the caller's work); when the pass then replays that same recording the copy
+# is done, and when it does not (the kept state was dropped, another chunk) nothing
+# is lost but the early copy: a recording's input is always written before its replay.
+
+
+def capture_graph(
+    device: torch.device, pool: Any, fn: Callable[[], Sequence[torch.Tensor | None]]
+) -> tuple[Any, list[torch.Tensor | None], int]:
+    """Record ``fn()`` as a CUDA graph in ``pool``: ``(graph, its outputs, each viewable as
+    column blocks, bytes the device's reserved memory grew by)``. A failed capture raises, the
+    CUDA generator put back as it was (a capture that fails half-way leaves it in capture mode)."""
+    graph = torch.cuda.CUDAGraph()
+    before = _torch_compat.cuda_reserved(device)
+    rng = torch.cuda.default_generators[
+        device.index if device.index is not None else torch.cuda.current_device()
+    ]
+    rng_state = rng.clone_state()
+    # NOTE [no collection during a capture]: an unreachable object that holds a CUDA graph
+    # (an operator dropped by the user, still in a reference cycle) frees it when the
+    # cyclic collector runs; freeing a graph while a stream captures breaks the capture
+    # ("operation not permitted when stream is capturing"). The collector is kept off for
+    # the capture (its state is put back); no collection is forced (one costs tens of ms).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            graph.capture_begin(pool=pool)
+            try:
+                with _torch_compat.CapturableScalars():
+                    outputs = _column_ready(fn())
+            finally:
+                graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
+    except Exception:
+        rng.graphsafe_set_state(rng_state)
+        raise
+    return graph, outputs, max(0, _torch_compat.cuda_reserved(device) - before)
+
+
+def product_signature(
+    leaves: list[Any], k: int, device: torch.device, modules: Sequence[nn.Module]
+) -> tuple[Any, ...] | None:
+    """What a recorded product is keyed by (NOTE [recorded products]): the block width, the
+    chunk's leaves (``batch_leaves``: tensors by shape and dtype, other leaves by value) and the
+    ``modules``' train/eval modes; ``None`` when the chunk cannot be recorded (a tensor that
+    requires grad or lives on another device than ``device``, a leaf that cannot be hashed)."""
+    sig: list[Any] = [k, torch.is_grad_enabled()]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad or not same_device(x.device, device):
+                return None
+            sig.append((x.shape, x.dtype))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return None
+            sig.append(x)
+    sig.append(tuple(m.training for m in modules))
+    return tuple(sig)
+
+
 #: a product without a reusable state: ``product(chunk, vectors)``
 FreshProduct = Callable[[Batch, list[torch.Tensor]], Sequence[torch.Tensor | None]]
 
@@ -229,15 +299,6 @@ class GraphRecorder:
         self.last_replay: weakref.ref[Replay] | None = None
         self.copied_ahead: tuple[weakref.ref[Replay], torch.Tensor] | None = None
 
-    # NOTE [direction copied ahead]
-    # A replayed product's device work starts with copying the direction into the
-    # recording's static input, and the device idles while the host checks the reuse
-    # key and guards the model (about 0.5 ms for a 12-layer GPT-2). So a pass of one
-    # vector starts by copying the direction into the input of the recording the last
-    # such product replayed, on the operator's stream (ordered after that replay and
-    # after the caller's work); when the pass then replays that same recording the copy
-    # is done, and when it does not (the kept state was dropped, another chunk) nothing
-    # is lost but the early copy: a recording's input is always written before its replay.
     def copy_ahead(self, rows: RowBlock) -> None:
         """Start copying a single direction into the recording it will most likely replay."""
         self.copied_ahead = None
@@ -345,37 +406,13 @@ class GraphRecorder:
         capture failed (the operator warns once, unless it ran out of memory) or
         when the pool outgrew the budget.
         """
-        graph = torch.cuda.CUDAGraph()
         live = self.recorded or any(entry.replays for entry in self.states.entries.values())
         if self.pool is None or not live:
             # torch releases a pool with its last graph; its handle cannot take another capture
             self.pool = torch.cuda.graph_pool_handle()
-        before = _torch_compat.cuda_reserved(self.device)
-        # a capture that fails half-way leaves the CUDA generator in capture mode: keep its state
-        rng = torch.cuda.default_generators[
-            self.device.index if self.device.index is not None else torch.cuda.current_device()
-        ]
-        rng_state = rng.clone_state()
-        # NOTE [no collection during a capture]: an unreachable object that holds a CUDA graph
-        # (an operator dropped by the user, still in a reference cycle) frees it when the
-        # cyclic collector runs; freeing a graph while a stream captures breaks the capture
-        # ("operation not permitted when stream is capturing"). The collector is kept off for
-        # the capture (its state is put back); no collection is forced (one costs tens of ms).
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            try:
-                graph.capture_begin(pool=self.pool)
-                try:
-                    with _torch_compat.CapturableScalars():
-                        outputs = _column_ready(fn())
-                finally:
-                    graph.capture_end()
-            finally:
-                if collecting:
-                    gc.enable()
+            graph, outputs, extra = capture_graph(self.device, self.pool, fn)
         except Exception as exc:  # any failure: eager products, same results
-            rng.graphsafe_set_state(rng_state)
             if not self.warned and not isinstance(exc, torch.cuda.OutOfMemoryError):
                 self.warned = True  # once per operator; out of memory: quietly eager
                 warnings.warn(
@@ -386,11 +423,10 @@ class GraphRecorder:
                     stacklevel=user_stacklevel(),
                 )
             return None
-        extra = max(0, _torch_compat.cuda_reserved(self.device) - before)
         budget = self.states.budget()
         if budget is not None and self.states.nbytes + extra > budget:
             return None  # the graph and its pool are freed
-        return graph, list(outputs), extra
+        return graph, outputs, extra
 
     def capture(self, runner: ProductRunner, entry: KeptState, rows: RowBlock) -> Replay | None:
         """Record ``_apply`` on ``entry`` for vectors shaped like ``rows``; ``None`` if it cannot be."""
@@ -421,22 +457,8 @@ class GraphRecorder:
 
     # -- recorded products, NOTE [recorded products] ----------------------------
     def signature(self, leaves: list[Any], k: int) -> tuple[Any, ...] | None:
-        """What a recorded product is keyed by (``leaves``: ``batch_leaves`` of the chunk); ``None``
-        when this chunk cannot be recorded."""
-        sig: list[Any] = [k, torch.is_grad_enabled()]
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                if x.requires_grad or not same_device(x.device, self.device):
-                    return None
-                sig.append((x.shape, x.dtype))
-            else:
-                try:
-                    hash(x)
-                except TypeError:
-                    return None
-                sig.append(x)
-        sig.append(tuple(m.training for m in self.guard.modules))
-        return tuple(sig)
+        """What a recorded product is keyed by (``product_signature``)."""
+        return product_signature(leaves, k, self.device, self.guard.modules)
 
     def pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in model_tensors(self.guard.modules))
