@@ -62,36 +62,79 @@ __all__ = [
     "DataOptions",
     "LambdaOperator",
     "RandomForwardWarning",
+    "SampleCount",
     "preserve_model",
     "private_buffers",
     "same_device",
 ]
 
 
+# NOTE [batch weighting]
+# The default weights each chunk by its samples, so the product is that of
+# the mean loss over all samples and a short last batch does not bias it.
+# 0.x averaged per batch with equal weights; the 0.x facade sets
+# batch_weighting = "uniform" to keep its results. Then a chunk of a split
+# batch weighs chunk/batch samples, so each batch still counts once and its
+# own product is its exact mean.
+class SampleCount:
+    """How a data operator counts a chunk's samples (NOTE [batch weighting]) and what it says
+    when a pass counted none; this one counts the batch's rows. A curvature whose loss counts
+    its own samples (the empirical Fisher of a per-token loss) sets its operator's
+    ``sample_counter`` to one of its own before calling the base constructor."""
+
+    def samples(self, chunk: Batch) -> int:
+        """Samples in ``chunk``."""
+        return batch_size(chunk)
+
+    def check(self, count: int, total: float) -> None:
+        """Raise when a pass (over every rank) counted nothing: ``count`` chunks, of total
+        weight ``total``."""
+        if count == 0:
+            raise ValueError(
+                "the data has zero samples to average over (every batch is empty or has no weight)"
+            )
+
+
+#: the default count: a chunk's rows
+BATCH_ROWS = SampleCount()
+
+
 class DataCurvatureOperator(DataOperatorSetup):
     """Base of curvature operators defined by a model, data and a loss.
 
-    Parameters shared by every subclass:
+    Options shared by every subclass (:class:`DataOptions`, passed on as one record):
 
     - ``param_filter``: which parameters (callable, glob or list of globs).
-    - ``full_dataset``: average over every batch (``True``) or take the next
-      batch on each product, cycling (``False``).
-    - ``num_batches``: cap on the batches of one product.
-    - ``microbatch_size``: split each batch into chunks of this many samples
-      (same result, lower peak memory; refused for BatchNorm in training
-      mode unless ``microbatch_unsafe=True``).
-    - ``max_block_size``: most vectors per pass of a block product;
-      ``block_memory_budget``: bytes a block pass may add on CUDA (the chunk
-      is sized from the measured cost of the first pass).
+    - ``full_dataset``: average over every batch (``True``) or take the next batch on each
+      product, cycling (``False``); ``num_batches``: cap on the batches of one product.
+    - ``microbatch_size``: split each batch into chunks of this many samples (same result, lower
+      peak memory; refused for BatchNorm in training mode unless ``microbatch_unsafe=True``).
+    - ``max_block_size``: most vectors per pass of a block product; ``block_memory_budget``:
+      bytes a block pass may add on CUDA (the chunk is sized from the measured cost of the
+      first pass).
     - ``graph_reuse``: ``"auto"`` / ``True`` / ``False``, see NOTE [graph reuse].
-      ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``:
-      bytes they may hold on CUDA (default half the device, NOTE [memory budget]).
-    - ``cuda_graphs``: record products as CUDA graphs and replay them
-      (default ``True``; CUDA only, operators that support it): on a kept
-      state its second backward (NOTE [CUDA graphs]), without one the whole
-      product per batch signature (NOTE [recorded products]). The recordings
-      hold memory between products (``held_bytes``); ``False`` records nothing.
+      ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``: bytes they may
+      hold on CUDA (default half the device, NOTE [memory budget]).
+    - ``cuda_graphs``: record products as CUDA graphs and replay them (default ``True``; CUDA
+      only, operators that support it): on a kept state its second backward (NOTE [CUDA
+      graphs]), without one the whole product per batch signature (NOTE [recorded products]).
+      The recordings hold memory between products (``held_bytes``); ``False`` records nothing.
+    - ``engine``: ``"auto"``, ``"autograd"``, ``"functional"``, ``"compiled"`` or ``"layers"``
+      (with ``layers=``, the dotted path to the model's blocks: NOTE [layer walk]).
+    - ``precision``: ``"fp32"`` or ``"tf32"``; ``backend``: the vectors' arithmetic (default the
+      single-device one); ``ranks``: the processes products span (default this one).
+
+    A curvature writes the hooks ``_prepare`` / ``_apply`` (and, for the traced engines,
+    ``functional_product`` with ``_engine_batch``; for ``engine="layers"``,
+    ``layer_walk_runner``). It declares what the base may do as class attributes, or as
+    instance attributes set before it calls this constructor, which builds the engine selector
+    from them: ``supports_graph_reuse``, ``needs_double_backward``, ``supports_cuda_graphs``,
+    ``supports_functional``, ``batch_weighting``, and ``sample_counter``: the
+    :class:`SampleCount` that counts a chunk's samples (its rows by default).
     """
+
+    #: counts a chunk's samples, the weights of NOTE [batch weighting] (its rows by default)
+    sample_counter: SampleCount = BATCH_ROWS
 
     def _chunks(self, raw: Batch) -> list[Batch]:
         batch = to_device(raw, self.device)
@@ -127,7 +170,7 @@ class DataCurvatureOperator(DataOperatorSetup):
         return self._products(V)
 
     def _products(self, V: torch.Tensor) -> torch.Tensor:
-        sel = self.__dict__.get("_engine_selector") or self._engines
+        sel = self._engine_selector
         # said once; a traced engine refuses such a model with its own error
         if not self.guard.random_said and not sel.runner.traced:
             self.guard.warn_random_forward(type(self).__name__)
@@ -214,7 +257,7 @@ class DataCurvatureOperator(DataOperatorSetup):
 
     def _weighted_pass(self, V: torch.Tensor, out: torch.Tensor) -> None:
         """``_pass`` inside its ranks' scope."""
-        runner = (self.__dict__.get("_engine_selector") or self._engines).runner
+        runner = self._engine_selector.runner
         graphs = self._records_graphs(runner)
         # the model's reuse key, read once per pass under its switches when a state is kept
         key = bool(self._states.entries) and self._reuse_enabled()
@@ -231,52 +274,19 @@ class DataCurvatureOperator(DataOperatorSetup):
                     continue  # no samples to average over (NOTE [empty batches])
                 if count == 1:
                     out.mul_(float(total))  # out held P₁; from here on it holds Σ wᵢ·Pᵢ
-                if isinstance(product, FlatProduct) and count == 0:
-                    # a replayed product comes as column blocks: one call, no per-parameter
-                    # views (NOTE [views on demand])
-                    torch.cat(product.parts, dim=1, out=out)
-                else:
-                    if isinstance(product, FlatProduct):
-                        out_views: Sequence[torch.Tensor] = out_rows.flat()
-                        prods: Sequence[torch.Tensor | None] = product.parts
-                    else:
-                        out_views, prods = out_rows.views, product
-                    pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
-                    if count == 0:
-                        _torch_compat.foreach_copy_([o for o, _ in pairs], [p for _, p in pairs])
-                        for o, p in zip(out_views, prods, strict=True):
-                            if p is None:
-                                o.zero_()
-                    else:
-                        _torch_compat.foreach_add_(
-                            [o for o, _ in pairs], [p for _, p in pairs], alpha=float(size)
-                        )
+                accumulate(out, out_rows, product, count == 0, size)
                 count += 1
                 total += size
         self._finish_pass(out, count, total)
 
     def _finish_pass(self, out: torch.Tensor, count: int, total: float) -> None:
-        """Normalize the weighted sum. ``out`` holds ``P₁`` when ``count == 1``, else
-        ``Σ wᵢ·Pᵢ``; ``total = Σ wᵢ`` (``wᵢ = bᵢ`` unless NOTE [batch weighting]). The ranks
-        finish it (distributed ones reduce across the ranks before dividing).
-
-        NOTE [one process, no ranks module]: on one process (``LOCAL``) the data loop does what
-        ``Ranks`` would do without calling it, so that a steady product stays in the modules
-        ``tests/perf/test_module_hops.py`` pins (``Ranks.finish`` is this same finish)."""
+        """Normalize the weighted sum (NOTE [one process, no ranks module])."""
         if self.ranks.distributed:
-            self.ranks.finish(out, count, total, self._check_counted)
+            self.ranks.finish(out, count, total, self.sample_counter.check)
             return
-        self._check_counted(count, total)
+        self.sample_counter.check(count, total)
         if count > 1:
             out.mul_(1.0 / total)
-
-    def _check_counted(self, count: int, total: float) -> None:
-        """Raise when the pass (over every rank) counted nothing; curvatures that count their
-        own samples override this to say why none counted."""
-        if count == 0:
-            raise ValueError(
-                "the data has zero samples to average over (every batch is empty or has no weight)"
-            )
 
     def _fresh_chunks(self) -> Iterator[tuple[Batch, Batch]]:
         """``(batch, chunk)`` for every chunk of one pass that this rank runs (products without
@@ -286,7 +296,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             for raw in self._empty.filter(self.source)  # NOTE [empty batches]
             for chunk in self._chunks(raw)
         )
-        return self.ranks.chunks(chunks, lambda raw, chunk: self._weight(self._samples(chunk), raw))
+        return self.ranks.chunks(chunks, self._chunk_weight)
 
     def _chunk_product(
         self, raw: Batch, chunk: Batch, rows: RowBlock, runner: ProductRunner, graphs: bool
@@ -295,10 +305,10 @@ class DataCurvatureOperator(DataOperatorSetup):
         ranks take it (``ranks.chunk_product``: sharded ranks sum it over the ranks)."""
         if graphs:
             product = self.recorder.fresh_product(runner, chunk, rows, self._product)
-            return product, self._weight(self._samples(chunk), raw)
+            return product, self._chunk_weight(raw, chunk)
         with self.guard.private_buffers():
             return self.ranks.chunk_product(
-                chunk, rows.views, self._product, lambda: self._weight(self._samples(chunk), raw)
+                chunk, rows.views, self._product, lambda: self._chunk_weight(raw, chunk)
             )
 
     def _state_builder(self, runner: ProductRunner, graphs: bool) -> Callable[[Batch], Any]:
@@ -329,6 +339,7 @@ class DataCurvatureOperator(DataOperatorSetup):
                 yield self._chunk_product(raw, chunk, rows, runner, graphs)
             return
         states, source, per_sample = self._states, self.source, self.batch_weighting == "size"
+        counter = self.sample_counter
         # NOTE [empty batches]: a batch with a kept state has samples; others are checked here
         seen = skipped = 0
         for position, raw in enumerate(
@@ -362,7 +373,7 @@ class DataCurvatureOperator(DataOperatorSetup):
                     yield self._chunk_product(raw, chunk, rows, runner, graphs)
                     continue
                 build = self._state_builder(runner, graphs)
-                state, kept = states.build((position, c), raw, chunk, build, self._samples)
+                state, kept = states.build((position, c), raw, chunk, build, counter.samples)
                 if kept and graphs:
                     product = self.recorder.apply_kept(runner, states.entries[(position, c)], rows)
                 elif kept:
@@ -371,26 +382,53 @@ class DataCurvatureOperator(DataOperatorSetup):
                     product = self.recorder.apply_own_stream(runner, state, rows.views, False)
                 else:
                     product = runner.apply(state, rows.views, False)
-                yield product, self._weight(self._samples(chunk), raw)
+                yield product, self._chunk_weight(raw, chunk)
         if skipped:
             self._empty.finish(skipped, seen)
 
-    # NOTE [batch weighting]
-    # The default weights each chunk by its samples, so the product is that of
-    # the mean loss over all samples and a short last batch does not bias it.
-    # 0.x averaged per batch with equal weights; the 0.x facade sets
-    # batch_weighting = "uniform" to keep its results. Then a chunk of a split
-    # batch weighs chunk/batch samples, so each batch still counts once and its
-    # own product is its exact mean.
     def _weight(self, samples: int, raw: Batch) -> float:
-        """Weight of a chunk of ``samples`` samples cut from the batch ``raw``."""
+        """Weight of a chunk of ``samples`` samples cut from the batch ``raw`` (NOTE [batch
+        weighting])."""
         if self.batch_weighting == "size":
             return samples
-        return samples / self._samples(raw)
+        return samples / self.sample_counter.samples(raw)
 
-    def _samples(self, chunk: Batch) -> int:
-        """Samples in a chunk (the empirical Fisher counts tokens for a per-token loss)."""
-        return batch_size(chunk)
+    def _chunk_weight(self, raw: Batch, chunk: Batch) -> float:
+        """Weight of the chunk ``chunk`` cut from the batch ``raw``."""
+        return self._weight(self.sample_counter.samples(chunk), raw)
+
+
+# NOTE [one process, no ranks module]
+# `_finish_pass`: `out` holds P₁ when count == 1, else Σ wᵢ·Pᵢ; total = Σ wᵢ (wᵢ = bᵢ unless NOTE
+# [batch weighting]). The ranks finish it (distributed ones reduce across the ranks before
+# dividing). On one process (LOCAL) the data loop does what Ranks would do without calling it, so
+# that a steady product stays in the modules tests/perf/test_module_hops.py pins (Ranks.finish
+# is this same finish).
+
+
+def accumulate(
+    out: torch.Tensor, out_rows: RowBlock, product: Product, first: bool, size: float
+) -> None:
+    """A chunk's ``product`` into the pass's buffer ``out`` (``out_rows``: its views): copied when
+    ``first`` (the rows of an exact zero zeroed), else added with weight ``size``."""
+    if isinstance(product, FlatProduct) and first:
+        # a replayed product comes as column blocks: one call, no per-parameter views (NOTE
+        # [views on demand])
+        torch.cat(product.parts, dim=1, out=out)
+        return
+    if isinstance(product, FlatProduct):
+        out_views: Sequence[torch.Tensor] = out_rows.flat()
+        prods: Sequence[torch.Tensor | None] = product.parts
+    else:
+        out_views, prods = out_rows.views, product
+    pairs = [(o, p) for o, p in zip(out_views, prods, strict=True) if p is not None]
+    if not first:
+        _torch_compat.foreach_add_([o for o, _ in pairs], [p for _, p in pairs], alpha=float(size))
+        return
+    _torch_compat.foreach_copy_([o for o, _ in pairs], [p for _, p in pairs])
+    for o, p in zip(out_views, prods, strict=True):
+        if p is None:
+            o.zero_()
 
 
 def kept_state(

@@ -25,7 +25,7 @@ model); it equals neither in general, even at a minimum.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -33,14 +33,12 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch, batch_size
-from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.huggingface import HFCausalLMBatchLoss
 from hessian_eigenthings.loss_fns.output_curvature import EmpiricalOfLosses
 from hessian_eigenthings.loss_fns.protocols import CountedPerSampleLoss, PerSampleLossFn
-from hessian_eigenthings.operators.base import DataOptions
-from hessian_eigenthings.operators.sandwich import JvpMethod, OutputSandwichOperator
-from hessian_eigenthings.param_utils import ParamFilter
+from hessian_eigenthings.operators.base import SampleCount
+from hessian_eigenthings.operators.sandwich import OutputSandwichOperator, SandwichOptions
 
 
 class EmpiricalFisherOperator(OutputSandwichOperator):
@@ -48,8 +46,10 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
 
     ``EmpiricalFisherOperator(model, dataloader, per_sample_loss_fn, *,
     param_filter=None, full_dataset=True, num_batches=None, sample_dim=0,
-    backend=None)`` plus the microbatch, block and graph-reuse options of
-    :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`.
+    backend=None)`` plus the microbatch, block, graph-reuse and engine options of
+    :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`; all but
+    ``sample_dim`` travel as one record (``**options``,
+    :class:`~hessian_eigenthings.operators.sandwich.SandwichOptions`).
 
     - ``per_sample_loss_fn(model, batch)`` returns one loss per sample, laid
       out along ``sample_dim`` (e.g. ``reduction="none"``; see
@@ -76,58 +76,28 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
         dataloader: Iterable[Batch],
         per_sample_loss_fn: PerSampleLossFn,
         *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        full_dataset: bool = True,
-        num_batches: int | None = None,
         sample_dim: int = 0,
-        backend: LinAlgBackend | None = None,
-        jvp: JvpMethod = "auto",
-        fd_eps: float | None = None,
-        microbatch_size: int | None = None,
-        microbatch_unsafe: bool = False,
-        **options: Unpack[DataOptions],
+        **options: Unpack[SandwichOptions],
     ) -> None:
-        if not callable(per_sample_loss_fn):
-            raise TypeError(
-                "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
-            )
-        check_loss_argument(
-            per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss"
-        )
-        if isinstance(per_sample_loss_fn, HFCausalLMBatchLoss):
-            raise TypeError(
-                "per_sample_loss_fn got hf_lm_loss(), the mean loss of a batch; the empirical Fisher needs "
-                f"one loss per sample: {_HF_HELPERS}"
-            )
-        sample_dim = check_count("sample_dim", sample_dim, minimum=None)
+        check_per_sample_loss(per_sample_loss_fn)
         self.per_sample_loss_fn = per_sample_loss_fn
-        self.sample_dim = sample_dim
+        self.sample_dim = check_count("sample_dim", sample_dim, minimum=None)
         #: the loss when it counts its own samples (CountedPerSampleLoss), else None
         self._counted = (
             per_sample_loss_fn if isinstance(per_sample_loss_fn, CountedPerSampleLoss) else None
         )
-        if self._counted is not None and sample_dim != 0:
-            raise ValueError(
-                f"sample_dim={sample_dim} does not apply to {per_sample_loss_fn!r}: it counts its own samples "
-                "(sample_count); leave sample_dim at 0"
-            )
-        super().__init__(
-            model,
-            dataloader,
-            self._per_sample_losses,
-            curvature=EmpiricalOfLosses(
-                self._count, counted=self._counted is not None, name=repr(per_sample_loss_fn)
-            ),
-            jvp=jvp,
-            fd_eps=fd_eps,
-            param_filter=param_filter,
-            full_dataset=full_dataset,
-            num_batches=num_batches,
-            microbatch_size=microbatch_size,
-            microbatch_unsafe=microbatch_unsafe,
-            backend=backend,
-            **options,
+        if self._counted is not None:
+            if self.sample_dim != 0:
+                raise ValueError(
+                    f"sample_dim={self.sample_dim} does not apply to {per_sample_loss_fn!r}: it counts its own "
+                    "samples (sample_count); leave sample_dim at 0"
+                )
+            # batches weigh the samples the loss counts (NOTE [batch weighting] in ``base``)
+            self.sample_counter = CountedSamples(self._counted)
+        curvature = EmpiricalOfLosses(
+            self._count, counted=self._counted is not None, name=repr(per_sample_loss_fn)
         )
+        super().__init__(model, dataloader, self._per_sample_losses, curvature=curvature, **options)
         check_first_batch(model, self.source.first_batch(), per_sample_loss_fn)
 
     # NOTE [un-batched per-sample functions]
@@ -204,19 +174,6 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
         # a batch without samples has all-zero losses: a zero product, not 0/0
         return n.to(device=output.device, dtype=output.dtype).clamp_min(1)
 
-    def _samples(self, chunk: Batch) -> int:
-        if self._counted is None:
-            return super()._samples(chunk)
-        return int(self._counted.sample_count(chunk))  # the host sync of a batch read
-
-    def _check_counted(self, count: int, total: float) -> None:
-        if total == 0:
-            raise ValueError(
-                f"{self.per_sample_loss_fn!r} counted no sample in the data (sample_count was 0 for every "
-                "batch: are all labels -100?)"
-            )
-        super()._check_counted(count, total)
-
     def _vmapped(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Per-sample losses of an un-batched ``per_sample_loss_fn``; see NOTE [un-batched per-sample functions]."""
         try:
@@ -235,6 +192,41 @@ class EmpiricalFisherOperator(OutputSandwichOperator):
                 "Return one loss per sample, shape (N,), with reduction='none' "
                 f"({helper}), or write it for one un-batched sample"
             ) from exc
+
+
+def check_per_sample_loss(per_sample_loss_fn: object) -> None:
+    """Refuse what cannot be a per-sample loss (a mean loss of HuggingFace's among them)."""
+    if not callable(per_sample_loss_fn):
+        raise TypeError(
+            "per_sample_loss_fn must be callable as per_sample_loss_fn(model, batch) -> (N,) losses"
+        )
+    check_loss_argument(
+        per_sample_loss_fn, name="per_sample_loss_fn", wrap="supervised_per_sample_loss"
+    )
+    if isinstance(per_sample_loss_fn, HFCausalLMBatchLoss):
+        raise TypeError(
+            "per_sample_loss_fn got hf_lm_loss(), the mean loss of a batch; the empirical Fisher needs "
+            f"one loss per sample: {_HF_HELPERS}"
+        )
+
+
+class CountedSamples(SampleCount):
+    """The samples of a loss that counts its own (``sample_count(batch)``, e.g. the tokens that
+    count), one host sync per batch read; a pass that counted none says so."""
+
+    def __init__(self, loss: CountedPerSampleLoss) -> None:
+        self.loss = loss
+
+    def samples(self, chunk: Batch) -> int:
+        return int(self.loss.sample_count(chunk))  # the host sync of a batch read
+
+    def check(self, count: int, total: float) -> None:
+        if total == 0:
+            raise ValueError(
+                f"{self.loss!r} counted no sample in the data (sample_count was 0 for every "
+                "batch: are all labels -100?)"
+            )
+        super().check(count, total)
 
 
 _HF_HELPERS = (

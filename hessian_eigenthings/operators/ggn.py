@@ -40,9 +40,8 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from hessian_eigenthings._checks import InternalError, check_count
+from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.loss_fns.output_curvature import (
     AutogradLossHessian,
@@ -52,16 +51,16 @@ from hessian_eigenthings.loss_fns.output_curvature import (
 )
 from hessian_eigenthings.loss_fns.protocols import (
     ForwardFn,
-    HiddenStatesForward,
-    LinearHeadLoss,
     LossOfOutputFn,
     OutputHessianLoss,
     SampledFisherLoss,
 )
-from hessian_eigenthings.operators.base import DataOptions
-from hessian_eigenthings.operators.lm_head import ChunkedHead, plain_head
-from hessian_eigenthings.operators.sandwich import JvpMethod, OutputSandwichOperator, OutputState
-from hessian_eigenthings.param_utils import ParamFilter
+from hessian_eigenthings.operators.lm_head import chunked_head
+from hessian_eigenthings.operators.sandwich import (
+    OutputSandwichOperator,
+    OutputState,
+    SandwichOptions,
+)
 
 
 class GGNOperator(OutputSandwichOperator):
@@ -71,8 +70,10 @@ class GGNOperator(OutputSandwichOperator):
     ``GGNOperator(model, dataloader, forward_fn, loss_of_output_fn, *,
     param_filter=None, full_dataset=True, num_batches=None,
     loss_hvp="analytical", fd_eps=None, backend=None)`` plus the
-    microbatch, block and graph-reuse options of
-    :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`.
+    microbatch, block, graph-reuse and engine options of
+    :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`; those, ``jvp`` and
+    ``fd_eps`` travel as one record (``**options``,
+    :class:`~hessian_eigenthings.operators.sandwich.SandwichOptions`).
 
     - ``forward_fn(model, batch) -> output`` (a tensor, e.g. logits) and
       ``loss_of_output_fn(output, batch) -> scalar`` mean loss of the batch;
@@ -110,102 +111,36 @@ class GGNOperator(OutputSandwichOperator):
         forward_fn: ForwardFn,
         loss_of_output_fn: LossOfOutputFn | OutputHessianLoss,
         *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        full_dataset: bool = True,
-        num_batches: int | None = None,
         loss_hvp: Literal["analytical", "autograd"] = "analytical",
-        fd_eps: float | None = None,
-        backend: LinAlgBackend | None = None,
-        jvp: JvpMethod = "auto",
         chunked_lm_head: bool | Literal["auto"] = "auto",
         lm_head_chunk_rows: int | None = None,
         mc_samples: int = 0,
         seed: int = 0,
         curvature: OutputCurvature | None = None,
-        microbatch_size: int | None = None,
-        microbatch_unsafe: bool = False,
-        **options: Unpack[DataOptions],
+        **options: Unpack[SandwichOptions],
     ) -> None:
-        if chunked_lm_head not in (True, False, "auto"):
-            raise ValueError(
-                f"chunked_lm_head must be True, False or 'auto', got {chunked_lm_head!r}"
-            )
-        if not callable(loss_of_output_fn):
-            raise TypeError(
-                "loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar"
-            )
-        check_loss_argument(
-            loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output"
-        )
-        check_loss_argument(
-            forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
-        )
-        if loss_hvp not in ("analytical", "autograd"):
-            raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
+        check_ggn(forward_fn, loss_of_output_fn, loss_hvp, chunked_lm_head)
         self.mc_samples: int = check_count("mc_samples", mc_samples, minimum=0)
-        if curvature is None:
-            curvature = ggn_curvature(loss_of_output_fn, loss_hvp, self.mc_samples)
-        elif mc_samples or loss_hvp != "analytical":
-            raise ValueError("curvature= replaces loss_hvp= and mc_samples=; pass one or the other")
-        if self.mc_samples:
-            loss_hvp = "analytical"  # the sampled outer products replace the loss Hessian
-        super().__init__(
-            model,
-            dataloader,
-            forward_fn,
-            curvature=curvature,
-            seed=seed,
-            jvp=jvp,
-            fd_eps=fd_eps,
-            param_filter=param_filter,
-            full_dataset=full_dataset,
-            num_batches=num_batches,
-            microbatch_size=microbatch_size,
-            microbatch_unsafe=microbatch_unsafe,
-            backend=backend,
-            **options,
-        )
+        curvature = ggn_curvature(loss_of_output_fn, loss_hvp, self.mc_samples, curvature)
         self.loss_of_output_fn = loss_of_output_fn
-        self.loss_hvp = loss_hvp
-        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
+        # the sampled outer products replace the loss Hessian
+        self.loss_hvp = "analytical" if self.mc_samples else loss_hvp
         self.chunked_lm_head = chunked_lm_head
         self.lm_head_chunk_rows = lm_head_chunk_rows
-        self._logits_fn = forward_fn
+        super().__init__(model, dataloader, forward_fn, curvature=curvature, seed=seed, **options)
+        check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
         #: the chunked LM head (NOTE [chunked LM head] in ``lm_head``); None: the generic path
-        self._head: ChunkedHead | None = None
-        traced = self._engine_name in ("functional", "compiled")
-        if chunked_lm_head is True and traced:
-            raise ValueError(
-                f"chunked_lm_head=True runs on engine='autograd'; engine={self._engine_name!r} sandwiches the "
-                "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
-            )
-        plain = (
-            chunked_lm_head is not False and not traced and type(self.curvature) is ExactLossHessian
+        self._head = chunked_head(
+            model,
+            forward_fn,
+            loss_of_output_fn,
+            chunked_lm_head,
+            lm_head_chunk_rows,
+            exact=type(self.curvature) is ExactLossHessian,
+            engine=self._engine_name,
         )
-        head = None if not plain else plain_head(model, forward_fn, loss_of_output_fn)
-        if head is None and chunked_lm_head is True:
-            raise ValueError(
-                "chunked_lm_head=True needs forward_fn=hf_lm_forward(), loss_of_output_fn="
-                "hf_lm_loss_of_output() with loss_hvp='analytical' (or any forward and loss implementing "
-                "loss_fns.protocols.HiddenStatesForward and LinearHeadLoss), and a model whose "
-                "get_output_embeddings() is a plain nn.Linear without hooks"
-            )
-        if head is not None:
-            if not (
-                isinstance(forward_fn, HiddenStatesForward)
-                and isinstance(loss_of_output_fn, LinearHeadLoss)
-            ):
-                raise InternalError(
-                    "isinstance(forward_fn, HiddenStatesForward) and isinstance(loss_of_output_fn, LinearHeadLoss )"
-                )
-            self._head = ChunkedHead(
-                head,
-                forward_fn,
-                loss_of_output_fn,
-                chunk_rows=lm_head_chunk_rows,
-                insist=chunked_lm_head is True,
-            )
-            self._set_forward(forward_fn.hidden_states)
+        if self._head is not None:
+            self._set_forward(self._head.forward_fn.hidden_states)
 
     @property
     def lm_head(self) -> nn.Linear | None:
@@ -219,7 +154,7 @@ class GGNOperator(OutputSandwichOperator):
             return state
         if not head.checked and not head.matches(self.model, batch, state.output):
             self._head = None
-            self._set_forward(self._logits_fn)
+            self._set_forward(head.forward_fn)  # the logits' forward again
             return super()._prepare(batch)
         state.curvature = head.prepare(state.batch)
         return state
@@ -229,13 +164,44 @@ class GGNOperator(OutputSandwichOperator):
     ) -> Sequence[torch.Tensor | None]:
         if self._head is None:
             return super()._apply(state, vecs, retain)
-        return self._head.apply(self, state, vecs, retain)
+        return self._head.apply(state, vecs, retain, self.params, jvp=self._jvp, vjp=self._vjp)
+
+
+def check_ggn(
+    forward_fn: ForwardFn,
+    loss_of_output_fn: LossOfOutputFn | OutputHessianLoss,
+    loss_hvp: str,
+    chunked_lm_head: object,
+) -> None:
+    """Refuse the GGN's own arguments that are not what they must be."""
+    if chunked_lm_head not in (True, False, "auto"):
+        raise ValueError(f"chunked_lm_head must be True, False or 'auto', got {chunked_lm_head!r}")
+    if not callable(loss_of_output_fn):
+        raise TypeError(
+            "loss_of_output_fn must be callable as loss_of_output_fn(output, batch) -> scalar"
+        )
+    check_loss_argument(
+        loss_of_output_fn, name="loss_of_output_fn", wrap="supervised_loss_of_output"
+    )
+    check_loss_argument(
+        forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
+    )
+    if loss_hvp not in ("analytical", "autograd"):
+        raise ValueError(f"loss_hvp must be 'analytical' or 'autograd', got {loss_hvp!r}")
 
 
 def ggn_curvature(
-    loss: LossOfOutputFn | OutputHessianLoss, loss_hvp: str, mc_samples: int
+    loss: LossOfOutputFn | OutputHessianLoss,
+    loss_hvp: str,
+    mc_samples: int,
+    curvature: OutputCurvature | None = None,
 ) -> OutputCurvature:
-    """The output curvature that ``loss_hvp=`` and ``mc_samples=`` spell."""
+    """The output curvature that ``loss_hvp=`` and ``mc_samples=`` spell, or ``curvature=``
+    (which replaces them)."""
+    if curvature is not None:
+        if mc_samples or loss_hvp != "analytical":
+            raise ValueError("curvature= replaces loss_hvp= and mc_samples=; pass one or the other")
+        return curvature
     if mc_samples:
         if not isinstance(loss, SampledFisherLoss):
             raise ValueError(

@@ -23,7 +23,6 @@ from typing_extensions import Unpack
 
 from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.loss_fns.checks import check_first_batch, check_loss_argument
 from hessian_eigenthings.operators.autodiff import (
     CallWithModel,
@@ -36,7 +35,7 @@ from hessian_eigenthings.operators.autodiff import (
 from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
 from hessian_eigenthings.operators.engines.layers import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import unsupported
-from hessian_eigenthings.param_utils import ParamFilter, call_with_values
+from hessian_eigenthings.param_utils import call_with_values
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -58,14 +57,22 @@ class _GradState(NamedTuple):
     inputs: Sequence[torch.Tensor]
 
 
+class _AtBatch(NamedTuple):
+    """The state of a finite-difference product: its batch (the gradients at ``θ ± h·v̂`` are
+    taken in the product; nothing is kept across products)."""
+
+    batch: Batch
+
+
 class HessianOperator(DataCurvatureOperator):
     """Hessian of ``loss_fn(model, batch)`` averaged over the data (weighted by batch size).
 
     ``HessianOperator(model, dataloader, loss_fn, *, param_filter=None,
     full_dataset=True, num_batches=None, microbatch_size=None,
     microbatch_unsafe=False, method="autograd", fd_eps=None, backend=None)``
-    plus the block, graph-reuse and CUDA-graph options of :class:`DataCurvatureOperator`
-    (:class:`~hessian_eigenthings.operators.base.DataOptions`).
+    plus the block, graph-reuse, CUDA-graph and engine options of
+    :class:`DataCurvatureOperator`. All but ``method`` and ``fd_eps`` travel as one record,
+    :class:`~hessian_eigenthings.operators.base.DataOptions` (``**options``).
     """
 
     def __init__(
@@ -74,14 +81,8 @@ class HessianOperator(DataCurvatureOperator):
         dataloader: Iterable[Batch],
         loss_fn: LossFn,
         *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        full_dataset: bool = True,
-        num_batches: int | None = None,
-        microbatch_size: int | None = None,
-        microbatch_unsafe: bool = False,
         method: Literal["autograd", "finite_difference"] = "autograd",
         fd_eps: float | None = None,
-        backend: LinAlgBackend | None = None,
         **options: Unpack[DataOptions],
     ) -> None:
         if not callable(loss_fn):
@@ -89,32 +90,22 @@ class HessianOperator(DataCurvatureOperator):
         check_loss_argument(loss_fn, name="loss_fn", wrap="supervised_loss")
         if method not in ("autograd", "finite_difference"):
             raise ValueError(f"method must be 'autograd' or 'finite_difference', got {method!r}")
-        super().__init__(
-            model,
-            dataloader,
-            param_filter=param_filter,
-            full_dataset=full_dataset,
-            num_batches=num_batches,
-            microbatch_size=microbatch_size,
-            microbatch_unsafe=microbatch_unsafe,
-            backend=backend,
-            **options,
-        )
-        check_first_batch(model, self.source.first_batch(), loss_fn)
-        self.loss_fn = loss_fn
-        self.method = method
         if fd_eps is not None and not fd_eps > 0:
             raise ValueError(f"fd_eps must be positive, got {fd_eps}")
+        self.loss_fn = loss_fn
+        self.method = method
+        # capabilities, before the base builds the engine selector from them: finite
+        # differences keep no state and run ordinary gradients
+        autograd = method == "autograd"
+        self.supports_graph_reuse = self.needs_double_backward = autograd
+        self.supports_cuda_graphs = self.supports_functional = autograd
+        super().__init__(model, dataloader, **options)
+        check_first_batch(model, self.source.first_batch(), loss_fn)
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
-        self.supports_graph_reuse = method == "autograd"
-        self.needs_double_backward = method == "autograd"
-        self.supports_cuda_graphs = method == "autograd"
         # is_grads_batched works for this model (None: not tried yet)? See NOTE [blocks on the CPU]
         self._batched_ok: bool | None = False if self.device.type == "cpu" else None
         self._call = CallWithModel(self.model, loss_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
-        self.supports_functional = method == "autograd"
-        self._check_engine()
 
     def functional_unsupported_reason(self) -> str:
         return "method='finite_difference' runs ordinary gradients, not a traced product"
@@ -155,9 +146,14 @@ class HessianOperator(DataCurvatureOperator):
         return list(hv)
 
     # -- autograd ---------------------------------------------------------------
-    def _prepare(self, batch: Batch, params: Sequence[torch.Tensor] | None = None) -> _GradState:
+    def _prepare(
+        self, batch: Batch, params: Sequence[torch.Tensor] | None = None
+    ) -> _GradState | _AtBatch:
         """``∇L`` with a graph, with respect to ``params`` (stand-ins for the selected parameters,
-        NOTE [CUDA graphs] in ``cuda_graphs``) or the parameters themselves."""
+        NOTE [CUDA graphs] in ``cuda_graphs``) or the parameters themselves; for finite
+        differences only the batch (they keep nothing)."""
+        if self.method == "finite_difference":
+            return _AtBatch(batch)
         self.num_forwards += 1
         if params is None:
             inputs: Sequence[torch.Tensor] = self.params
@@ -171,8 +167,10 @@ class HessianOperator(DataCurvatureOperator):
         return _GradState([g if g is not None and g.requires_grad else None for g in grads], inputs)
 
     def _apply(
-        self, state: _GradState, vecs: list[torch.Tensor], retain: bool
+        self, state: _GradState | _AtBatch, vecs: list[torch.Tensor], retain: bool
     ) -> Sequence[torch.Tensor | None]:
+        if isinstance(state, _AtBatch):
+            return self._differences(state.batch, vecs)
         live = [i for i, g in enumerate(state.grads) if g is not None]
         if not live:
             return [None] * len(self.params)
@@ -208,9 +206,8 @@ class HessianOperator(DataCurvatureOperator):
     # parameters are never written, so their version counters stay put and a
     # graph the user built before the product (a pending loss.backward()) stays
     # valid. Tied weights follow (functional_call ties them).
-    def _product(self, batch: Batch, vecs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
-        if self.method == "autograd":
-            return super()._product(batch, vecs)
+    def _differences(self, batch: Batch, vecs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``H v`` by central differences of the gradient (NOTE [perturbed copies])."""
         base = [p.detach() for p in self.params]
         out = [torch.empty_like(v) for v in vecs]
         # the padding lookups read the rows of θ, not of θ ± h·v̂ (NOTE [padding rows])

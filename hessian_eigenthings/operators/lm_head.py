@@ -11,8 +11,8 @@ those protocols.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -21,7 +21,12 @@ from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.loss_fns.protocols import HiddenStatesForward, LinearHeadLoss
 
 if TYPE_CHECKING:
-    from hessian_eigenthings.operators.sandwich import OutputSandwichOperator, OutputState
+    from hessian_eigenthings.operators.sandwich import OutputState
+
+#: ``J v`` of the head's input for a block of directions: ``jvp(batch, vecs) -> (k, *h.shape)``
+BodyJvp = Callable[[Batch, list[torch.Tensor]], torch.Tensor]
+#: ``Jᵀ u`` through the head's input: ``vjp(h, u, retain)``, one per parameter (``None``: zero)
+BodyVjp = Callable[[torch.Tensor, torch.Tensor, bool], Sequence[torch.Tensor | None]]
 
 # NOTE [chunked LM head]
 # For a causal LM whose forward and loss implement the protocols above
@@ -49,6 +54,40 @@ def plain_head(model: nn.Module, forward_fn: Any, loss: Any) -> nn.Linear | None
     if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
         return None
     return head
+
+
+def chunked_head(
+    model: nn.Module,
+    forward_fn: Any,
+    loss: Any,
+    setting: bool | Literal["auto"],
+    chunk_rows: int | None,
+    *,
+    exact: bool,
+    engine: str,
+) -> ChunkedHead | None:
+    """The GGN's chunked head for ``chunked_lm_head=setting`` (NOTE [chunked LM head]), or
+    ``None`` for the generic path: only with the exact loss Hessian (``exact``) on the autograd
+    engine; ``True`` raises where it cannot apply, ``"auto"`` takes the generic path there."""
+    traced = engine in ("functional", "compiled")
+    if setting is True and traced:
+        raise ValueError(
+            f"chunked_lm_head=True runs on engine='autograd'; engine={engine!r} sandwiches the "
+            "whole logits (pass chunked_lm_head='auto' or engine='autograd')"
+        )
+    head = None if setting is False or traced or not exact else plain_head(model, forward_fn, loss)
+    if head is None or not (
+        isinstance(forward_fn, HiddenStatesForward) and isinstance(loss, LinearHeadLoss)
+    ):
+        if setting is True:
+            raise ValueError(
+                "chunked_lm_head=True needs forward_fn=hf_lm_forward(), loss_of_output_fn="
+                "hf_lm_loss_of_output() with loss_hvp='analytical' (or any forward and loss "
+                "implementing loss_fns.protocols.HiddenStatesForward and LinearHeadLoss), and a "
+                "model whose get_output_embeddings() is a plain nn.Linear without hooks"
+            )
+        return None
+    return ChunkedHead(head, forward_fn, loss, chunk_rows=chunk_rows, insist=setting is True)
 
 
 class ChunkedHead:
@@ -95,15 +134,23 @@ class ChunkedHead:
         return self.loss.head_targets(batch)
 
     def apply(
-        self, op: OutputSandwichOperator, state: OutputState, vecs: list[torch.Tensor], retain: bool
+        self,
+        state: OutputState,
+        vecs: list[torch.Tensor],
+        retain: bool,
+        params: Sequence[torch.Tensor],
+        *,
+        jvp: BodyJvp,
+        vjp: BodyVjp,
     ) -> Sequence[torch.Tensor | None]:
-        """``G v`` for the block ``vecs``: the body's tangent, the head's pull-backs from the
-        loss, one backward through the body; the head's parameters add their own part."""
+        """``G v`` for the block ``vecs`` over the selected ``params``: the body's tangent
+        (``jvp``), the head's pull-backs from the loss, one backward through the body
+        (``vjp``); the head's parameters add their own part."""
         head = self.head
         valid, n = state.curvature
-        index = {id(p): i for i, p in enumerate(op.params)}
+        index = {id(p): i for i, p in enumerate(params)}
         iw, ib = index.get(id(head.weight)), None if head.bias is None else index.get(id(head.bias))
-        dh = op._jvp(state.batch, vecs)  # body Jacobian times the direction: (k, B, T, d)
+        dh = jvp(state.batch, vecs)  # body Jacobian times the direction: (k, B, T, d)
         g_h, g_w, g_b = self.loss.head_ggn(
             state.output.detach(),
             head.weight.detach(),
@@ -115,7 +162,7 @@ class ChunkedHead:
             n,
             chunk_rows=self.chunk_rows,
         )
-        out = list(op._vjp(state.output, g_h, retain))  # the body's part
+        out = list(vjp(state.output, g_h, retain))  # the body's part
         for i, extra in ((iw, g_w), (ib, g_b)):
             if i is not None and extra is not None:
                 body = out[i]

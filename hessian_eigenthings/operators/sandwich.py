@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import InternalError, check_count
@@ -31,7 +32,7 @@ from hessian_eigenthings.operators.autodiff import (
     default_fd_eps,
     selected_function,
 )
-from hessian_eigenthings.operators.base import DataCurvatureOperator
+from hessian_eigenthings.operators.base import DataCurvatureOperator, DataOptions
 from hessian_eigenthings.operators.engines.layers import LayerWalk, LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import unsupported
 from hessian_eigenthings.param_utils import call_with_values
@@ -97,35 +98,21 @@ class OutputSandwichOperator(DataCurvatureOperator):
         seed: int = 0,
         jvp: JvpMethod = "auto",
         fd_eps: float | None = None,
-        **base: Any,
+        **options: Unpack[DataOptions],
     ) -> None:
-        if not callable(forward_fn):
-            raise TypeError(
-                "forward_fn must be callable as forward_fn(model, batch) -> output tensor"
-            )
-        if jvp not in ("auto", "forward_mode", "finite_difference"):
-            raise ValueError(
-                f"jvp must be 'auto', 'forward_mode' or 'finite_difference', got {jvp!r}"
-            )
-        if fd_eps is not None and not fd_eps > 0:
-            raise ValueError(f"fd_eps must be positive, got {fd_eps}")
-        if not isinstance(curvature, OutputCurvature):
-            raise TypeError(
-                "curvature must be an output-curvature strategy (loss_fns.output_curvature: ExactLossHessian, "
-                f"AutogradLossHessian, MonteCarlo, Empirical), got {type(curvature).__name__}"
-            )
+        check_sandwich(forward_fn, jvp, fd_eps, curvature)
         self.curvature = curvature
         self.seed: int = check_count("seed", seed, minimum=0)
         self._keys = DrawKeys(self.seed)
-        super().__init__(model, dataloader, **base)
         self.jvp = jvp
+        # before the base builds the engine selector: what the traced engines and the layer walk
+        # take (the whole output, never the chunked LM head's hidden states)
+        self.supports_functional = self._functional_blocker() is None
+        self._functional_call = CallWithModel(model, forward_fn)
+        super().__init__(model, dataloader, **options)
         self.fd_eps = fd_eps if fd_eps is not None else default_fd_eps(self.dtype)
         self._set_forward(forward_fn)
         self._call_names = [f"model.{n}" for n in self.layout.names]
-        # the traced engines sandwich the whole output (never the chunked LM head's hidden states)
-        self._functional_call = CallWithModel(self.model, forward_fn)
-        self.supports_functional = self._functional_blocker() is None
-        self._engines  # noqa: B018 - validates engine= against jvp= now, not at the first product
         #: how the last Jv was computed: "forward_mode" or "finite_difference" (None before the first product)
         self.jvp_method: str | None = None
         self._forward_ok: bool | None = None if jvp == "auto" else jvp == "forward_mode"
@@ -147,7 +134,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
         """The key of the current chunk's draws (NOTE [sampled targets as data] in ``ggn``)."""
         if not self.curvature.keyed:
             return None
-        return self._keys(self.chunk_position, int(getattr(self, "rank", 0)), self.device)
+        return self._keys(self.chunk_position, self.ranks.rank, self.device)
 
     def _engine_batch(self, batch: Batch) -> Batch:
         # NOTE [sampled targets as data] in ``ggn``: the key travels beside the batch
@@ -239,7 +226,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
                 S = self.curvature.sample_columns(
                     self.curvature.prepare(output, chunk, self._draw_key())
                 )
-                weight = self._weight(self._samples(chunk), raw)
+                weight = self._chunk_weight(raw, chunk)
                 group = max(1, self._exact_group_columns // max(S.shape[1], 1))
                 call = _CheckedCall(self._functional_call, self._checked_output)
                 add_squared_vjps(parts, chunk, S, state, weight, call, self.layout.names, group)
@@ -282,20 +269,10 @@ class OutputSandwichOperator(DataCurvatureOperator):
         return self._vjp(state.output, u, retain)
 
     # -- J v --------------------------------------------------------------------
-    def _param_dict(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        named = dict(zip(self._call_names, tensors, strict=True))
-        # modules in training mode update buffers in place (BatchNorm statistics):
-        # give this extra pass private copies so the user's buffers never move
-        for mname, m in self.model.named_modules():
-            if m.training:
-                for bname, b in m.named_buffers(recurse=False):
-                    named[f"model.{mname}.{bname}" if mname else f"model.{bname}"] = (
-                        b.detach().clone()
-                    )
-        return named
-
     def _call_at(self, tensors: Sequence[torch.Tensor], batch: Batch) -> torch.Tensor:
-        out = call_with_values(self._call, self._param_dict(tensors), (batch,))
+        named = dict(zip(self._call_names, tensors, strict=True))
+        named.update(training_buffers(self.model))
+        out = call_with_values(self._call, named, (batch,))
         return self._checked_output(out)
 
     def _jvp(self, batch: Batch, vecs: list[torch.Tensor]) -> torch.Tensor:
@@ -383,6 +360,45 @@ class OutputSandwichOperator(DataCurvatureOperator):
         return grads
 
 
+def check_sandwich(
+    forward_fn: object, jvp: object, fd_eps: float | None, curvature: object
+) -> None:
+    """Refuse a sandwich's arguments that are not what they must be."""
+    if not callable(forward_fn):
+        raise TypeError("forward_fn must be callable as forward_fn(model, batch) -> output tensor")
+    if jvp not in ("auto", "forward_mode", "finite_difference"):
+        raise ValueError(f"jvp must be 'auto', 'forward_mode' or 'finite_difference', got {jvp!r}")
+    if fd_eps is not None and not fd_eps > 0:
+        raise ValueError(f"fd_eps must be positive, got {fd_eps}")
+    if not isinstance(curvature, OutputCurvature):
+        raise TypeError(
+            "curvature must be an output-curvature strategy (loss_fns.output_curvature: ExactLossHessian, "
+            f"AutogradLossHessian, MonteCarlo, Empirical), got {type(curvature).__name__}"
+        )
+
+
+def training_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Private copies of the buffers of ``model``'s modules in training mode, named as a
+    :class:`CallWithModel` of it names them: such modules update buffers in place (BatchNorm
+    statistics), and an extra pass on the copies leaves the user's where they were."""
+    return {
+        f"model.{mname}.{bname}" if mname else f"model.{bname}": b.detach().clone()
+        for mname, m in model.named_modules()
+        if m.training
+        for bname, b in m.named_buffers(recurse=False)
+    }
+
+
+class SandwichOptions(DataOptions, total=False):
+    """:class:`~hessian_eigenthings.operators.base.DataOptions` and how ``J v`` is computed:
+    ``jvp`` (``"auto"``, ``"forward_mode"`` or ``"finite_difference"``, default ``"auto"``) and
+    ``fd_eps`` (the finite-difference step; default ``None``: by dtype). NOTE [GGN
+    Jacobian-vector products]."""
+
+    jvp: JvpMethod
+    fd_eps: float | None
+
+
 # NOTE [exact diagonal]
 # With the output-space matrix of a chunk written as Σₙ Σₖ sₙₖ sₙₖᵀ (no terms between
 # samples), diag(Σₙ Jₙᵀ Hₙ Jₙ) = Σₙ Σₖ (Jₙᵀ sₙₖ)² elementwise: a vector-Jacobian product
@@ -396,7 +412,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
 # Fisher draws the same targets (seeded by chunk position) as its products.
 def _check_exact_diagonal(op: OutputSandwichOperator) -> None:
     """Refuse what has no exact per-sample diagonal (NOTE [exact diagonal])."""
-    if int(getattr(op, "world_size", 1)) > 1:
+    if op.ranks.world_size > 1:
         raise NotImplementedError(
             "the exact diagonal of a data-parallel operator is not implemented (each rank would see its own "
             "data only); compute it on one process, or use diagonal(op, method='xdiag')"

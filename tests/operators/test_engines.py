@@ -713,13 +713,13 @@ def test_auto_expects_torch_funcs_first_import(monkeypatch: pytest.MonkeyPatch) 
 def test_auto_distrusts_a_traced_product_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engines_mod, "AUTO_MIN_RUN_MS", 0.0)
     model, data = mlp(), classification_data(n=4, batch=4)
-    op = HessianOperator(model, data, SUP)
-    real = op.functional_product
 
-    def wrong(state, batch, tangent):  # type: ignore[no-untyped-def]
-        return [2 * t for t in real(state, batch, tangent)]
+    class Wrong(HessianOperator):
+        # the selector takes the product when the operator is built: a subclass's, here
+        def functional_product(self, state, batch, tangent):  # type: ignore[no-untyped-def]
+            return [2 * t for t in super().functional_product(state, batch, tangent)]
 
-    monkeypatch.setattr(op, "functional_product", wrong)
+    op = Wrong(model, data, SUP)
     op.expect_products(500)
     H = dense_hessian(model, data, SUP, select_parameters(model))
     v = torch.randn(op.size, dtype=torch.float64)
