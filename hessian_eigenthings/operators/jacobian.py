@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import InternalError
@@ -33,6 +34,7 @@ from hessian_eigenthings.batching import Batch, BatchSource, to_device
 from hessian_eigenthings.loss_fns.checks import check_first_batch
 from hessian_eigenthings.loss_fns.protocols import ForwardFn
 from hessian_eigenthings.operators.autodiff import CallWithModel
+from hessian_eigenthings.operators.data_setup import options_signature, unexpected_keyword
 from hessian_eigenthings.operators.model_guard import preserve_model, private_buffers
 from hessian_eigenthings.operators.parameter_binding import ParameterBinding
 from hessian_eigenthings.param_utils import (
@@ -42,7 +44,7 @@ from hessian_eigenthings.param_utils import (
     select_parameters,
 )
 
-__all__ = ["JacobianOperator", "TransposedJacobianOperator"]
+__all__ = ["JacobianOperator", "JacobianOptions", "TransposedJacobianOperator"]
 
 
 class _DataJacobian:
@@ -209,6 +211,15 @@ class _DataJacobian:
         return out
 
 
+class JacobianOptions(TypedDict, total=False):
+    """The keywords of the Jacobian operators besides the model, the data and the forward, passed
+    on as one record: ``param_filter`` (default ``None``: every trainable parameter) and
+    ``num_batches`` (default ``None``: every batch)."""
+
+    param_filter: ParamFilter | str | Sequence[str] | None
+    num_batches: int | None
+
+
 class _Rectangular:
     """Products, shapes and adapters of a rectangular operator defined by two row-block maps."""
 
@@ -221,13 +232,11 @@ class _Rectangular:
         model: nn.Module,
         dataloader: Iterable[Batch],
         forward_fn: ForwardFn,
-        *,
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        num_batches: int | None = None,
+        **options: Unpack[JacobianOptions],
     ) -> None:
-        self._jac = _DataJacobian(
-            model, dataloader, forward_fn, param_filter=param_filter, num_batches=num_batches
-        )
+        if unknown := sorted(options.keys() - JacobianOptions.__annotations__.keys()):
+            raise unexpected_keyword(type(self), unknown[0], _Rectangular)
+        self._jac = _DataJacobian(model, dataloader, forward_fn, **options)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -326,6 +335,15 @@ class _Rectangular:
         return (
             f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, device={self.device})"
         )
+
+
+# NOTE [signatures with options] in ``data_setup``: the record written out, defaults from
+# _DataJacobian's constructor
+setattr(  # noqa: B010 (read by inspect)
+    _Rectangular.__init__,
+    "__signature__",
+    options_signature(_Rectangular.__init__, [_DataJacobian]),
+)
 
 
 class JacobianOperator(_Rectangular):
