@@ -235,16 +235,38 @@ def _linear_gradients(
     B: int,
 ) -> torch.Tensor:
     """Rows ``(B, n)`` from one forward and backward (NOTE [per-example gradients of linear
-    layers]); raises :class:`_NotLinear` when a layer is not called exactly once."""
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
+    layers]); raises :class:`_NotLinear` when a layer is not called exactly once.
 
-    def keep(i: int) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], None]:
-        def hook(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            if i in outputs:
+    Each layer's output gradient is used as the backward reaches it and then dropped (a tensor
+    hook on ``output + 0``, the backward asked for the gradient of that shared zero only), so
+    the backward never holds every layer's output gradient at once."""
+    rows = torch.zeros(B, layout.size, dtype=layout.dtype, device=layout.device)
+    views = layout.split_rows(rows)
+    zero = torch.zeros((), dtype=layout.dtype, device=layout.device, requires_grad=True)
+    called: set[int] = set()
+
+    def consume(slot: _LinearSlot, a: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def use(g: torch.Tensor) -> None:
+            g3 = g.reshape(B, -1, g.shape[-1])  # (B, positions, out)
+            if slot.weight is not None:
+                a3 = a.reshape(B, -1, a.shape[-1])  # (B, positions, in)
+                if slot.conv1d:
+                    views[slot.weight].copy_(torch.bmm(a3.transpose(1, 2), g3))  # (B, in, out)
+                else:
+                    views[slot.weight].copy_(torch.bmm(g3.transpose(1, 2), a3))  # (B, out, in)
+            if slot.bias is not None:
+                views[slot.bias].copy_(g3.sum(1))
+
+        return use
+
+    def keep(i: int) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor]:
+        def hook(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+            if i in called or not isinstance(out, torch.Tensor) or not out.requires_grad:
                 raise _NotLinear
-            inputs[i] = args[0].detach()
-            outputs[i] = out
+            called.add(i)
+            tracked = out + zero  # the same values; a node the backward passes through
+            tracked.register_hook(consume(slots[i], args[0].detach()))
+            return tracked
 
         return hook
 
@@ -255,28 +277,7 @@ def _linear_gradients(
     finally:
         for h in handles:
             h.remove()
-    if (
-        len(outputs) != len(slots)
-        or any(not o.requires_grad for o in outputs.values())
-        or tuple(losses.shape) != (B,)
-    ):
+    if len(called) != len(slots) or tuple(losses.shape) != (B,):
         raise _NotLinear
-    order = sorted(outputs)
-    grads = torch.autograd.grad(losses.sum(), [outputs[i] for i in order], allow_unused=True)
-    rows = torch.zeros(B, layout.size, dtype=layout.dtype, device=layout.device)
-    views = layout.split_rows(rows)
-    with torch.no_grad():
-        for i, g in zip(order, grads, strict=True):
-            if g is None:
-                continue
-            slot = slots[i]
-            g3 = g.reshape(B, -1, g.shape[-1])  # (B, positions, out)
-            if slot.weight is not None:
-                a3 = inputs[i].reshape(B, -1, inputs[i].shape[-1])  # (B, positions, in)
-                if slot.conv1d:
-                    views[slot.weight].copy_(torch.bmm(a3.transpose(1, 2), g3))  # (B, in, out)
-                else:
-                    views[slot.weight].copy_(torch.bmm(g3.transpose(1, 2), a3))  # (B, out, in)
-            if slot.bias is not None:
-                views[slot.bias].copy_(g3.sum(1))
+    torch.autograd.grad(losses.sum(), [zero], allow_unused=True)
     return rows

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -41,7 +41,13 @@ from hessian_eigenthings.algorithms._checkpoint import (
     save_checkpoint,
 )
 from hessian_eigenthings.algorithms._common import progress_bar
-from hessian_eigenthings.batching import Batch, BatchSource, no_batch_message
+from hessian_eigenthings.batching import (
+    Batch,
+    BatchSource,
+    batch_size,
+    map_tensors,
+    no_batch_message,
+)
 from hessian_eigenthings.influence.gradients import PerExampleGradients
 from hessian_eigenthings.influence.tasks import InfluenceTask
 from hessian_eigenthings.operators import (
@@ -330,6 +336,15 @@ class Influence:
         )
         return result.x.T
 
+    def _sliced_gradients(self, batch: Batch, at_once: int | None) -> torch.Tensor:
+        B = batch_size(batch)
+        if at_once is None or at_once >= B:
+            return self.gradients(batch)
+        out = torch.empty(B, self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
+        for s in range(0, B, at_once):
+            out[s : s + at_once] = self.gradients(map_tensors(batch, _rows(s, s + at_once)))
+        return out
+
     def _kronecker_precondition(self, G: torch.Tensor, rows: int = 4) -> torch.Tensor:
         """``G`` overwritten by ``(C + λI)⁻¹ G`` a few rows at a time (the Kronecker inverse
         acts on each row alone): memory of ``G`` plus a few rows, not of two copies of it."""
@@ -348,9 +363,17 @@ class Influence:
             self.task.check_batch(self.model, batch, f"{what} batch {i}")
             yield i, batch
 
-    def query_gradients(self, query_data: Iterable[Batch]) -> torch.Tensor:
-        """``(C + λI)⁻¹ ∇L(q)`` of every query, rows ``(n_query, n)``."""
-        rows = [self.gradients(b) for _, b in self._checked_batches(query_data, "query_data")]
+    def query_gradients(
+        self, query_data: Iterable[Batch], *, examples_at_once: int | None = None
+    ) -> torch.Tensor:
+        """``(C + λI)⁻¹ ∇L(q)`` of every query, rows ``(n_query, n)``. ``examples_at_once``:
+        a query batch larger than this goes through the model in slices of that many examples
+        (``pairwise_scores`` passes the training batches' size: the activations' memory the
+        user chose; ``None``: whole batches)."""
+        rows = [
+            self._sliced_gradients(b, examples_at_once)
+            for _, b in self._checked_batches(query_data, "query_data")
+        ]
         G = rows[0] if len(rows) == 1 else torch.cat(rows)
         del rows
         if self.curvature in ("ekfac", "kfac") and G.shape[0] > 0:
@@ -384,8 +407,9 @@ class Influence:
             raise ValueError(f"rank must be an integer >= 1 or None, got {rank!r}")
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
-        _first_batch(train_data, "train_data")  # before the queries' work: an empty set says so now
-        Q = self.query_gradients(query_data)
+        # before the queries' work: an empty set says so now
+        first = _first_batch(train_data, "train_data")
+        Q = self.query_gradients(query_data, examples_at_once=max(1, batch_size(first)))
         path = checkpoint_path(checkpoint)
         config = {
             "curvature": self.curvature,
@@ -447,6 +471,13 @@ def _length(data: Iterable[Batch]) -> int | None:
         return len(data)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t[start:stop]
+
+    return rows
 
 
 def _fingerprint(Q: torch.Tensor, rows_per_read: int = 4) -> str:

@@ -156,3 +156,18 @@ def test_a_parameter_outside_a_linear_layer_uses_vmap() -> None:
     torch.testing.assert_close(
         grads(batch), _alone(model, layout.names, _mlp_loss, batch, 6), rtol=1e-12, atol=1e-14
     )
+
+
+def test_query_slices_give_the_same_preconditioned_gradients() -> None:
+    from hessian_eigenthings import influence
+
+    model = _mlp()
+    x, y = _mlp_batch(9)
+    train = [(x[:3], y[:3]), (x[3:6], y[3:6])]
+    fitted = influence.fit(model, train, influence.supervised_task(nn.CrossEntropyLoss()))
+    query = [(x[:5], y[:5]), (x[5:], y[5:])]
+    whole = fitted.query_gradients(query)
+    sliced = fitted.query_gradients(query, examples_at_once=2)
+    torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=1e-14)
+    scores = fitted.pairwise_scores(query, train, progress=False)  # slices of 3 (train batches)
+    torch.testing.assert_close(scores, -whole @ torch.cat([fitted.gradients(b) for b in train]).T)
