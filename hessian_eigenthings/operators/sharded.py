@@ -6,7 +6,7 @@ products, which arrive reduced onto each rank's shards. Vectors are sharded like
 (NOTE [sharded vector layout]); ``op.backend`` is a :class:`DistributedBackend`. Two sharded
 products:
 
-- the sharded layer walk (``layers=``, NOTE [sharded layer walk]): exact;
+- the sharded layer walk (``engine="layers"`` with ``layers=``, NOTE [sharded layer walk]): exact;
 - central differences ``H v ≈ (g(θ + h v̂) − g(θ − h v̂))·‖v‖ / 2h`` with ``g`` from ordinary
   FSDP forward–backward passes: FSDP's reduce-scatter hands each rank its shard of the
   data-averaged gradient, so the product arrives sharded and already reduced. Cost per vector
@@ -15,6 +15,11 @@ products:
   one status agreement per chunk. Autograd (double backward) is refused: FSDP2 all-gathers
   parameters outside autograd, so no graph links the sharded parameters to the loss.
 
+Any curvature that writes ``functional_product`` (one the package does not know too) runs on
+sharded ranks with ``engine="functional"``: its pure product on the whole model, gathered on
+every rank for each chunk (NOTE [gathered functional product] in ``sharded_products``): exact,
+at the memory of the whole model and ``k`` whole directions per rank.
+
 The ``FSDP*`` classes are constructors that build the ranks.
 """
 
@@ -22,14 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
+import deprecation
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hessian_eigenthings._checks import InternalError
+from hessian_eigenthings._warnings import user_stacklevel
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.linalg import LinAlgBackend
 from hessian_eigenthings.linalg_distributed import DistributedBackend
@@ -48,10 +56,11 @@ from hessian_eigenthings.operators.ranks import (
 )
 from hessian_eigenthings.operators.sharded_products import (
     ShardedDifferences,
+    ShardedFunctional,
     ShardedProduct,
     ShardedWalk,
 )
-from hessian_eigenthings.operators.sharded_walk import ShardGather
+from hessian_eigenthings.operators.sharded_walk import ShardGather, check_every_parameter
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
 
 __all__ = [
@@ -208,12 +217,22 @@ class Sharded(Replicated):
         op._size = op.layout.size
         op._device = op.layout.device
         if op.layers is not None:
-            shards = ShardGather(op.model, self.fsdp_cls, self.group, op.layout.names)
+            check_every_parameter(op.model, op.layout.names)
+            shards = ShardGather(op.model, self.fsdp_cls, self.group)
             make = getattr(op, "layer_walk_runner", None)
             if make is None:
                 raise TypeError(f"{type(op).__name__} has no layer walk")
             walk = make(gather=shards.gather, finish=shards.finish, agree=shards.agree)
             self.product = ShardedWalk(walk, shards, self.agreement)
+        elif op.engine == "functional":
+            self.product = ShardedFunctional(
+                op.functional_product,
+                op._engine_batch,
+                op.layout.names,
+                ShardGather(op.model, self.fsdp_cls, self.group),
+                self.agreement,
+                op.counts,
+            )
         elif getattr(op, "method", None) == "finite_difference":
             self.product = ShardedDifferences(
                 op.model,
@@ -227,8 +246,10 @@ class Sharded(Replicated):
             )
         else:
             raise TypeError(
-                f"{type(op).__name__} has no product on sharded parameters without layers= (the "
-                "sharded layer walk)"
+                f"{type(op).__name__} given Sharded ranks needs a sharded product: "
+                "engine='layers' with layers= (the sharded layer walk: exact, one block whole at "
+                "a time), or engine='functional' (its functional_product on the whole model, "
+                "gathered on every rank for each chunk)"
             )
         return signature
 
@@ -304,12 +325,13 @@ class ShardedMixin(DataCurvatureOperator):
 
     ``class FSDPMyOperator(ShardedMixin, MyOperator)`` takes ``MyOperator``'s arguments plus
     ``process_group`` (default: the FSDP mesh's group) and ``layers`` (the dotted path to the
-    model's list of ``fully_shard``-ed blocks): products are exact, by the sharded layer walk
-    (NOTE [sharded layer walk]). It builds ``MyOperator`` given :class:`Sharded` ranks. Vectors
-    are sharded (NOTE [sharded vector layout]); ``op.backend`` is a :class:`DistributedBackend`:
-    pass it to the algorithms. Every rank passes its own batches, the same number of them (their
-    sizes may differ); products equal the single-process product on the union of the ranks'
-    batches, weighted by batch size.
+    model's list of ``fully_shard``-ed blocks; ``engine="layers"`` may be said too): products are
+    exact, by the sharded layer walk (NOTE [sharded layer walk]). It builds ``MyOperator`` given
+    :class:`Sharded` ranks (``MyOperator(model, ..., ranks=Sharded(model), engine=...)`` is the
+    same without a class). Vectors are sharded (NOTE [sharded vector layout]); ``op.backend`` is a
+    :class:`DistributedBackend`: pass it to the algorithms. Every rank passes its own batches, the
+    same number of them (their sizes may differ); products equal the single-process product on
+    the union of the ranks' batches, weighted by batch size.
     """
 
     global_layout: ParamLayout
@@ -323,6 +345,15 @@ class ShardedMixin(DataCurvatureOperator):
         layers: str | Sequence[nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
+        engine = kwargs.pop("engine", "layers" if layers is not None else "auto")
+        if (engine == "layers") != (layers is not None):
+            raise ValueError(
+                "engine='layers' walks the layers that layers= names (a dotted path to the "
+                "model's list of fully_shard'ed blocks, e.g. 'transformer.h'), and layers= "
+                f"applies to it only; got engine={engine!r}, layers={layers!r}"
+            )
+        if engine != "layers":
+            kwargs["engine"] = engine
         self.ranks = Sharded(model, process_group)
         super().__init__(model, *args, ranks=self.ranks, **kwargs)
         if layers is not None:
@@ -331,9 +362,9 @@ class ShardedMixin(DataCurvatureOperator):
 
 class FSDPGGNOperator(ShardedMixin, GGNOperator):
     """:class:`GGNOperator` of a model sharded with FSDP2: its arguments plus ``layers`` (required:
-    the dotted path to the ``fully_shard``-ed blocks) and ``process_group``; exact products by the
-    sharded layer walk. Monte-Carlo draws are keyed by chunk and rank, as in
-    :class:`DDPGGNOperator`. See :class:`ShardedMixin`."""
+    the dotted path to the ``fully_shard``-ed blocks; ``engine="layers"`` may be said too) and
+    ``process_group``; exact products by the sharded layer walk. Monte-Carlo draws are keyed by
+    chunk and rank, as in :class:`DDPGGNOperator`. See :class:`ShardedMixin`."""
 
     def __init__(self, *args: Any, layers: str | Sequence[nn.Module], **kwargs: Any) -> None:
         super().__init__(*args, layers=layers, **kwargs)
@@ -341,11 +372,33 @@ class FSDPGGNOperator(ShardedMixin, GGNOperator):
 
 class FSDPEmpiricalFisherOperator(ShardedMixin, EmpiricalFisherOperator):
     """:class:`EmpiricalFisherOperator` of a model sharded with FSDP2: its arguments plus
-    ``layers`` (required) and ``process_group``; exact products by the sharded layer walk. See
-    :class:`ShardedMixin`."""
+    ``layers`` (required; ``engine="layers"`` may be said too) and ``process_group``; exact
+    products by the sharded layer walk. See :class:`ShardedMixin`."""
 
     def __init__(self, *args: Any, layers: str | Sequence[nn.Module], **kwargs: Any) -> None:
         super().__init__(*args, layers=layers, **kwargs)
+
+
+# NOTE [deprecated spellings]
+# Spellings of the sharded constructors that still work, warn at the user's line with the
+# DeprecationWarning subclass of the 0.x facade's table (``deprecation.DeprecatedWarning``,
+# ``compat._deprecations``: the package's deprecation warnings are one class) and name what to
+# write instead. The facade's table itself is out of reach here (it sits above ``operators``).
+DEPRECATED_IN, REMOVED_IN = "1.0.0", "2.0.0"
+#: the deprecated spelling -> what to write instead
+DEPRECATED_SPELLINGS = {
+    "FSDPHessianOperator(method='layers')": (
+        "Pass engine='layers' (with layers=), as every operator takes the layer walk"
+    ),
+}
+
+
+def warn_deprecated_spelling(name: str) -> None:
+    """Warn that ``name`` (a key of ``DEPRECATED_SPELLINGS``) was used, at the user's line."""
+    warning = deprecation.DeprecatedWarning(
+        name, DEPRECATED_IN, REMOVED_IN, DEPRECATED_SPELLINGS[name] + "."
+    )
+    warnings.warn(warning, stacklevel=user_stacklevel())
 
 
 class FSDPHessianOperator(ShardedMixin, HessianOperator):
@@ -354,10 +407,12 @@ class FSDPHessianOperator(ShardedMixin, HessianOperator):
     ``FSDPHessianOperator(model, dataloader, loss_fn, *, param_filter=None,
     full_dataset=True, num_batches=None, microbatch_size=None,
     microbatch_unsafe=False, method="finite_difference", fd_eps=None,
-    backend=None, process_group=None, layers=None)``. ``method="layers"`` with
+    backend=None, engine="auto", process_group=None, layers=None)``. ``engine="layers"`` with
     ``layers=`` (the dotted path to the blocks): exact products by the sharded layer walk
-    (NOTE [sharded layer walk]). ``"finite_difference"``: two FSDP forward–backward passes per
-    vector and chunk, no double backward. See :class:`ShardedMixin` for vectors and data.
+    (NOTE [sharded layer walk]). Else ``method="finite_difference"``: two FSDP forward–backward
+    passes per vector and chunk, no double backward. ``method="layers"`` is the deprecated
+    spelling of ``engine="layers"`` (NOTE [deprecated spellings]). See :class:`ShardedMixin` for
+    vectors and data.
     """
 
     def __init__(
@@ -371,24 +426,33 @@ class FSDPHessianOperator(ShardedMixin, HessianOperator):
         num_batches: int | None = None,
         microbatch_size: int | None = None,
         microbatch_unsafe: bool = False,
-        method: Literal["autograd", "finite_difference", "layers"] = "finite_difference",
+        method: Literal["autograd", "finite_difference", "layers"] | None = None,
         fd_eps: float | None = None,
         backend: LinAlgBackend | None = None,
         max_block_size: int | None = None,
+        engine: Literal["auto", "layers"] = "auto",
         process_group: Any = None,
         layers: str | Sequence[nn.Module] | None = None,
     ) -> None:
-        if (method == "layers") != (layers is not None):
+        if method == "layers":
+            warn_deprecated_spelling("FSDPHessianOperator(method='layers')")
+            method, engine = None, "layers" if engine == "auto" else engine
+        if engine not in ("auto", "layers"):
             raise ValueError(
-                "method='layers' walks the layers that layers= names (a dotted path to the model's "
-                "list of fully_shard'ed blocks, e.g. 'transformer.h'), and layers= applies to it only; "
-                f"got method={method!r}, layers={layers!r}"
+                f"engine must be 'auto' or 'layers' on a sharded model, got {engine!r} (the "
+                "functional product of the whole model: HessianOperator(..., "
+                "ranks=Sharded(model), engine='functional'))"
+            )
+        if engine == "layers" and method is not None:
+            raise ValueError(
+                f"engine='layers' walks the layers exactly; method={method!r} is another product "
+                "(pass one of them)"
             )
         if method == "autograd":
             raise NotImplementedError(
                 "method='autograd' is not available for FSDP-sharded models: FSDP2 all-gathers the "
                 "parameters outside autograd, so no graph links the sharded parameters to the loss and "
-                "a double backward cannot reach them. Use method='layers' with layers= (exact, one "
+                "a double backward cannot reach them. Use engine='layers' with layers= (exact, one "
                 "layer at a time), method='finite_difference' (two ordinary forward-backward passes "
                 "per product), or DDPHessianOperator on a replicated model."
             )
@@ -402,12 +466,11 @@ class FSDPHessianOperator(ShardedMixin, HessianOperator):
             microbatch_size=microbatch_size,
             microbatch_unsafe=microbatch_unsafe,
             # the walk differentiates exactly; the base's method only says which hooks exist
-            method="autograd" if layers is not None else "finite_difference",
+            method="autograd" if engine == "layers" else "finite_difference",
             fd_eps=fd_eps,
             backend=backend,
             max_block_size=max_block_size,
+            engine=engine,
             process_group=process_group,
             layers=layers,
         )
-        if layers is not None:
-            self.method = "layers"  # type: ignore[assignment]

@@ -2,6 +2,8 @@
 shards already summed over the ranks, and the ranks' total weight.
 
 - :class:`ShardedWalk`: the sharded layer walk (NOTE [sharded layer walk]), exact;
+- :class:`ShardedFunctional`: any curvature's ``functional_product`` on the whole model, gathered
+  on every rank for each chunk (NOTE [gathered functional product]), exact;
 - :class:`ShardedDifferences`: central differences ``H v ≈ (g(θ + h v̂) − g(θ − h v̂))·‖v‖ / 2h``
   with ``g`` from ordinary FSDP forward–backward passes, whose reduce-scatter hands each rank
   its shard of the data-averaged gradient (NOTE [sharded vector layout] on the weighting).
@@ -10,23 +12,25 @@ shards already summed over the ranks, and the ranks' total weight.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import scalar_loss
 from hessian_eigenthings.operators.engines.layers import LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import ProductCounts
+from hessian_eigenthings.operators.engines.tracing import PureProduct
 from hessian_eigenthings.operators.hessian import LossFn
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, local_shard
 from hessian_eigenthings.operators.sharded_walk import ShardGather, chunk_rows
 
-__all__ = ["ShardedDifferences", "ShardedProduct", "ShardedWalk"]
+__all__ = ["ShardedDifferences", "ShardedFunctional", "ShardedProduct", "ShardedWalk"]
 
 
 class ShardedProduct:
@@ -64,6 +68,76 @@ class ShardedWalk(ShardedProduct):
             raise InternalError("state is not None")
         with self.shards.walking(weight / total):
             return [t for t in self.walk.apply(state, vecs, False)], total  # type: ignore[misc]
+
+
+# NOTE [gathered functional product]
+# A curvature that writes its per-batch product as a pure function of the parameters and
+# buffers by name, the batch and one direction (``functional_product``, what the traced engines
+# run) needs nothing of the model's sharding: on whole tensors it is the single-process product.
+# So with engine="functional" each rank, per chunk, gathers every parameter of the model and
+# its shards of the k directions whole in one all-gather (``ShardGather``, FSDP's forward hooks
+# set aside), runs the product once per direction on its own batch, and hands back its blocks
+# scaled by b_r / B (B: the chunk's total weight over the ranks) in one reduce-scatter, which
+# sums them over the ranks and leaves each rank its rows: the product of the union of the
+# ranks' chunks, each chunk of each rank a batch of its own (as on one process). The ranks
+# agree after the batch is read and again after the products, before the reduce-scatter, so a
+# failure raises on every rank instead of leaving the others in a collective. Memory per rank:
+# the whole model and k whole directions and products (the layer walk holds one block whole).
+# Communication per chunk: one all-gather of the model and the k directions, one
+# reduce-scatter of the k products, two agreements. The product runs eagerly (not traced).
+
+
+class ShardedFunctional(ShardedProduct):
+    """A curvature's ``product`` (its ``functional_product``) on the whole model, gathered on
+    every rank per chunk (NOTE [gathered functional product]); ``batch_of``: the batch the
+    product receives (the curvature's ``_engine_batch``); ``names``: the selected parameters."""
+
+    def __init__(
+        self,
+        product: PureProduct,
+        batch_of: Callable[[Batch], Batch],
+        names: Sequence[str],
+        shards: ShardGather,
+        agreement: RankGroup,
+        counts: ProductCounts,
+    ) -> None:
+        self.product, self.batch_of, self.names = product, batch_of, list(names)
+        self.shards, self.agreement, self.counts = shards, agreement, counts
+
+    def __call__(
+        self, chunk: Batch, weight: float, vecs: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], float]:
+        _torch_compat.load_forward_ad_decompositions()  # a product may run forward mode
+        failure: BaseException | None = None
+        batch = None
+        try:
+            batch = self.batch_of(chunk)  # a sampled curvature's draw key travels beside it
+        except Exception as exc:
+            failure = exc
+        total = float(self.agreement.agree(failure, weight, what="a product")[:, 0].sum())
+        model, k, m = self.shards.model, vecs[0].shape[0], len(self.names)
+        with self.shards.walking(weight / total):
+            every = [n for n, _ in model.named_parameters()]
+            items: list[tuple[str, torch.Tensor | None]] = [(n, None) for n in every]
+            items += [(n, v[j]) for j in range(k) for n, v in zip(self.names, vecs, strict=True)]
+            whole = self.shards.gather(items)
+            state = dict(zip(every, whole, strict=False))
+            state.update({n: b.detach() for n, b in model.named_buffers()})
+            tangents = whole[len(every) :]
+            rows: list[Sequence[torch.Tensor]] = []
+            try:
+                for j in range(k):
+                    self.counts.forwards += 1
+                    rows.append(self.product(state, batch, tangents[j * m : (j + 1) * m]))
+            except Exception as exc:
+                failure = exc
+            self.agreement.agree(failure, weight, what="a product")
+            del state, tangents, whole
+            mine = self.shards.finish(
+                [(n, row[i].detach()) for row in rows for i, n in enumerate(self.names)]
+            )
+        out = [torch.stack(mine[i::m]) for i in range(m)]
+        return out, total
 
 
 class ShardedDifferences(ShardedProduct):

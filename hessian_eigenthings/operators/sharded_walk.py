@@ -75,19 +75,24 @@ def without_fsdp_hooks(model: nn.Module, fsdp_cls: type) -> Iterator[None]:
             d.update(items)
 
 
+def check_every_parameter(model: nn.Module, names: Sequence[str]) -> None:
+    """Refuse a sharded layer walk that does not take every parameter of ``model``."""
+    left = [n for n, _ in model.named_parameters() if n not in set(names)]
+    if left:
+        raise ValueError(
+            f"engine='layers' on a sharded model takes every parameter; param_filter left out "
+            f"{left[:4]}{' ...' if len(left) > 4 else ''} (their shards would meet whole tensors "
+            "in the walk's calls)"
+        )
+
+
 class ShardGather:
     """The gathering and reducing of NOTE [sharded layer walk] for one FSDP2 model: ``gather`` and
-    ``finish`` are a :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk`'s arguments;
+    ``finish`` are a :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk`'s arguments
+    (and what NOTE [gathered functional product] gathers and reduces with);
     :meth:`walking` is the scope of one chunk's walk."""
 
-    def __init__(self, model: nn.Module, fsdp_cls: type, group: Any, names: Sequence[str]) -> None:
-        left = [n for n, _ in model.named_parameters() if n not in set(names)]
-        if left:
-            raise ValueError(
-                f"method='layers' on a sharded model takes every parameter; param_filter left out "
-                f"{left[:4]}{' ...' if len(left) > 4 else ''} (their shards would meet whole tensors "
-                "in the walk's calls)"
-            )
+    def __init__(self, model: nn.Module, fsdp_cls: type, group: Any) -> None:
         self.model = model
         self.fsdp_cls = fsdp_cls
         self.group = group

@@ -556,6 +556,106 @@ def fsdp_failures() -> dict[str, Any]:
     return res
 
 
+@check
+def fsdp_toy_curvature() -> dict[str, Any]:
+    """A curvature the package does not know (tests/operators/toy_curvature.py) on an FSDP2-sharded
+    model, built as a user would: given Sharded ranks and engine="functional" (its
+    functional_product on the whole model gathered per chunk, NOTE [gathered functional
+    product]); no class or code of its own. Uneven shards: each rank's two batches differ in size
+    from the other ranks'."""
+    from tests.operators.toy_curvature import BatchGradientOuterProduct
+
+    try:
+        model = _sharded_mlp()
+    except Exception as exc:
+        return {"skip": f"fully_shard failed: {type(exc).__name__}: {exc}"}
+    snap = [p.to_local().detach().clone() for p in model.parameters()]
+    union = [b for r in range(WORLD) for b in FSDP_ALL[r]]
+    ref = BatchGradientOuterProduct(mlp(), union, loss_fn)
+
+    def toy(**options: Any) -> Any:
+        return BatchGradientOuterProduct(
+            model, FSDP_ALL[RANK], loss_fn, ranks=hd.Sharded(model), engine="functional", **options
+        )
+
+    op, blocks = toy(), toy(max_block_size=2)
+    v, V = rand(ref.size), rand(ref.size, 3, seed=8)
+    hv = op @ _shard(v, ref)
+    pieces = torch.stack([_shard(x, ref) for x in V])
+    HV = op.matmat(pieces.T.contiguous()).T
+    ref_pieces = torch.stack([_shard(x, ref) for x in (ref @ V.T).T])
+    # the package's own curvatures take the same ranks: the Hessian's functional product against
+    # the sharded layer walk and one process
+    ref_h = HessianOperator(mlp(), union, loss_fn)
+    hess = HessianOperator(
+        model, FSDP_ALL[RANK], loss_fn, ranks=hd.Sharded(model), engine="functional"
+    )
+    walk = hd.FSDPHessianOperator(model, FSDP_ALL[RANK], loss_fn, engine="layers", layers="")
+    no_engine = _expect_raise(
+        lambda: BatchGradientOuterProduct(model, FSDP_ALL[RANK], loss_fn, ranks=hd.Sharded(model))
+    )
+    return {
+        "matvec": err(hv, _shard(ref @ v, ref)),
+        "matmat": err(HV, ref_pieces),
+        "blocks": err(blocks.matmat(pieces.T.contiguous()).T, ref_pieces),
+        "repeat": err(op @ _shard(v, ref), hv),
+        "hessian": err(hess @ _shard(v, ref), _shard(ref_h @ v, ref)),
+        "hessian_vs_walk": err(hess @ _shard(v, ref), walk @ _shard(v, ref)),
+        "size_local": op.size,
+        "size_global": ref.size,
+        "global_size": op.global_size,
+        "backend": type(op.backend).__name__,
+        "engine": op.engine,
+        "forwards": op.num_forwards,
+        "params_unchanged": all(
+            torch.equal(p.to_local(), s) for p, s in zip(model.parameters(), snap, strict=True)
+        ),
+        "grads_none": all(p.grad is None for p in model.parameters()),
+        "no_engine": no_engine,
+    }
+
+
+@check
+def fsdp_method_layers_deprecated() -> dict[str, Any]:
+    """method="layers" on FSDPHessianOperator: the deprecated spelling of engine="layers", same
+    products, a DeprecationWarning subclass at the caller's line."""
+    import inspect
+
+    try:
+        model = _sharded_mlp()
+    except Exception as exc:
+        return {"skip": f"fully_shard failed: {type(exc).__name__}: {exc}"}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        old = hd.FSDPHessianOperator(model, FSDP_ALL[RANK], loss_fn, method="layers", layers="")
+    new = hd.FSDPHessianOperator(model, FSDP_ALL[RANK], loss_fn, engine="layers", layers="")
+    union = [b for r in range(WORLD) for b in FSDP_ALL[r]]
+    ref = HessianOperator(mlp(), union, loss_fn)
+    v = rand(ref.size)
+    deprecations = [r for r in rec if issubclass(r.category, DeprecationWarning)]
+    first = deprecations[0] if deprecations else None
+    return {
+        "warnings": [f"{r.category.__name__}: {r.message}" for r in rec],
+        "deprecations": len(deprecations),
+        "category": None if first is None else first.category.__name__,
+        "message": None if first is None else str(first.message),
+        "at_caller": first is not None and (first.filename, first.lineno) == (__file__, line),
+        "same_products": torch.equal(old @ _shard(v, ref), new @ _shard(v, ref)),
+        "exact": err(new @ _shard(v, ref), _shard(ref @ v, ref)),
+        "both_spellings": _expect_raise(
+            lambda: hd.FSDPHessianOperator(
+                model,
+                FSDP_ALL[RANK],
+                loss_fn,
+                method="finite_difference",
+                engine="layers",
+                layers="",
+            )
+        ),
+    }
+
+
 def _walk_lm(m: nn.Module, b: Any) -> torch.Tensor:
     logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
     return F.cross_entropy(
@@ -651,7 +751,7 @@ def fsdp_layer_walk() -> dict[str, Any]:
             fully_shard(block)
         fully_shard(model)
         op = hd.FSDPHessianOperator(
-            model, [_walk_batch(RANK)], _walk_lm, method="layers", layers=layers
+            model, [_walk_batch(RANK)], _walk_lm, engine="layers", layers=layers
         )
         pieces = torch.stack([_shard(x, ref) for x in X])
         ref_pieces = torch.stack([_shard(x, ref) for x in RX])
@@ -674,7 +774,7 @@ def fsdp_layer_walk() -> dict[str, Any]:
                 fully_shard(block)
             fully_shard(sdpa)
             op_sdpa = hd.FSDPHessianOperator(
-                sdpa, [_walk_batch(RANK)], _walk_lm, method="layers", layers=layers
+                sdpa, [_walk_batch(RANK)], _walk_lm, engine="layers", layers=layers
             )
             out["gpt2_sdpa"] = err(op_sdpa @ pieces[0], ref_pieces[0])
     return out
@@ -807,7 +907,7 @@ def sharded_solves() -> dict[str, Any]:
     ref_ggn = GGNOperator(mlp(), union, supervised_forward, loss)
     ref_h = HessianOperator(mlp(), union, loss_fn)
     ggn = hd.FSDPGGNOperator(model, FSDP_ALL[RANK], supervised_forward, loss, layers="")
-    hess = hd.FSDPHessianOperator(model, FSDP_ALL[RANK], loss_fn, method="layers", layers="")
+    hess = hd.FSDPHessianOperator(model, FSDP_ALL[RANK], loss_fn, engine="layers", layers="")
     b = rand(ref_h.size, seed=11)
     cg = solve(ggn, _shard(b, ref_h), damping=0.1, tol=1e-10)
     cg_ref = solve(ref_ggn, b, damping=0.1, tol=1e-10)
@@ -829,7 +929,7 @@ def _sharded_mlp_hessian() -> tuple[hd.FSDPHessianOperator, HessianOperator, tor
     union = [FSDP_ALL[r][0] for r in range(WORLD)]
     ref = HessianOperator(mlp(), union, loss_fn)
     H = ref @ torch.eye(ref.size, dtype=torch.float64)
-    op = hd.FSDPHessianOperator(model, FSDP_ALL[RANK][:1], loss_fn, method="layers", layers="")
+    op = hd.FSDPHessianOperator(model, FSDP_ALL[RANK][:1], loss_fn, engine="layers", layers="")
     return op, ref, 0.5 * (H + H.T)
 
 

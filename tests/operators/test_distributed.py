@@ -293,6 +293,61 @@ def test_fsdp_finite_difference_equals_single_process(ranks: list[dict[str, Any]
         assert res["lanczos_same_on_ranks"]
 
 
+def test_a_new_curvature_runs_on_sharded_ranks_without_a_twin(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """The test-only curvature on an FSDP2-sharded model, given ``ranks=Sharded(model)`` and
+    ``engine="functional"`` (NOTE [gathered functional product]): equal to one process on the
+    union of the ranks' uneven batches, with blocks; the Hessian so built equals one process and
+    the sharded layer walk; without an engine the construction says what to pass."""
+    per_rank = _fsdp(ranks, "fsdp_toy_curvature")
+    assert sum(r["size_local"] for r in per_rank) == per_rank[0]["size_global"]
+    for res in per_rank:
+        assert res["matvec"] < 1e-13 and res["matmat"] < 1e-13 and res["blocks"] < 1e-13, res
+        assert res["repeat"] == 0.0
+        assert res["hessian"] < 1e-13 and res["hessian_vs_walk"] < 1e-13, res
+        assert res["global_size"] == res["size_global"]
+        assert res["backend"] == "DistributedBackend" and res["engine"] == "functional"
+        assert res["forwards"] == 2 * (1 + 3 + 1)  # a forward per direction and chunk
+        assert res["params_unchanged"] and res["grads_none"]
+        assert res["no_engine"]["type"] == "TypeError"
+        assert "engine='functional'" in res["no_engine"]["msg"]
+
+
+def test_fsdp_method_layers_is_a_deprecated_spelling(ranks: list[dict[str, Any]]) -> None:
+    """``FSDPHessianOperator(method="layers")`` still walks, warning once at the caller's line
+    (``rec[0].filename == __file__`` in the worker) with the package's DeprecationWarning class;
+    ``engine="layers"`` gives the same products."""
+    for res in _fsdp(ranks, "fsdp_method_layers_deprecated"):
+        assert res["deprecations"] == 1 and res["warnings"] == [
+            f"DeprecatedWarning: {res['message']}"
+        ]
+        assert res["category"] == "DeprecatedWarning" and res["at_caller"], res
+        assert "FSDPHessianOperator(method='layers') is deprecated as of 1.0.0" in res["message"]
+        assert "engine='layers'" in res["message"]
+        assert res["same_products"] and res["exact"] < 1e-13
+        assert res["both_spellings"]["type"] == "ValueError"
+
+
+def test_fsdp_method_layers_warns_before_anything_else() -> None:
+    """The deprecation is said first, at the caller's line, also where the construction then
+    fails (here: a model that is not sharded, in a process without a group)."""
+    import deprecation
+    import torch
+    from torch import nn
+
+    from hessian_eigenthings.operators.distributed import FSDPHessianOperator
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        return m(b).sum()
+
+    with pytest.warns(deprecation.DeprecatedWarning) as rec, pytest.raises(TypeError):
+        FSDPHessianOperator(nn.Linear(2, 1), [torch.ones(1, 2)], loss, method="layers", layers="")
+    assert len(rec) == 1 and issubclass(rec[0].category, DeprecationWarning)
+    assert rec[0].filename == __file__
+    assert "Pass engine='layers'" in str(rec[0].message)
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Four ranks for the sharded checks only (the other checks run on 2 and 3)."""
