@@ -19,7 +19,7 @@ Measured, each a median of ``--repeats`` calls after ``--warmup`` (synchronised)
 - allreduce: one all-reduce of the product's size alone (the communication floor);
 - fsdp: ``FSDPHessianOperator`` (finite differences, each transformer block and the root
   sharded), its local shard compared with the single-device finite-difference product,
-  time against single-device finite differences; and ``method="layers"`` (the exact sharded
+  time against single-device finite differences; and ``engine="layers"`` (the exact sharded
   walk): time, peak memory, error against one device's autograd product, and its ratio to an
   FSDP training step (forward and backward) on the same shard;
 - lanczos: top-10 ``lanczos`` with the DDP operator and with the FSDP operators
@@ -360,7 +360,7 @@ def main() -> None:
             # the exact sharded walk (NOTE [sharded layer walk]) and an FSDP training step
             base = reset_peak(device)
             walk_op = FSDPHessianOperator(
-                sharded, [shard], loss_fn, method="layers", layers=blocks(sharded)
+                sharded, [shard], loss_fn, engine="layers", layers=blocks(sharded)
             )
             t_walk, hv_walk = timed(lambda: walk_op @ v_local, device, warmup, repeats)
             fsdp["fsdp_walk_ms"] = max_over_ranks(t_walk, device)
@@ -497,7 +497,7 @@ def markdown(r: dict[str, Any]) -> str:
                 f"| {fmt(f['single_fd_ms'])} | {fmt(f['fsdp_fd_ms'])} | {fmt(f['efficiency'])} | {fmt(f['rel_err_vs_single_fd'])} "
                 f"| {fmt(f['rel_err_vs_autograd'])} | {f['local_size']} | {fmt(f['single_fd_peak_mib'])} / {fmt(f['fsdp_fd_peak_mib'])} |",
                 "",
-                'Exact sharded walk (`method="layers"`):',
+                'Exact sharded walk (`engine="layers"`):',
                 "",
                 "| FSDP walk ms | FSDP training step ms | walk / step | rel err vs autograd | peak MiB single autograd / walk |",
                 "|---|---|---|---|---|",

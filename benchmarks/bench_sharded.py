@@ -16,7 +16,7 @@ Workloads (HF transformers, eager attention, random weights, no dropout, fp32):
 
 Sections (``--sections``, comma list):
 
-- ``products``: ``FSDPHessianOperator(method="layers")`` and ``FSDPGGNOperator`` products on each
+- ``products``: ``FSDPHessianOperator(engine="layers")`` and ``FSDPGGNOperator`` products on each
   rank's shard of the batch: median time, per-GPU peak (max over ranks, parameters included);
 - ``train``: an FSDP2 training step (forward + backward) on the same shards, and each product's
   ratio to it;
@@ -339,7 +339,7 @@ def sharded_sections(
         v_local = local_shard(v, model, ranks.rank, ranks.world).to(device)
         made = {
             "hessian": lambda: FSDPHessianOperator(
-                sharded, [{"input_ids": mine}], lm_loss, method="layers", layers=path
+                sharded, [{"input_ids": mine}], lm_loss, engine="layers", layers=path
             ),
             "ggn": lambda: FSDPGGNOperator(sharded, [ggn_batch(mine)], lm_logits, CE, layers=path),
         }
