@@ -82,15 +82,17 @@ from hessian_eigenthings.operators.factor_pass import (
     input_moment,
 )
 from hessian_eigenthings.operators.kronecker import (
-    NOT_FINITE_FIX,
     KroneckerBlock,
     KroneckerEigen,
     KroneckerEigenBlock,
     KroneckerOperator,
+)
+from hessian_eigenthings.operators.kronecker_blocks import Eigen, factor_slot
+from hessian_eigenthings.operators.kronecker_eigen import (
+    NOT_FINITE_FIX,
     not_finite_message,
     refuse_not_finite,
 )
-from hessian_eigenthings.operators.kronecker_blocks import Eigen
 from hessian_eigenthings.operators.precision import Precision
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamFilter
@@ -170,15 +172,11 @@ class LayerKroneckerOperator(KroneckerOperator):
                 bias = layer.bias if layer.joint else None
                 G, A = G_of[layer.name], A_of[layer.name]
                 blocks.append(
-                    self._factor_block(
-                        self.layout, layer.weight, bias, layer.name, G, A, layer.transposed
-                    )
+                    factor_slot(self.layout, layer.weight, bias, layer.name, G, A, layer.transposed)
                 )
             if layer.bias is not None and not layer.joint:
                 own = G_of[layer.name] if bias_G_of is None else bias_G_of[layer.name]
-                blocks.append(
-                    self._factor_block(self.layout, None, layer.bias, layer.name, own, None)
-                )
+                blocks.append(factor_slot(self.layout, None, layer.bias, layer.name, own, None))
         self._init_blocks(self.layout, blocks)
 
     def _refuse_not_finite(self, factors: list[tuple[str, str, torch.Tensor]]) -> None:
@@ -394,7 +392,7 @@ class EKFACOperator(_KFACFactors):
         self._init_blocks(
             self.layout,
             [
-                self._factor_block(
+                factor_slot(
                     self.layout, b.weight, b.bias, b.module, None, None, b.transposed, (D, U_G, U_A)
                 )
                 for b, D, (_, U_G, U_A) in zip(self._kfac_blocks, scalings, bases, strict=True)

@@ -16,8 +16,12 @@ function is then exact and block by block: ``(K + λI)⁻¹``, ``log det(K + λI
 
 Cost: a product is two small matrix products per block (four in eigenbasis form); ``eigh``,
 ``inverse`` and ``logdet`` decompose each distinct factor once (a factor shared by two blocks,
-a layer's ``G`` for its weight and its bias, once), cached; ``trace`` and ``frobenius_norm`` of
+a module's ``G`` for its weight and its bias, once), cached; ``trace`` and ``frobenius_norm`` of
 factored blocks need no decomposition (``tr(G)·tr(A)``, ``‖G‖_F·‖A‖_F``).
+
+Shape: the blocks and how they read the flat vector are :mod:`~hessian_eigenthings.operators.
+kronecker_blocks`; the cached eigendecompositions are :mod:`~hessian_eigenthings.operators.
+kronecker_eigen`; this module is the operator's algebra on them.
 
 NOTE [eigenvalues at the rounding level]: a singular factor's zero eigenvalues come out of
 ``eigh`` as rounding noise of either sign (``±1e-16·‖G‖`` in float64), whose inverses are huge
@@ -45,7 +49,6 @@ construction, so a later change to the caller's tensor is seen by nothing.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +62,10 @@ from hessian_eigenthings.operators.kronecker_blocks import (
     KroneckerEigenBlock,
     Slot,
     checked_blocks,
+    gather,
+    scatter,
 )
+from hessian_eigenthings.operators.kronecker_eigen import FactorDecompositions
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamLayout
@@ -111,46 +117,6 @@ def check_damping(damping: object) -> float:
     return value
 
 
-def at_rounding_level_zeroed(lam: torch.Tensor, n: int) -> torch.Tensor:
-    """``lam`` with the eigenvalues ``|λ| <= n·eps·max|lam|`` set to zero: the rank tolerance of
-    ``torch.linalg.matrix_rank`` for an ``n × n`` matrix (NOTE [eigenvalues at the rounding
-    level]); no host synchronization."""
-    if lam.numel() == 0:
-        return lam
-    tol = lam.abs().amax() * (n * torch.finfo(lam.dtype).eps)
-    return torch.where(lam.abs() <= tol, torch.zeros_like(lam), lam)
-
-
-#: the fix that :func:`not_finite_message` ends with (a factor pass may name the culprit instead)
-NOT_FINITE_FIX = "check the data and the parameters for NaN/inf"
-
-
-def not_finite_message(
-    who: str, factor: str, module: str, names: Sequence[str], more: int = 0
-) -> str:
-    """The one line that says a Kronecker factor holds NaN or inf, and where."""
-    where = f"layer {module!r}" if module else f"the block over {tuple(names)}"
-    others = (
-        f", as {'is' if more == 1 else 'are'} {more} more factor{'s' * (more != 1)}" if more else ""
-    )
-    return (
-        f"{who}: the Kronecker factor {factor} of {where} is not finite (NaN or inf){others}: "
-        + NOT_FINITE_FIX
-    )
-
-
-def refuse_not_finite(who: str, factors: Sequence[tuple[str, str, torch.Tensor]]) -> None:
-    """A ``ValueError`` naming the first of ``(factor, layer, tensor)`` that holds NaN or inf
-    (one synchronization for all of them: a factor pass checks its factors once)."""
-    if not factors:
-        return
-    flags = torch.stack([t.isfinite().all() for _, _, t in factors])
-    bad = (~flags).nonzero().flatten().tolist()
-    if bad:
-        factor, module, _ = factors[bad[0]]
-        raise ValueError(not_finite_message(who, factor, module, (), len(bad) - 1))
-
-
 class KroneckerOperator(CurvatureOperator):
     """A block-diagonal operator ``blockdiag(G_b ⊗ A_b) + damping·I`` from its factors.
 
@@ -170,7 +136,7 @@ class KroneckerOperator(CurvatureOperator):
     ``inverse()`` refused for a singular operator without damping). The factors are not copied:
     a change in place is followed by every method, the cached decompositions included (NOTE
     [factors changed in place]; inference tensors are copied). A factor holding NaN or inf is
-    refused, naming its layer, when it is decomposed. The operator's dtype is the layout's, its
+    refused, naming its module, when it is decomposed. The operator's dtype is the layout's, its
     factors' may be wider (products are computed in the factors' dtype).
     """
 
@@ -201,59 +167,12 @@ class KroneckerOperator(CurvatureOperator):
         factor = first.G if first.G is not None else first.eigen[0]  # type: ignore[index]
         #: factors and reductions run in this dtype (float32 or wider in the KFAC family)
         self.factor_dtype: torch.dtype = factor.dtype
-        self._unit: torch.Tensor | None = None
-        # NOTE [factors changed in place]: every distinct factor tensor (inference tensors keep
-        # no version counter), whose versions the cached decompositions were made at
-        seen: dict[int, torch.Tensor] = {}
-        for b in blocks:
-            for t in (b.G, b.A) if b.eigen is None else b.eigen:
-                if t is not None and not t.is_inference():
-                    seen.setdefault(id(t), t)
-        self._tracked = tuple(seen.values())
-        self._eigen_cache: list[Eigen] | None = None
-        self._eigen_stamp: tuple[int, ...] = ()
-        #: ``id(factor) -> (factor, version, eigh(factor))`` of the last decomposition
-        self._factor_eigh: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
-        self._factor_eigh = {}
-        #: ``fn -> (decomposition, [fn(D) per block])`` of the eigenvalue functions applied
-        self._applied: weakref.WeakKeyDictionary[
-            Callable[[torch.Tensor], torch.Tensor], tuple[list[Eigen], list[torch.Tensor]]
-        ] = weakref.WeakKeyDictionary()
-
-    @staticmethod
-    def _factor_block(
-        layout: ParamLayout,
-        weight: int | None,
-        bias: int | None,
-        module: str,
-        G: torch.Tensor | None,
-        A: torch.Tensor | None,
-        transposed: bool = False,
-        eigen: Eigen | None = None,
-    ) -> Slot:
-        """For :meth:`_init_blocks`, trusted (no checks, little host time: it runs once per block
-        of a factor pass): the block over the parameters ``weight`` and ``bias`` (layout indices)
-        as ``G ⊗ A`` (``A=None``: a bias alone, ``[[1]]``) or in the eigenbasis ``eigen``."""
-        names = layout.names
-        if weight is None:
-            if bias is None:
-                raise InternalError("bias is not None")
-            m = layout.shapes[bias][0]
-            return Slot((names[bias],), module, None, bias, False, m, 0, G, A, eigen)
-        w = layout.shapes[weight]
-        m, d = (w[1], w[0]) if transposed else (w[0], math.prod(w[1:]))
-        held = (names[weight],) if bias is None else (names[weight], names[bias])
-        return Slot(held, module, weight, bias, transposed, m, d, G, A, eigen)
+        #: the blocks' eigendecompositions, cached (NOTE [factors changed in place])
+        self._decompositions = FactorDecompositions(blocks, type(self).__name__)
 
     def _A(self, block: Slot) -> torch.Tensor:
-        if block.A is not None:
-            return block.A
-        if self._unit is None:
-            G = block.G
-            if G is None:
-                raise InternalError("G is not None")
-            self._unit = torch.ones(1, 1, dtype=G.dtype, device=G.device)
-        return self._unit
+        """The block's ``A`` (``[[1]]`` for a bias alone)."""
+        return self._decompositions.A(block)
 
     @property
     def num_blocks(self) -> int:
@@ -274,42 +193,13 @@ class KroneckerOperator(CurvatureOperator):
             for b in blocks
         )
 
-    # -- blocks as matrices ------------------------------------------------------------------
-    def _gather(self, block: Slot, views: list[torch.Tensor]) -> torch.Tensor:
-        """``(k, m, q)`` of the block's parameters in a row block's per-parameter views."""
-        parts = []
-        if block.weight is not None:
-            w = views[block.weight]
-            if block.transposed:  # (k, in, out) entries: X is the transpose
-                parts.append(w.transpose(1, 2))
-            else:
-                parts.append(w.reshape(w.shape[0], w.shape[1], -1))
-        if block.bias is not None:
-            parts.append(views[block.bias].unsqueeze(-1))
-        X = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return X.to(self.factor_dtype)
-
-    def _scatter(self, block: Slot, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
-        if block.weight is None:
-            if block.bias is None:
-                raise InternalError("block.bias is not None")
-            views[block.bias].copy_(Y[..., 0])
-            return
-        w, d = views[block.weight], block.d
-        if block.transposed:
-            w.copy_(Y[..., :d].transpose(-1, -2))
-        else:
-            w.copy_(Y[..., :d].reshape(w.shape))
-        if block.bias is not None:
-            views[block.bias].copy_(Y[..., d])
-
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         if (sharded := self.ranks.module_blocks) is not None:
             return sharded.apply(V, lambda op, X: op._matmat_rows(X))
         out = self.layout.empty(V.shape[0])
         views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
         for block in self._blocks:
-            X = self._gather(block, views)
+            X = gather(block, views, self.factor_dtype)
             if block.eigen is None:
                 if block.G is None:
                     raise InternalError("block.G is not None")
@@ -319,78 +209,20 @@ class KroneckerOperator(CurvatureOperator):
             else:
                 D, U_G, U_A = block.eigen
                 Y = U_G @ ((U_G.T @ X @ U_A) * (D + self.damping if self.damping else D)) @ U_A.T
-            self._scatter(block, Y, out_views)
+            scatter(block, Y, out_views)
         return out
 
     # -- the eigendecomposition and what it gives ----------------------------------------------
     def _versions(self) -> tuple[int, ...]:
-        return tuple(t._version for t in self._tracked)
+        return self._decompositions.versions()
 
     def _eigen(self) -> list[Eigen]:
         """``(D (m, q), U_G, U_A)`` per block, undamped, eigenvalues at the rounding level zero
-        (NOTE [eigenvalues at the rounding level]; a factor shared by several blocks is
-        decomposed once); cached, and recomputed for the factors changed in place since (NOTE
-        [factors changed in place])."""
+        (NOTE [eigenvalues at the rounding level]); cached, and recomputed for the factors
+        changed in place since (NOTE [factors changed in place])."""
         if (sharded := self.ranks.module_blocks) is not None:
             return sharded.eigen()
-        stamp = self._versions()
-        if self._eigen_cache is not None and stamp == self._eigen_stamp:
-            return self._eigen_cache
-        known = self._factor_eigh
-        fresh: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        made: list[tuple[str, Slot, torch.Tensor]] = []  # eigenvalues computed now
-
-        def eig(M: torch.Tensor, which: str, block: Slot) -> tuple[torch.Tensor, torch.Tensor]:
-            key = id(M)
-            if key not in fresh:
-                version = -1 if M.is_inference() else M._version
-                held = known.get(key)
-                if held is not None and held[0] is M and held[1] == version and version >= 0:
-                    fresh[key] = held
-                else:
-                    lam, U = self._decompose(M, which, block)
-                    made.append((which, block, lam))
-                    fresh[key] = (M, version, (at_rounding_level_zeroed(lam, M.shape[0]), U))
-            return fresh[key][2]
-
-        result = []
-        for block in self._blocks:
-            if block.eigen is not None:
-                D, U_G, U_A = block.eigen
-                made.append(("eigenvalues", block, D))
-                result.append((at_rounding_level_zeroed(D, max(block.m, block.q)), U_G, U_A))
-                continue
-            if block.G is None:
-                raise AssertionError("unreachable: a block holds factors or an eigenbasis")
-            lam_G, U_G = eig(block.G, "G", block)
-            lam_A, U_A = eig(self._A(block), "A", block)
-            result.append((lam_G.unsqueeze(1) * lam_A.unsqueeze(0), U_G, U_A))
-        if made:  # NOTE [factors not finite]: one synchronization per decomposition
-            flags = torch.stack([lam.isfinite().all() for _, _, lam in made])
-            bad = (~flags).nonzero().flatten().tolist()
-            if bad:
-                which, block, _ = made[bad[0]]
-                raise ValueError(
-                    not_finite_message(type(self).__name__, which, block.module, block.names)
-                )
-        self._factor_eigh = fresh
-        self._eigen_cache, self._eigen_stamp = result, stamp
-        return result
-
-    def _decompose(
-        self, M: torch.Tensor, which: str, block: Slot
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``torch.linalg.eigh(M)``; a factor holding NaN or inf is refused naming its block
-        (where the decomposition fails on it; where it returns NaN instead, :meth:`_eigen`
-        refuses the eigenvalues)."""
-        try:
-            return torch.linalg.eigh(M)
-        except RuntimeError:  # torch.linalg.LinAlgError: "ill-conditioned or too many repeated"
-            if bool(M.isfinite().all()):
-                raise
-            raise ValueError(
-                not_finite_message(type(self).__name__, which, block.module, block.names)
-            ) from None
+        return self._decompositions.eigen()
 
     def _zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.factor_dtype, device=self.device)
@@ -423,9 +255,7 @@ class KroneckerOperator(CurvatureOperator):
             return sharded.eigenvector(block % len(self._blocks), i, j)
         _, U_G, U_A = self._eigen()[block]
         out = torch.zeros(1, self.size, dtype=self.dtype, device=self.device)
-        self._scatter(
-            slot, torch.outer(U_G[:, i], U_A[:, j]).unsqueeze(0), self.layout.split_rows(out)
-        )
+        scatter(slot, torch.outer(U_G[:, i], U_A[:, j]).unsqueeze(0), self.layout.split_rows(out))
         return out[0]
 
     def trace(self) -> torch.Tensor:
@@ -488,38 +318,18 @@ class KroneckerOperator(CurvatureOperator):
             inverse.check_invertible()
         return inverse
 
-    def _refuse_singular(self) -> None:
-        """A ``ValueError`` naming the first block with an eigenvalue at the rounding level of
-        zero (NOTE [eigenvalues at the rounding level]); one synchronization."""
-        eigen = self._eigen()
-        flags = torch.stack([(D == 0).any() for D, _, _ in eigen])
-        singular = flags.nonzero().flatten().tolist()
-        if singular:
-            b = self._blocks[singular[0]]
-            where = f"layer {b.module!r} ({', '.join(b.names)})" if b.module else str(b.names)
-            more = f" and {len(singular) - 1} more blocks" if len(singular) > 1 else ""
-            raise ValueError(
-                f"{type(self).__name__}.inverse() without damping: the block of {where}{more} "
-                "is singular (an eigenvalue within rounding of zero: |λ| <= n·eps·max|λ| of an "
-                "n × n factor), so the operator has no inverse; pass damping > 0, e.g. "
-                "op.inverse(1e-3 * float(op.trace()) / op.size)"
-            )
-
     def _eigen_apply(
         self, V: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         if (sharded := self.ranks.module_blocks) is not None:
             return sharded.apply(V, lambda op, X: op._eigen_apply(X, fn))
         eigen = self._eigen()
-        held = self._applied.get(fn)
-        if held is None or held[0] is not eigen:  # fn(D) once per decomposition, not per product
-            held = (eigen, [fn(D) for D, _, _ in eigen])
-            self._applied[fn] = held
+        values = self._decompositions.applied(eigen, fn)
         out = self.layout.empty(V.shape[0])
         views, out_views = self.layout.split_rows(V), self.layout.split_rows(out)
-        for block, (_, U_G, U_A), values in zip(self._blocks, eigen, held[1], strict=True):
-            X = U_G.T @ self._gather(block, views) @ U_A
-            self._scatter(block, U_G @ (X * values) @ U_A.T, out_views)
+        for block, (_, U_G, U_A), D in zip(self._blocks, eigen, values, strict=True):
+            X = U_G.T @ gather(block, views, self.factor_dtype) @ U_A
+            scatter(block, U_G @ (X * D) @ U_A.T, out_views)
         return out
 
     def __repr__(self) -> str:
@@ -545,8 +355,26 @@ class _EigenFunction(CurvatureOperator):
         each product; a synchronization only after a change)."""
         versions = self._op._versions()
         if versions != self._checked_at:
-            self._op._refuse_singular()
+            self._refuse_singular()
             self._checked_at = versions
+
+    def _refuse_singular(self) -> None:
+        """A ``ValueError`` naming the first block with an eigenvalue at the rounding level of
+        zero (NOTE [eigenvalues at the rounding level]); one synchronization."""
+        op = self._op
+        eigen = op._eigen()
+        flags = torch.stack([(D == 0).any() for D, _, _ in eigen])
+        singular = flags.nonzero().flatten().tolist()
+        if singular:
+            b = op._blocks[singular[0]]
+            where = f"layer {b.module!r} ({', '.join(b.names)})" if b.module else str(b.names)
+            more = f" and {len(singular) - 1} more blocks" if len(singular) > 1 else ""
+            raise ValueError(
+                f"{type(op).__name__}.inverse() without damping: the block of {where}{more} "
+                "is singular (an eigenvalue within rounding of zero: |λ| <= n·eps·max|λ| of an "
+                "n × n factor), so the operator has no inverse; pass damping > 0, e.g. "
+                "op.inverse(1e-3 * float(op.trace()) / op.size)"
+            )
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         if self.refuse_singular:

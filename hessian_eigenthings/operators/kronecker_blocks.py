@@ -5,12 +5,15 @@
 sits in the flat vector, with the reading rules of the ``kronecker`` module's docstring (a
 weight's rows, a conv weight flattened, a ``Conv1D`` weight transposed, a bias as a last column or
 alone), checked (:func:`_checked`: shapes, every parameter in one block, one floating dtype, the
-layout's device). The algebra on them is :class:`~hessian_eigenthings.operators.kronecker.
+layout's device). A factor pass's blocks are read without checks (:func:`factor_slot`). A block's
+parameters in a row block of vectors become its matrices and back with :func:`gather` and
+:func:`scatter`. The algebra on them is :class:`~hessian_eigenthings.operators.kronecker.
 KroneckerOperator`.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +24,17 @@ from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.operators.protocol import same_device
 from hessian_eigenthings.param_utils import ParamLayout
 
-__all__ = ["Block", "Eigen", "KroneckerBlock", "KroneckerEigenBlock"]
+__all__ = [
+    "Block",
+    "Eigen",
+    "KroneckerBlock",
+    "KroneckerEigenBlock",
+    "Slot",
+    "checked_blocks",
+    "factor_slot",
+    "gather",
+    "scatter",
+]
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,7 @@ class KroneckerBlock:
     """
 
     names: tuple[str, ...]
-    module: str  # the layer's name in the model (a label; may be "")
+    module: str  # the module's name in the model (a label; may be "")
     G: torch.Tensor  # (m, m) output-side factor
     A: torch.Tensor  # (q, q) input-side factor
     transposed: bool = False  # the first parameter is stored (in, out) and read as its transpose
@@ -225,3 +238,60 @@ def checked_blocks(layout: object, given: Sequence[object]) -> tuple[ParamLayout
     if off:
         raise ValueError(f"the factors must be on the layout's device {lay.device}, found {off[0]}")
     return lay, slots
+
+
+def factor_slot(
+    layout: ParamLayout,
+    weight: int | None,
+    bias: int | None,
+    module: str,
+    G: torch.Tensor | None,
+    A: torch.Tensor | None,
+    transposed: bool = False,
+    eigen: Eigen | None = None,
+) -> Slot:
+    """A factor pass's block, trusted (no checks, little host time: it runs once per block of a
+    pass): the block over the parameters ``weight`` and ``bias`` (layout indices) as ``G ⊗ A``
+    (``A=None``: a bias alone, ``[[1]]``) or in the eigenbasis ``eigen``."""
+    names = layout.names
+    if weight is None:
+        if bias is None:
+            raise InternalError("bias is not None")
+        m = layout.shapes[bias][0]
+        return Slot((names[bias],), module, None, bias, False, m, 0, G, A, eigen)
+    w = layout.shapes[weight]
+    m, d = (w[1], w[0]) if transposed else (w[0], math.prod(w[1:]))
+    held = (names[weight],) if bias is None else (names[weight], names[bias])
+    return Slot(held, module, weight, bias, transposed, m, d, G, A, eigen)
+
+
+def gather(block: Slot, views: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``(k, m, q)`` of the block's parameters in a row block's per-parameter views, in ``dtype``."""
+    parts = []
+    if block.weight is not None:
+        w = views[block.weight]
+        if block.transposed:  # (k, in, out) entries: X is the transpose
+            parts.append(w.transpose(1, 2))
+        else:
+            parts.append(w.reshape(w.shape[0], w.shape[1], -1))
+    if block.bias is not None:
+        parts.append(views[block.bias].unsqueeze(-1))
+    X = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return X.to(dtype)
+
+
+def scatter(block: Slot, Y: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Writes ``Y (k, m, q)`` into the block's parameters in a row block's views (the inverse
+    of :func:`gather`)."""
+    if block.weight is None:
+        if block.bias is None:
+            raise InternalError("block.bias is not None")
+        views[block.bias].copy_(Y[..., 0])
+        return
+    w, d = views[block.weight], block.d
+    if block.transposed:
+        w.copy_(Y[..., :d].transpose(-1, -2))
+    else:
+        w.copy_(Y[..., :d].reshape(w.shape))
+    if block.bias is not None:
+        views[block.bias].copy_(Y[..., d])

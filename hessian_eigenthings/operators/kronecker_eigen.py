@@ -1,0 +1,184 @@
+"""The eigendecompositions of a Kronecker-factored operator's blocks, cached while the factors
+stay as they were.
+
+:class:`FactorDecompositions` decomposes each distinct factor of the blocks once (a factor shared
+by two blocks, a module's ``G`` for its weight and its bias, once), zeroes the eigenvalues at the
+rounding level (NOTE [eigenvalues at the rounding level] in ``kronecker``), refuses factors that
+hold NaN or inf naming their block, and follows changes in place through the factors' version
+counters (NOTE [factors changed in place] in ``kronecker``). The operator's algebra on them is
+:class:`~hessian_eigenthings.operators.kronecker.KroneckerOperator`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hessian_eigenthings._checks import InternalError
+from hessian_eigenthings.operators.kronecker_blocks import Eigen, Slot
+
+__all__ = [
+    "NOT_FINITE_FIX",
+    "FactorDecompositions",
+    "at_rounding_level_zeroed",
+    "not_finite_message",
+    "refuse_not_finite",
+]
+
+
+def at_rounding_level_zeroed(lam: torch.Tensor, n: int) -> torch.Tensor:
+    """``lam`` with the eigenvalues ``|λ| <= n·eps·max|lam|`` set to zero: the rank tolerance of
+    ``torch.linalg.matrix_rank`` for an ``n × n`` matrix (NOTE [eigenvalues at the rounding
+    level]); no host synchronization."""
+    if lam.numel() == 0:
+        return lam
+    tol = lam.abs().amax() * (n * torch.finfo(lam.dtype).eps)
+    return torch.where(lam.abs() <= tol, torch.zeros_like(lam), lam)
+
+
+#: the fix that :func:`not_finite_message` ends with (a factor pass may name the culprit instead)
+NOT_FINITE_FIX = "check the data and the parameters for NaN/inf"
+
+
+def not_finite_message(
+    who: str, factor: str, module: str, names: Sequence[str], more: int = 0
+) -> str:
+    """The one line that says a Kronecker factor holds NaN or inf, and where."""
+    where = f"layer {module!r}" if module else f"the block over {tuple(names)}"
+    others = (
+        f", as {'is' if more == 1 else 'are'} {more} more factor{'s' * (more != 1)}" if more else ""
+    )
+    return (
+        f"{who}: the Kronecker factor {factor} of {where} is not finite (NaN or inf){others}: "
+        + NOT_FINITE_FIX
+    )
+
+
+def refuse_not_finite(who: str, factors: Sequence[tuple[str, str, torch.Tensor]]) -> None:
+    """A ``ValueError`` naming the first of ``(factor, module, tensor)`` that holds NaN or inf
+    (one synchronization for all of them: a factor pass checks its factors once)."""
+    if not factors:
+        return
+    flags = torch.stack([t.isfinite().all() for _, _, t in factors])
+    bad = (~flags).nonzero().flatten().tolist()
+    if bad:
+        factor, module, _ = factors[bad[0]]
+        raise ValueError(not_finite_message(who, factor, module, (), len(bad) - 1))
+
+
+#: ``id(factor) -> (factor, version, eigh(factor))``
+_Decomposed = dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+class FactorDecompositions:
+    """``(D (m, q), U_G, U_A)`` of each of ``blocks`` (module docstring), cached; ``who`` names
+    the operator in errors."""
+
+    def __init__(self, blocks: Sequence[Slot], who: str) -> None:
+        self._blocks, self._who = blocks, who
+        self._unit: torch.Tensor | None = None
+        # NOTE [factors changed in place]: every distinct factor tensor (inference tensors keep
+        # no version counter), whose versions the cached decompositions were made at
+        seen: dict[int, torch.Tensor] = {}
+        for b in blocks:
+            for t in (b.G, b.A) if b.eigen is None else b.eigen:
+                if t is not None and not t.is_inference():
+                    seen.setdefault(id(t), t)
+        self._tracked = tuple(seen.values())
+        self._cache: list[Eigen] | None = None
+        self._stamp: tuple[int, ...] = ()
+        #: the last decomposition of each factor, with the factor's version then
+        self._factor_eigh: _Decomposed = {}
+        #: ``fn -> (decomposition, [fn(D) per block])`` of the eigenvalue functions applied
+        self._applied: weakref.WeakKeyDictionary[
+            Callable[[torch.Tensor], torch.Tensor], tuple[list[Eigen], list[torch.Tensor]]
+        ] = weakref.WeakKeyDictionary()
+
+    def A(self, block: Slot) -> torch.Tensor:
+        """The block's input-side factor: ``[[1]]`` for a bias alone (made once, when first read:
+        a factor pass's blocks add no kernel)."""
+        if block.A is not None:
+            return block.A
+        if self._unit is None:
+            G = block.G
+            if G is None:
+                raise InternalError("G is not None")
+            self._unit = torch.ones(1, 1, dtype=G.dtype, device=G.device)
+        return self._unit
+
+    def versions(self) -> tuple[int, ...]:
+        """The factors' version counters (Python integers: no device work)."""
+        return tuple(t._version for t in self._tracked)
+
+    def eigen(self) -> list[Eigen]:
+        """``(D (m, q), U_G, U_A)`` per block, undamped, eigenvalues at the rounding level zero
+        (a factor shared by several blocks is decomposed once); cached, and recomputed for the
+        factors changed in place since."""
+        stamp = self.versions()
+        if self._cache is not None and stamp == self._stamp:
+            return self._cache
+        known = self._factor_eigh
+        fresh: _Decomposed = {}
+        made: list[tuple[str, Slot, torch.Tensor]] = []  # eigenvalues computed now
+
+        def eig(M: torch.Tensor, which: str, block: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+            key = id(M)
+            if key not in fresh:
+                version = -1 if M.is_inference() else M._version
+                held = known.get(key)
+                if held is not None and held[0] is M and held[1] == version and version >= 0:
+                    fresh[key] = held
+                else:
+                    lam, U = self._decompose(M, which, block)
+                    made.append((which, block, lam))
+                    fresh[key] = (M, version, (at_rounding_level_zeroed(lam, M.shape[0]), U))
+            return fresh[key][2]
+
+        result = []
+        for block in self._blocks:
+            if block.eigen is not None:
+                D, U_G, U_A = block.eigen
+                made.append(("eigenvalues", block, D))
+                result.append((at_rounding_level_zeroed(D, max(block.m, block.q)), U_G, U_A))
+                continue
+            if block.G is None:
+                raise AssertionError("unreachable: a block holds factors or an eigenbasis")
+            lam_G, U_G = eig(block.G, "G", block)
+            lam_A, U_A = eig(self.A(block), "A", block)
+            result.append((lam_G.unsqueeze(1) * lam_A.unsqueeze(0), U_G, U_A))
+        if made:  # NOTE [factors not finite]: one synchronization per decomposition
+            flags = torch.stack([lam.isfinite().all() for _, _, lam in made])
+            bad = (~flags).nonzero().flatten().tolist()
+            if bad:
+                which, block, _ = made[bad[0]]
+                raise ValueError(not_finite_message(self._who, which, block.module, block.names))
+        self._factor_eigh = fresh
+        self._cache, self._stamp = result, stamp
+        return result
+
+    def _decompose(
+        self, M: torch.Tensor, which: str, block: Slot
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.linalg.eigh(M)``; a factor holding NaN or inf is refused naming its block
+        (where the decomposition fails on it; where it returns NaN instead, :meth:`eigen`
+        refuses the eigenvalues)."""
+        try:
+            return torch.linalg.eigh(M)
+        except RuntimeError:  # torch.linalg.LinAlgError: "ill-conditioned or too many repeated"
+            if bool(M.isfinite().all()):
+                raise
+            raise ValueError(
+                not_finite_message(self._who, which, block.module, block.names)
+            ) from None
+
+    def applied(
+        self, eigen: list[Eigen], fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``fn(D)`` of each block of ``eigen``, once per decomposition, not per product."""
+        held = self._applied.get(fn)
+        if held is None or held[0] is not eigen:
+            held = (eigen, [fn(D) for D, _, _ in eigen])
+            self._applied[fn] = held
+        return held[1]
