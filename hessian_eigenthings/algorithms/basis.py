@@ -69,6 +69,12 @@ CHUNK_BYTES = 2**30
 # equal the on-device basis' to rounding (sums over panels in another order): float64 runs
 # agree to 1e-12 (tests/algorithms/test_host_basis.py). Pinned memory is handed back at the end
 # of the call (torch's pinned allocator would otherwise keep it cached for the process).
+# Measured on one H100 (pinned copies 55 GB/s each way; float32, n = 100 M, k = 5, ncv = 20):
+# 1.7 GiB on the GPU for the solver instead of 11.9, 443 ms a step instead of 12.5 ms, the
+# panels moving at 38 GB/s; the copy of a panel and its product run one after the other on one
+# stream (the product takes a few percent of the copy), so a second staging buffer on a copy
+# stream would gain little. On a CPU operator the option only adds copies: 2.2 times the thread
+# time of the default (diagonal operator, n = 1e5 and 1e6, one thread).
 
 
 def panel_width(rows: int, n: int, dtype: torch.dtype, chunk_bytes: int) -> int:

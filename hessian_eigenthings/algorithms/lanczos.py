@@ -14,7 +14,8 @@ shifts): the ``l`` most wanted Ritz vectors are kept, with ``T`` restarted as
 iteration continues from the residual block.
 
 Implementation. The basis lives in one preallocated ``(ncv + b, n)`` tensor
-in the working dtype; each step applies the operator once (``b`` products for
+in the working dtype (or, with ``basis_device="cpu"``, in host memory streamed to the
+device in panels: NOTE [basis off the device] in ``basis``); each step applies the operator once (``b`` products for
 a block of ``b``), reorthogonalizes against the whole basis by classical
 Gram-Schmidt twice, both as matrix products, and synchronizes with the host
 once to read the new coefficients (the ``T`` matrix is small and lives on the
