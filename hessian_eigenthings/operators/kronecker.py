@@ -28,13 +28,18 @@ NOTE [eigenvalues at the rounding level]: a singular factor's zero eigenvalues c
 finite numbers and whose logarithms are ``nan``. So an eigenvalue ``λ`` of an ``n × n`` factor
 with ``|λ| <= n·eps·max|λ|`` (``eps`` of the factors' dtype: the rank tolerance of
 ``torch.linalg.matrix_rank``) is exactly zero, and so are the block's eigenvalues ``λ_G λ_A``
-it is a factor of; a block given in its eigenbasis takes ``n = max(m, q)`` and its own largest
-eigenvalue (EKFAC's corrected eigenvalue in a null direction of ``G`` is ``≈ eps²`` of the
-largest). Without damping such a block is singular: ``eigh`` reports ``0``, ``logdet`` is
-``-inf``, ``inverse()`` is refused; with a damping ``λ`` the inverse there is ``1/λ``, however
-small ``λ``. In float32 the tolerance is about ``1e-4`` of the largest eigenvalue for a factor
-of a thousand rows: smaller eigenvalues need float64 factors (a float64 model). An eigenvalue below
-``-tolerance`` (a factor that is not positive semi-definite) is kept: ``logdet`` is then ``nan``.
+it is a factor of. A block given in its eigenbasis (EKFAC's corrected eigenvalues: means of
+squared projections, non-negative and exact to their own rounding, not ``eigh``'s output) takes
+``n = max(m, q)``, its own largest eigenvalue and the square of that tolerance, ``(n·eps)²``:
+a null direction of ``G`` gets a corrected eigenvalue of ``≈ eps²`` of the largest, while the
+real ones may sit far below ``n·eps`` (measured: zeroing GPT-2 EKFAC's below ``n·eps`` in float32
+made its float32 influence scores 16× off in norm; with ``(n·eps)²``, 1% from float64, the conditioning's
+share); its negative eigenvalues down to ``-n·eps·max`` are zero too. Without damping such a block
+is singular: ``eigh`` reports ``0``, ``logdet`` is ``-inf``, ``inverse()`` is refused; with a
+damping ``λ`` the inverse there is ``1/λ``, however small ``λ``. In float32 the tolerance is
+about ``1e-4`` of the largest eigenvalue for a factor of a thousand rows: smaller eigenvalues need
+float64 factors (a float64 model). An eigenvalue below ``-tolerance`` (a factor that is not
+positive semi-definite) is kept: ``logdet`` is then ``nan``.
 
 NOTE [factors changed in place]: the factors are not copied (but inference tensors, which keep
 no version counter, are: see below), so a change in place (``G.mul_(2)``, an optimizer's running

@@ -28,14 +28,20 @@ __all__ = [
 ]
 
 
-def at_rounding_level_zeroed(lam: torch.Tensor, n: int) -> torch.Tensor:
+def at_rounding_level_zeroed(lam: torch.Tensor, n: int, *, squares: bool = False) -> torch.Tensor:
     """``lam`` with the eigenvalues ``|λ| <= n·eps·max|lam|`` set to zero: the rank tolerance of
     ``torch.linalg.matrix_rank`` for an ``n × n`` matrix (NOTE [eigenvalues at the rounding
-    level]); no host synchronization."""
+    level]); no host synchronization. ``squares``: eigenvalues of a block given in its eigenbasis
+    (EKFAC's means of squared projections): zero at or below ``(n·eps)²·max|lam|``, and the
+    negative ones down to ``-n·eps·max|lam|``."""
     if lam.numel() == 0:
         return lam
-    tol = lam.abs().amax() * (n * torch.finfo(lam.dtype).eps)
-    return torch.where(lam.abs() <= tol, torch.zeros_like(lam), lam)
+    rel = n * torch.finfo(lam.dtype).eps
+    top = lam.abs().amax()
+    if not squares:
+        return torch.where(lam.abs() <= top * rel, torch.zeros_like(lam), lam)
+    noise = (lam.abs() <= top * rel * rel) | ((lam < 0) & (lam >= -top * rel))
+    return torch.where(noise, torch.zeros_like(lam), lam)
 
 
 #: the fix that :func:`not_finite_message` ends with (a factor pass may name the culprit instead)
@@ -141,7 +147,9 @@ class FactorDecompositions:
             if block.eigen is not None:
                 D, U_G, U_A = block.eigen
                 made.append(("eigenvalues", block, D))
-                result.append((at_rounding_level_zeroed(D, max(block.m, block.q)), U_G, U_A))
+                result.append(
+                    (at_rounding_level_zeroed(D, max(block.m, block.q), squares=True), U_G, U_A)
+                )
                 continue
             if block.G is None:
                 raise AssertionError("unreachable: a block holds factors or an eigenbasis")
