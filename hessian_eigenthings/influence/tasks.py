@@ -130,30 +130,12 @@ class SupervisedTask(InfluenceTask):
 
 class _SequenceSumCrossEntropy(CrossEntropyOutputLoss):
     """Cross-entropy of logits ``(B, V, T)`` against targets ``(B, T)`` (``-100`` left out),
-    summed over a sequence's tokens and averaged over the ``B`` sequences: the batch's mean of
-    the per-sequence sums, with its output Hessian (``(diag p − p pᵀ)/B`` per counted token) for
-    the GGN and the KFAC family's columns (weight ``1/B`` per term)."""
+    summed over a sequence's tokens and averaged over the ``B`` sequences (``"batchmean"``), with
+    its output Hessian (``(diag p − p pᵀ)/B`` per counted token) for the GGN and the KFAC
+    family's columns (weight ``1/B`` per term)."""
 
     def __init__(self) -> None:
-        super().__init__(ignore_index=IGNORE_INDEX, reduction="sum")
-
-    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return super().__call__(output, batch) / output.shape[0]
-
-    def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
-        return super().hvp(output, batch, u) / output.shape[0]
-
-    def _rows(
-        self, output: torch.Tensor, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor]:
-        logits, valid, _ = super()._rows(output, batch)
-        return logits, valid, float(output.shape[0])
-
-    def term_weight(
-        self, output: torch.Tensor, batch: Batch, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, mask = super().term_weight(output, batch, dtype)
-        return torch.tensor(1.0 / output.shape[0], dtype=dtype), mask
+        super().__init__(ignore_index=IGNORE_INDEX, reduction="batchmean")
 
     def __repr__(self) -> str:
         return "causal_lm_task().loss_of_output"

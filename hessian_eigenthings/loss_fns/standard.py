@@ -42,6 +42,9 @@ from hessian_eigenthings.loss_fns.protocols import LossFn, LossOfOutputFn, PerSa
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Reduction = Literal["mean", "sum"]
+#: cross-entropy's reductions: ``"batchmean"`` sums the terms of each sample (the tokens of a
+#: sequence) and averages over the samples (``output.shape[0]``), as influence's per-sequence loss
+CrossEntropyReduction = Literal["mean", "sum", "batchmean"]
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
@@ -434,21 +437,27 @@ class CrossEntropyOutputLoss:
     ``output``: logits ``(N, C)``, ``(N, C, d1, ...)`` or ``(C,)`` like
     :func:`torch.nn.functional.cross_entropy`; targets: class indices or class
     probabilities, taken from ``batch[1]``. ``impl`` picks the kernel of
-    :func:`hessian_eigenthings.kernels.cross_entropy_hvp`.
+    :func:`hessian_eigenthings.kernels.cross_entropy_hvp`. ``reduction``: ``"mean"`` over the
+    terms that count, ``"sum"``, or ``"batchmean"``: the sum over the terms divided by the number
+    of samples ``output.shape[0]`` (a sequence's token losses summed, averaged over sequences).
     """
 
     def __init__(
         self,
         *,
         ignore_index: int = IGNORE_INDEX,
-        reduction: Reduction = "mean",
+        reduction: CrossEntropyReduction = "mean",
         label_smoothing: float = 0.0,
         impl: Impl = "auto",
     ) -> None:
-        _check_reduction(reduction)
+        if reduction not in ("mean", "sum", "batchmean"):
+            raise ValueError(
+                "reduction must be 'mean', 'sum' or 'batchmean' (a curvature needs a scalar loss), "
+                f"got {reduction!r}"
+            )
         check_impl(impl)
         self.ignore_index = ignore_index
-        self.reduction: Reduction = reduction
+        self.reduction: CrossEntropyReduction = reduction
         self.label_smoothing = label_smoothing
         self.impl: Impl = impl
         #: NOTE [targets checked against the criterion]
@@ -465,15 +474,21 @@ class CrossEntropyOutputLoss:
         self.targets_check.output(output, y)
         return y
 
+    def _samples(self, output: torch.Tensor) -> float:
+        """``"batchmean"``'s divisor: the samples (1 for a single ``(C,)`` output)."""
+        return float(output.shape[0]) if output.dim() > 1 else 1.0
+
     def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor:
         y = self._targets(output, batch)
-        return F.cross_entropy(
+        batchmean = self.reduction == "batchmean"
+        loss = F.cross_entropy(
             output,
             y,
             ignore_index=self.ignore_index,
-            reduction=self.reduction,
+            reduction="sum" if batchmean else self.reduction,
             label_smoothing=self.label_smoothing,
         )
+        return loss / self._samples(output) if batchmean else loss
 
     def hvp(self, output: torch.Tensor, batch: Batch, u: torch.Tensor) -> torch.Tensor:
         y = self._targets(output, batch)
@@ -490,6 +505,8 @@ class CrossEntropyOutputLoss:
             n = valid.sum().clamp_min(1)  # all rows ignored: zero Hessian (the loss is NaN)
         if self.reduction == "sum":
             n = 1.0
+        elif self.reduction == "batchmean":
+            n = self._samples(output)
         out = cross_entropy_hvp_block(logits, block, valid, n, impl=self.impl)
         return out.movedim(-1, 2) if moved else out
 
@@ -503,6 +520,8 @@ class CrossEntropyOutputLoss:
         valid = None if y.is_floating_point() else y != self.ignore_index
         if self.reduction == "sum":
             n: float | torch.Tensor = 1.0
+        elif self.reduction == "batchmean":
+            n = self._samples(output)
         elif valid is None:
             n = float(logits.numel() // max(logits.shape[-1], 1))
         else:
@@ -571,7 +590,12 @@ class CrossEntropyOutputLoss:
             if valid is None
             else valid.sum().clamp_min(1)
         )
-        w = 1.0 / count.to(dtype) if self.reduction == "mean" else torch.ones(())
+        if self.reduction == "mean":
+            w = 1.0 / count.to(dtype)
+        elif self.reduction == "batchmean":
+            w = torch.tensor(1.0 / self._samples(output), dtype=torch.float64)
+        else:
+            w = torch.ones(())
         mask = None if valid is None else valid.unsqueeze(1).to(output.dtype)
         return w.to(dtype), mask
 
@@ -786,7 +810,7 @@ class BCEWithLogitsOutputLoss:
 def cross_entropy_loss_of_output(
     *,
     ignore_index: int = IGNORE_INDEX,
-    reduction: Reduction = "mean",
+    reduction: CrossEntropyReduction = "mean",
     label_smoothing: float = 0.0,
     impl: Impl = "auto",
 ) -> CrossEntropyOutputLoss:

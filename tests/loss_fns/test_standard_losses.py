@@ -48,6 +48,18 @@ def test_cross_entropy_class_indices_with_ignore_index(
     )
 
 
+def test_cross_entropy_batchmean_sums_each_sample_and_averages_over_samples() -> None:
+    logits = torch.randn(3, 5, 4, dtype=torch.float64)  # (N, C, positions)
+    y = torch.randint(0, 5, (3, 4))
+    y[0, 1] = -100
+    loss = cross_entropy_loss_of_output(reduction="batchmean", impl="eager")
+    expected = nn.functional.cross_entropy(logits, y, reduction="sum") / 3
+    torch.testing.assert_close(loss(logits, (None, y)), expected)
+    check_hvp(loss, logits, (None, y))
+    with pytest.raises(ValueError, match="'mean', 'sum' or 'batchmean'"):
+        cross_entropy_loss_of_output(reduction="none")  # type: ignore[arg-type]
+
+
 def test_cross_entropy_spatial_and_probability_targets() -> None:
     logits = torch.randn(3, 5, 4, 2, dtype=torch.float64)  # (N, C, d1, d2)
     y = torch.randint(0, 5, (3, 4, 2))
