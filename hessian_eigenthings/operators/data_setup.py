@@ -117,9 +117,7 @@ def unexpected_keyword(cls: type, name: str, owner: type | None = None) -> TypeE
 # constructor that takes it by name, up the class's MRO (for `DataOptions`: the base's). The
 # record is found by name in the constructor's module (`Unpack[Name]`, under postponed
 # annotations) and must be defined or imported before the class.
-def options_signature(
-    init: Callable[..., Any], takers: Sequence[type]
-) -> inspect.Signature | None:
+def options_signature(init: Callable[..., Any], takers: Sequence[type]) -> inspect.Signature | None:
     """``init``'s signature with its ``**options: Unpack[Record]`` written out, the defaults from
     the constructors of ``takers`` (NOTE [signatures with options]); ``None`` when it takes no
     record."""
