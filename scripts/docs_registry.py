@@ -1,7 +1,7 @@
 """mkdocs hook: the operator reference documents every curvature row.
 
 ``docs/reference/operators.md`` places the shipped operators by hand, with their prose; a row
-whose classes have no ``::: module.Class`` entry there yet (a new built-in curvature, which
+whose class has no ``::: module.Class`` entry there yet (a new built-in curvature, which
 is one module plus one registry row) gets its entries where the page has
 :data:`MARKER`, under a heading of its own, so the row is the one place to add it.
 ``tests/operators/test_registry.py`` checks the page through :func:`with_registry_entries`.
@@ -20,10 +20,10 @@ def with_registry_entries(markdown: str) -> str:
 
     missing: list[str] = []
     for row in registry.curvatures():
-        for cls in (row.operator_class(), *row.distributed_classes()):
-            entry = f"::: {cls.__module__}.{cls.__qualname__}\n"
-            if entry not in markdown and entry not in missing:
-                missing.append(entry)
+        cls = row.operator_class()
+        entry = f"::: {cls.__module__}.{cls.__qualname__}\n"
+        if entry not in markdown and entry not in missing:
+            missing.append(entry)
     section = "## More curvatures\n\n" + "\n".join(missing) if missing else ""
     return markdown.replace(MARKER, section, 1)
 

@@ -10,8 +10,12 @@ the package needs to know about it without importing it:
   ``operators.builders``, one per kind of loss argument, for the built-in rows);
   ``--method`` offers the union of the rows' :attr:`Curvature.methods`;
 - ``hessian_eigenthings.operators`` and the top level export every row's class
-  (and its distributed twins) by name, from the row (NOTE [exports from the
-  registry]); ``tests/operators/test_registry.py`` checks every row for them.
+  by name, from the row (NOTE [exports from the registry]);
+  ``tests/operators/test_registry.py`` checks every row for them.
+
+A row has no distributed twins: any data operator runs over several processes when given
+``ranks=`` (``operators.ranks``, DESIGN §8); the ``DDP*``/``FSDP*`` names of
+``operators.distributed`` are constructors that build those ranks for the shipped curvatures.
 
 A new curvature is one module with a :class:`DataCurvatureOperator` subclass
 plus one :func:`register` call (docs/howto/new-curvature.md). A row with
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,8 +93,6 @@ class Curvature:
     memory: tuple[MemoryFactors, ...]
     #: values of the operator's ``method=`` argument, the default first; () when it has none
     methods: tuple[str, ...] = ()
-    #: classes (or import paths) of its multi-process twins, e.g. DDP and FSDP operators
-    distributed: tuple[str | type, ...] = field(default=())
     #: the operator reads the data once, when built, and keeps factors (a ``CurvatureOperator``,
     #: not a ``DataCurvatureOperator``): ``memory`` then holds the building pass's activations
     #: (``first_pass``; ``per_vector`` 0, products touch no activations) and the kept factors
@@ -126,12 +128,9 @@ class Curvature:
         """The command line's builder (imported on first use when given as an import path)."""
         return _resolve(self.build)
 
-    def distributed_classes(self) -> tuple[type, ...]:
-        return tuple(_resolve(c) for c in self.distributed)
-
     def class_names(self) -> tuple[str, ...]:
-        """The names its operator and distributed twins are exported under (nothing imported)."""
-        return tuple(_name_of(ref) for ref in (self.operator, *self.distributed))
+        """The names its operator is exported under (nothing imported)."""
+        return (_name_of(self.operator),)
 
     def memory_factors(self, method: str | None = None) -> MemoryFactors:
         """The factors of ``method`` (default: the first); rows without methods have one set."""
@@ -182,10 +181,6 @@ BUILTIN: tuple[Curvature, ...] = (
                 first_pass=1.0, per_vector=0.0, extra_vectors=3, label="finite_difference"
             ),
         ),
-        distributed=(
-            f"{_OPS}.distributed:DDPHessianOperator",
-            f"{_OPS}.distributed:FSDPHessianOperator",
-        ),
     ),
     Curvature(
         name="ggn",
@@ -197,10 +192,6 @@ BUILTIN: tuple[Curvature, ...] = (
             MemoryFactors(
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="Jacobian products"
             ),
-        ),
-        distributed=(
-            f"{_OPS}.distributed:DDPGGNOperator",
-            f"{_OPS}.distributed:FSDPGGNOperator",
         ),
     ),
     Curvature(
@@ -214,19 +205,11 @@ BUILTIN: tuple[Curvature, ...] = (
                 first_pass=1.0, per_vector=1.0, extra_vectors=1, label="per-sample gradients"
             ),
         ),
-        distributed=(
-            f"{_OPS}.distributed:DDPEmpiricalFisherOperator",
-            f"{_OPS}.distributed:FSDPEmpiricalFisherOperator",
-        ),
     ),
     Curvature(
         name="kfac",
         operator=f"{_OPS}.kfac:KFACOperator",
         title="KFAC (Kronecker-factored GGN)",
-        distributed=(
-            f"{_OPS}.distributed:DDPKFACOperator",
-            f"{_OPS}.distributed:FSDPKFACOperator",
-        ),
         description="KFAC: one Kronecker product G ⊗ A per Linear/Conv2d layer of the type-2 GGN",
         build=f"{_BUILD}:build_kronecker_factored",
         memory=(
@@ -240,10 +223,6 @@ BUILTIN: tuple[Curvature, ...] = (
         name="ekfac",
         operator=f"{_OPS}.kfac:EKFACOperator",
         title="EKFAC (eigenvalue-corrected KFAC)",
-        distributed=(
-            f"{_OPS}.distributed:DDPEKFACOperator",
-            f"{_OPS}.distributed:FSDPEKFACOperator",
-        ),
         description="EKFAC: KFAC's eigenbases with eigenvalues refit to the per-sample gradients",
         build=f"{_BUILD}:build_kronecker_factored",
         memory=(
@@ -310,14 +289,14 @@ _SURFACES: list[tuple[list[str], set[str]]] = []  # (a package's __all__, the na
 
 
 def exported_names() -> tuple[str, ...]:
-    """The class names of every row's operator and distributed twins, in table order."""
+    """The class names of every row's operator, in table order."""
     return tuple(dict.fromkeys(n for row in _TABLE.values() for n in row.class_names()))
 
 
 def exported_class(name: str) -> type | None:
     """The row class exported as ``name`` (imported on first use), or ``None``."""
     for row in _TABLE.values():
-        for ref in (row.operator, *row.distributed):
+        for ref in (row.operator,):
             if _name_of(ref) == name:
                 cls = _resolve(ref)
                 if not isinstance(cls, type):

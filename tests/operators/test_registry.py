@@ -51,7 +51,7 @@ def wiring_gaps(row: Curvature) -> list[str]:
     gaps = []
     # the page as mkdocs renders it: its hook adds an entry for a row the page lacks
     reference = docs_registry.with_registry_entries(REFERENCE.read_text())
-    for cls in (row.operator_class(), *row.distributed_classes()):
+    for cls in (row.operator_class(),):
         name = cls.__name__
         if name not in ops.__all__ or getattr(ops, name, None) is not cls:
             gaps.append(f"{name} not exported from hessian_eigenthings.operators")
@@ -75,10 +75,24 @@ def test_builtin_rows_are_exported_documented_and_cli_choices(row: Curvature) ->
     # a factored operator reads the data when built, so it is not a DataCurvatureOperator
     assert issubclass(row.operator_class(), ops.DataCurvatureOperator) != row.factored
     assert issubclass(row.operator_class(), ops.CurvatureOperator)
-    assert all(issubclass(d, row.operator_class()) for d in row.distributed_classes())
     # the row's builder lives beside the operators: nothing in the table points up into the CLI
     assert row.builder().__module__ == "hessian_eigenthings.operators.builders"
     assert row.builder() is getattr(cli, row.builder().__name__)  # the CLI re-exports them
+
+
+def test_distributed_names_are_constructors_of_registered_rows_not_rows() -> None:
+    from hessian_eigenthings.operators import distributed
+
+    reference = docs_registry.with_registry_entries(REFERENCE.read_text())
+    operators = {row.operator_class() for row in registry.BUILTIN}
+    constructors = [n for n in distributed.__all__ if n.startswith(("DDP", "FSDP"))]
+    assert len(constructors) == 10
+    for name in constructors:
+        cls = getattr(distributed, name)
+        assert any(issubclass(cls, op) for op in operators), name  # a shipped curvature's
+        assert getattr(ops, name) is cls and getattr(he, name) is cls
+        assert f"::: {cls.__module__}.{cls.__qualname__}\n" in reference, name
+    assert not any(n.startswith(("DDP", "FSDP")) for n in registry.exported_names())
 
 
 @pytest.mark.parametrize("row", registry.BUILTIN, ids=lambda r: r.name)
