@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import platform
@@ -136,9 +137,7 @@ def run_ours(
     model: nn.Module, tracked: list[str], train: torch.Tensor, query: torch.Tensor, a: Any
 ) -> torch.Tensor:
     chosen = set(tracked)
-    train_batches = [
-        {"input_ids": train[i : i + a.batch]} for i in range(0, len(train), a.batch)
-    ]
+    train_batches = [{"input_ids": train[i : i + a.batch]} for i in range(0, len(train), a.batch)]
     fitted = influence.fit(
         model,
         train_batches,
@@ -215,11 +214,12 @@ def main() -> None:
     runners = {"ours": run_ours, "kronfluence": run_kronfluence}
     for name in a.order.split(","):
         # Kronfluence's prepare_model wraps modules and freezes parameters in place: a copy each
-        m = copy.deepcopy(model)
-        scores, seconds, peak = timed(lambda: runners[name](m, tracked, train, query, a), a.device)
+        scores, seconds, peak = timed(
+            functools.partial(runners[name], copy.deepcopy(model), tracked, train, query, a),
+            a.device,
+        )
         results[name] = scores
         report[name] = {"seconds": round(seconds, 2), "peak_bytes": peak}
-        del m
         print(json.dumps({name: report[name]}), flush=True)
     if "ours" in results and "kronfluence" in results:
         ours, theirs = results["ours"], results["kronfluence"]

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import influence_gpu  # noqa: E402
+import influence_gpu
 
-from hessian_eigenthings.influence import gradients as grads_module  # noqa: E402
-from hessian_eigenthings.influence import scores as scores_module  # noqa: E402
-from hessian_eigenthings.operators import factor_pass, kronecker  # noqa: E402
+from hessian_eigenthings.influence import gradients as grads_module
+from hessian_eigenthings.influence import scores as scores_module
+from hessian_eigenthings.operators import factor_pass, kronecker_eigen
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 PEAKS: dict[str, int] = collections.defaultdict(int)
@@ -74,7 +74,8 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="a file for torch.profiler's table of kernels")
     a = p.parse_args()
     factor_pass.FactorPass.run = phase("factor passes", factor_pass.FactorPass.run)  # type: ignore[method-assign]
-    kronecker.KroneckerOperator._eigen = phase("eigenbases", kronecker.KroneckerOperator._eigen)  # type: ignore[method-assign]
+    decompositions = kronecker_eigen.FactorDecompositions
+    decompositions.eigen = phase("eigenbases", decompositions.eigen)  # type: ignore[method-assign]
     grads_module.PerExampleGradients.__call__ = phase(  # type: ignore[method-assign]
         "per-example gradients", grads_module.PerExampleGradients.__call__
     )
