@@ -140,7 +140,7 @@ def conv_factor_plan(
     return _plan(tuple(shape), *geometry, impl, _LAUNCH_WEIGHT.get(device_type, 0.0))
 
 
-@functools.lru_cache(maxsize=256)  # plain arithmetic, but per layer and pass: kept per shape
+@functools.lru_cache(maxsize=256)  # plain arithmetic, but per module and pass: kept per shape
 def _plan(
     shape: tuple[int, ...],
     kernel_size: tuple[int, int],

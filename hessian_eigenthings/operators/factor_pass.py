@@ -1,19 +1,22 @@
 """The pass over the data that Kronecker factors are made from (KFAC, EKFAC, KFOC).
 
-For each batch: a forward with hooks on the covered layers (``nn.Linear``; ``nn.Conv2d``;
-HuggingFace's ``Conv1D``, recognized without importing ``transformers``) that keeps each layer's
-input ``a`` and output ``z``; then, for the columns ``s_c`` of a factorization of the batch
-loss's output Hessian (``fisher_type``: the exact square root, Monte-Carlo gradients, or the
-empirical gradient: the strategies of ``loss_fns.output_curvature``), batched backwards of ``s_c`` from the
-model output to the layer outputs, giving ``g_c = ∂z`` per layer. A caller's ``visit(layer, a,
-g, weight)`` reduces them into factors; this module never decides what a factor is, so KFAC's
-moments, EKFAC's corrected eigenvalues and KFOC's rearranged products share one pass.
+For each batch: a forward with hooks on the factor modules, the modules whose parameters the
+factors cover (``nn.Linear``; ``nn.Conv2d``; HuggingFace's ``Conv1D``, recognized without
+importing ``transformers``: :class:`FactorModule`), that keeps each module's input ``a`` and
+output ``z``; then, for the columns ``s_c`` of a factorization of the batch loss's output Hessian
+(``fisher_type``: the exact square root, Monte-Carlo gradients, or the empirical gradient: the
+strategies of ``loss_fns.output_curvature``), batched backwards of ``s_c`` from the model output
+to the modules' outputs, giving ``g_c = ∂z`` per module. A caller's ``visit(module, a, g,
+weight)`` reduces them into factors; this module never decides what a factor is, so KFAC's
+moments, EKFAC's corrected eigenvalues and KFOC's rearranged products share one pass. (In the
+code a "layer" is a block of a transformer stack, walked by ``engines.layers``; messages to users
+still call a Linear or a convolution a layer, as they do.)
 
 Inputs come as ``a (N, positions, q)`` (a conv's unfolded patches; a column of ones appended
 for a joined bias) or, through ``on_input``, raw, for a moment computed without keeping them
 (:func:`input_moment`). Output gradients come as ``g (k, N, positions, m)``.
 
-Cost per batch: one forward and ``ceil(k / column_chunk)`` backwards to the layer outputs (no
+Cost per batch: one forward and ``ceil(k / column_chunk)`` backwards to the module outputs (no
 parameter gradients), ``k`` the number of columns (classes for type-2 cross-entropy).
 
 NOTE [type-2 on a large vocabulary]: the exact type-2 factor has a column per output class, so a
@@ -30,9 +33,9 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -64,28 +67,29 @@ from hessian_eigenthings.loss_fns.standard import (
 )
 from hessian_eigenthings.operators.conv_factors import conv_input_moment
 from hessian_eigenthings.operators.empty_batches import EmptyBatches
+from hessian_eigenthings.operators.factor_options import FactorOptions, FisherType
 from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.parameter_binding import refuse_in_place_forward
-from hessian_eigenthings.operators.precision import Precision, check_precision
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
+from hessian_eigenthings.operators.precision import check_precision
+from hessian_eigenthings.param_utils import ParamLayout, select_parameters
 
 __all__ = [
     "BACKWARDS_WARNING",
+    "FactorModule",
     "FactorPass",
     "FactorPassCostWarning",
     "FisherType",
-    "Layer",
     "Retry",
     "WeightedSum",
     "factor_curvature",
+    "find_factor_modules",
     "input_moment",
 ]
 
-FisherType = Literal["type2", "mc", "empirical"]
 #: more backward passes per batch than this warn (NOTE [type-2 on a large vocabulary])
 BACKWARDS_WARNING = 64
 _SUPPORTED = (nn.Linear, nn.Conv2d)
-#: a layer whose inputs were not kept (the factors take them as they come)
+#: a module whose inputs were not kept (the factors take them as they come)
 NO_INPUT = torch.empty(0)
 #: the losses whose output Hessian the pass factors
 FactoredLoss = CrossEntropyOutputLoss | MSEOutputLoss | BCEWithLogitsOutputLoss
@@ -117,8 +121,9 @@ def _joined(S: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @dataclass
-class Layer:
-    """A covered layer and where its parameters sit in the layout."""
+class FactorModule:
+    """A module whose parameters the factors cover (a Linear, Conv2d or Conv1D), by its name in
+    the model, and where its parameters sit in the layout."""
 
     name: str
     module: nn.Module
@@ -128,7 +133,11 @@ class Layer:
     transposed: bool  # the weight is stored (in, out) (Conv1D)
 
 
-def _check_layer(name: str, module: nn.Module) -> None:
+#: the old name of :class:`FactorModule`, kept importable
+Layer = FactorModule
+
+
+def _check_module(name: str, module: nn.Module) -> None:
     if isinstance(module, nn.Conv2d):
         if module.groups != 1:
             raise ValueError(
@@ -157,7 +166,7 @@ class WeightedSum:
 
     NOTE [factor weights applied late]: with one batch (the common case) a factor's weights cancel
     (``size · X / size``), and a multiply and a divide per factor, two launches each on dozens of
-    layers, cost more host time than the arithmetic they do; so the first term is kept as it
+    modules, cost more host time than the arithmetic they do; so the first term is kept as it
     comes and its weight is folded into the next term's scaling or into the final division."""
 
     __slots__ = ("scale", "value")
@@ -195,7 +204,7 @@ class WeightedSum:
 
 
 class Retry(Exception):
-    """Raised inside a pass when the forward found a layer output changed in place."""
+    """Raised inside a pass when the forward found a module's output changed in place."""
 
 
 def _check_options(
@@ -203,11 +212,9 @@ def _check_options(
     model: nn.Module,
     forward_fn: ForwardFn,
     loss_of_output_fn: LossOfOutputFn,
-    fisher_type: str,
-    kfac_approx: str,
-    mc_samples: int,
-    curvature: OutputCurvature | None,
+    options: FactorOptions,
 ) -> None:
+    fisher_type, kfac_approx = options.fisher_type, options.kfac_approx
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if fisher_type not in ("type2", "mc", "empirical"):
@@ -225,7 +232,7 @@ def _check_options(
         forward_fn, name="forward_fn", wrap="supervised_forward and supervised_loss_of_output"
     )
     # a curvature= strategy brings its own columns: any loss goes with it
-    if curvature is None and not isinstance(
+    if options.curvature is None and not isinstance(
         loss_of_output_fn, (CrossEntropyOutputLoss, MSEOutputLoss, BCEWithLogitsOutputLoss)
     ):
         raise ValueError(
@@ -234,23 +241,19 @@ def _check_options(
             f"nn.CrossEntropyLoss(), nn.MSELoss() or nn.BCEWithLogitsLoss(), or any loss with a "
             f"curvature= strategy that gives columns; got {loss_of_output_fn!r}"
         )
-    count = check_count("mc_samples", mc_samples)
+    count = check_count("mc_samples", options.mc_samples)
     if fisher_type != "mc" and count != 1:
         raise ValueError(
-            f"mc_samples={mc_samples} applies to fisher_type='mc' only (got {fisher_type!r})"
+            f"mc_samples={options.mc_samples} applies to fisher_type='mc' only (got {fisher_type!r})"
         )
 
 
-def find_layers(
-    who: str,
-    model: nn.Module,
-    param_filter: ParamFilter | str | Sequence[str] | None,
-    separate_bias: bool,
-    exclude_unsupported: bool,
-) -> tuple[list[tuple[str, nn.Parameter]], list[Layer], tuple[str, ...]]:
-    """The selected parameters that covered layers own, in selection order, their layers, and
+def find_factor_modules(
+    who: str, model: nn.Module, options: FactorOptions
+) -> tuple[list[tuple[str, nn.Parameter]], list[FactorModule], tuple[str, ...]]:
+    """The selected parameters that factor modules own, in selection order, those modules, and
     the selected parameters of other modules (an error unless ``exclude_unsupported``)."""
-    selected = select_parameters(model, param_filter)
+    selected = select_parameters(model, options.param_filter)
     owner: dict[int, tuple[str, nn.Module, str]] = {}
     users: dict[int, list[str]] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
@@ -268,11 +271,11 @@ def find_layers(
     for name, p in selected.items():
         mname, module, pname = owner[id(p)]
         if _supported(module) and pname in ("weight", "bias"):
-            _check_layer(mname, module)
+            _check_module(mname, module)
             named.append((name, p))
         else:
             unsupported.append(f"{name} ({type(module).__name__})")
-    if unsupported and not exclude_unsupported:
+    if unsupported and not options.exclude_unsupported:
         raise ValueError(
             f"{who} covers nn.Linear, nn.Conv2d and transformers' Conv1D layers; these selected parameters belong to "
             f"none: {', '.join(unsupported)}. Leave them out with param_filter, or pass "
@@ -282,46 +285,48 @@ def find_layers(
         raise ValueError(
             "no selected parameter belongs to an nn.Linear, nn.Conv2d or transformers' Conv1D layer"
         )
-    layers: dict[str, Layer] = {}
+    modules: dict[str, FactorModule] = {}
     for index, (_, p) in enumerate(named):
         mname, module, pname = owner[id(p)]
-        layer = layers.get(mname)
-        if layer is None:
+        covered = modules.get(mname)
+        if covered is None:
             transposed = not isinstance(module, _SUPPORTED) and is_hf_conv1d(module)
-            layer = layers[mname] = Layer(mname, module, None, None, False, transposed)
-        setattr(layer, pname, index)
-    for layer in layers.values():
-        layer.joint = not separate_bias and layer.weight is not None and layer.bias is not None
-    return named, list(layers.values()), tuple(unsupported)
+            covered = modules[mname] = FactorModule(mname, module, None, None, False, transposed)
+        setattr(covered, pname, index)
+    for covered in modules.values():
+        covered.joint = (
+            not options.separate_bias and covered.weight is not None and covered.bias is not None
+        )
+    return named, list(modules.values()), tuple(unsupported)
 
 
 def input_moment(
-    layer: Layer, x: torch.Tensor, dtype: torch.dtype, reduce: bool
+    module: FactorModule, x: torch.Tensor, dtype: torch.dtype, reduce: bool
 ) -> tuple[torch.Tensor, int]:
-    """``(Σ ã ãᵀ, rows)`` over the layer input's rows (positions as samples, or a sample's
+    """``(Σ ã ãᵀ, rows)`` over the module input's rows (positions as samples, or a sample's
     mean position with ``reduce``), in ``dtype``; a convolution's by the route
     :func:`conv_input_moment` plans (unfolded or row shifts), its patch sums only for a joined bias."""
-    module = layer.module
+    conv = module.module
     x = x.detach().to(dtype)
-    if isinstance(module, nn.Conv2d):
-        padding = (0, 0) if isinstance(module.padding, str) else module.padding  # "valid"
+    if isinstance(conv, nn.Conv2d):
+        padding = (0, 0) if isinstance(conv.padding, str) else conv.padding  # "valid"
         S, s, rows = conv_input_moment(
             x,
-            module.kernel_size,  # type: ignore[arg-type]
-            module.stride,  # type: ignore[arg-type]
+            conv.kernel_size,  # type: ignore[arg-type]
+            conv.stride,  # type: ignore[arg-type]
             padding,  # type: ignore[arg-type]
-            module.dilation,  # type: ignore[arg-type]
+            conv.dilation,  # type: ignore[arg-type]
             reduce=reduce,
-            sums=layer.joint,
+            sums=module.joint,
         )
     else:
         if x.dim() < 2:
-            raise ValueError(f"KFAC needs a batch dimension at the input of layer {layer.name!r}")
+            raise ValueError(f"KFAC needs a batch dimension at the input of layer {module.name!r}")
         a = x.reshape(x.shape[0], -1, x.shape[-1])
         flat = a.mean(1) if reduce else a.reshape(-1, a.shape[-1])
         S, rows = flat.T @ flat, flat.shape[0]
-        s = flat.sum(0) if layer.joint else S.new_empty(0)
-    if layer.joint:
+        s = flat.sum(0) if module.joint else S.new_empty(0)
+    if module.joint:
         S = _joined(S, s, rows)
     return S, rows
 
@@ -337,15 +342,17 @@ def factor_curvature(
     return ExactLossHessian(loss)
 
 
-#: ``visit(layer, a_or_empty, g, weight)`` after a backward; ``on_input(layer, x, weight)`` in the forward
-Visit = Callable[[Layer, torch.Tensor, torch.Tensor, float], None]
-OnInput = Callable[[Layer, torch.Tensor, float], None]
+#: ``visit(module, a_or_empty, g, weight)`` after a backward; ``on_input(module, x, weight)`` in
+#: the forward
+Visit = Callable[[FactorModule, torch.Tensor, torch.Tensor, float], None]
+OnInput = Callable[[FactorModule, torch.Tensor, float], None]
 
 
 class FactorPass:
-    """A model's covered layers and passes over its data that hand each layer's inputs and
-    output gradients to a caller (module docstring). Checks its arguments as the KFAC family's
-    constructors document them; ``who`` names the operator in messages."""
+    """A model's factor modules and passes over its data that hand each module's inputs and
+    output gradients to a caller (module docstring). Checks its options as the KFAC family's
+    constructors document them (:attr:`options`: the checked ones); ``who`` names the operator
+    in messages."""
 
     def __init__(
         self,
@@ -354,33 +361,15 @@ class FactorPass:
         dataloader: Iterable[Batch],
         forward_fn: ForwardFn,
         loss_of_output_fn: LossOfOutputFn,
-        *,
-        fisher_type: FisherType = "type2",
-        kfac_approx: str = "expand",
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        mc_samples: int = 1,
-        seed: int = 0,
-        curvature: OutputCurvature | None = None,
-        num_batches: int | None = None,
-        separate_bias: bool = True,
-        exclude_unsupported: bool = False,
-        precision: Precision = "fp32",
-        column_chunk: int = 16,
+        options: FactorOptions,
     ) -> None:
-        _check_options(
-            who,
-            model,
-            forward_fn,
-            loss_of_output_fn,
-            fisher_type,
-            kfac_approx,
-            mc_samples,
-            curvature,
-        )
-        self.mc_samples: int = check_count("mc_samples", mc_samples)
-        self.seed: int = check_count("seed", seed, minimum=0)
-        self.column_chunk: int = check_count("column_chunk", column_chunk)
-        if not isinstance(separate_bias, bool) or not isinstance(exclude_unsupported, bool):
+        _check_options(who, model, forward_fn, loss_of_output_fn, options)
+        mc_samples = check_count("mc_samples", options.mc_samples)
+        seed = check_count("seed", options.seed, minimum=0)
+        column_chunk = check_count("column_chunk", options.column_chunk)
+        if not isinstance(options.separate_bias, bool) or not isinstance(
+            options.exclude_unsupported, bool
+        ):
             raise TypeError("separate_bias and exclude_unsupported must be True or False")
         refuse_in_place_forward(model, who)
         self.who = who
@@ -389,20 +378,25 @@ class FactorPass:
         self.model = model
         self.forward_fn = forward_fn
         self.loss_of_output_fn = loss_of_output_fn
-        self.fisher_type: FisherType = fisher_type
         #: ``H`` of the output, factored into columns (``loss_fns.output_curvature``)
-        self.curvature = curvature or factor_curvature(
+        self.curvature = options.curvature or factor_curvature(
             cast(FactoredLoss, loss_of_output_fn),
-            fisher_type,
-            self.mc_samples,  # checked above
+            options.fisher_type,
+            mc_samples,  # checked above
         )
-        self._keys = DrawKeys(self.seed)
-        self.precision = check_precision(precision)
-        self.source = BatchSource(dataloader, full_dataset=True, num_batches=num_batches)
+        self._keys = DrawKeys(seed)
+        precision = check_precision(options.precision)
+        #: the options, checked (counts as ints, ``precision`` normalized)
+        self.options = replace(
+            options,
+            mc_samples=mc_samples,
+            seed=seed,
+            column_chunk=column_chunk,
+            precision=precision,
+        )
+        self.source = BatchSource(dataloader, full_dataset=True, num_batches=options.num_batches)
         check_first_batch(model, self.source.first_batch(), forward_fn, loss_of_output_fn)
-        named, self.layers, self.excluded = find_layers(
-            who, model, param_filter, separate_bias, exclude_unsupported
-        )
+        named, self.modules, self.excluded = find_factor_modules(who, model, options)
         self.named_params = named
         self.params = [p for _, p in named]
         self.layout = ParamLayout.from_named(named)
@@ -420,7 +414,7 @@ class FactorPass:
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
-        #: NOTE [layer outputs changed in place]: set once a forward modified a layer's output
+        #: NOTE [module outputs changed in place]: set once a forward modified a module's output
         self._clone_outputs = False
         self._empty = EmptyBatches(who)
         #: checks the model output of each batch before its columns are made (KFOC's terms)
@@ -433,7 +427,7 @@ class FactorPass:
         """Warn once when ``k`` columns make more than :data:`BACKWARDS_WARNING` backwards per
         batch (NOTE [type-2 on a large vocabulary])."""
         self._cost_told = True
-        passes = -(-k // self.column_chunk)
+        passes = -(-k // self.options.column_chunk)
         if passes <= BACKWARDS_WARNING:
             return
         if self._exact_columns:
@@ -448,46 +442,46 @@ class FactorPass:
         warnings.warn(
             FactorPassCostWarning(
                 f"{self.who}: {what} takes {passes} backward passes per batch in each pass over "
-                f"the data (one per column_chunk={self.column_chunk} of its {k} loss-Hessian "
+                f"the data (one per column_chunk={self.options.column_chunk} of its {k} loss-Hessian "
                 f"{columns}); {fix}, or a larger column_chunk (memory: that many activation "
                 "gradients at once)"
             ),
             stacklevel=user_stacklevel(),
         )
 
-    def matrix_shape(self, layer: Layer) -> tuple[int, int]:
-        """``(m, q)`` of the layer's weight as a matrix (a Conv2d's kernel flattened; the bias
+    def matrix_shape(self, module: FactorModule) -> tuple[int, int]:
+        """``(m, q)`` of the module's weight as a matrix (a Conv2d's kernel flattened; the bias
         alone ``(m, 1)``), without a joined bias's column."""
-        if layer.weight is None:
-            if layer.bias is None:
-                raise InternalError("layer.bias is not None")
-            return self.params[layer.bias].shape[0], 1
-        shape = self.params[layer.weight].shape
-        if layer.transposed:
+        if module.weight is None:
+            if module.bias is None:
+                raise InternalError("module.bias is not None")
+            return self.params[module.bias].shape[0], 1
+        shape = self.params[module.weight].shape
+        if module.transposed:
             return shape[1], shape[0]
         return shape[0], shape[1:].numel()
 
-    def inputs(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """The layer input ``(N, positions, d_in)`` (ones appended for a joint bias), factor dtype."""
-        module = layer.module
+    def inputs(self, module: FactorModule, x: torch.Tensor) -> torch.Tensor:
+        """The module input ``(N, positions, d_in)`` (ones appended for a joint bias), factor dtype."""
+        conv = module.module
         x = x.detach()
-        if isinstance(module, nn.Conv2d):
-            a = _conv_patches(module, x)
+        if isinstance(conv, nn.Conv2d):
+            a = _conv_patches(conv, x)
         else:
             if x.dim() < 2:
                 raise ValueError(
-                    f"KFAC needs a batch dimension at the input of layer {layer.name!r}"
+                    f"KFAC needs a batch dimension at the input of layer {module.name!r}"
                 )
             a = x.reshape(x.shape[0], -1, x.shape[-1])
         a = a.to(self.factor_dtype)
-        if layer.joint:
+        if module.joint:
             a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
         return a
 
-    def _grads(self, layer: Layer, g: torch.Tensor) -> torch.Tensor:
+    def _grads(self, module: FactorModule, g: torch.Tensor) -> torch.Tensor:
         """Output gradients ``(k, N, positions, d_out)`` of a block of ``k`` columns."""
         g = g.detach().to(self.factor_dtype)
-        if isinstance(layer.module, nn.Conv2d):
+        if isinstance(module.module, nn.Conv2d):
             return g.flatten(3).transpose(2, 3)
         return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
 
@@ -500,14 +494,14 @@ class FactorPass:
         return self.curvature.columns(state, self.factor_dtype)
 
     def run(self, visit: Visit, on_input: OnInput | None) -> float:
-        """One pass: for each batch, ``on_input(layer, x, weight)`` in the forward (``x`` the
-        layer's raw input; without it, the inputs are kept as ``a``) and
-        ``visit(layer, a_or_empty, g, weight)`` after the backward. Returns the total weight.
-        Raises :class:`Retry` when ``on_input`` was given and a forward changed a layer output
+        """One pass: for each batch, ``on_input(module, x, weight)`` in the forward (``x`` the
+        module's raw input; without it, the inputs are kept as ``a``) and
+        ``visit(module, a_or_empty, g, weight)`` after the backward. Returns the total weight.
+        Raises :class:`Retry` when ``on_input`` was given and a forward changed a module's output
         in place (the caller starts again; later passes copy the outputs)."""
         total = 0.0
         seen = skipped = 0
-        with self.guard.product(self.precision, double_backward=False):
+        with self.guard.product(self.options.precision, double_backward=False):
             for position, raw in enumerate(self.source.batches()):
                 seen += 1
                 if (
@@ -543,15 +537,16 @@ class FactorPass:
         k, columns = self._columns(output, batch, position)
         if not self._cost_told:
             self._tell_cost(k)
-        layers = [layer for layer in self.layers if layer.name in outputs]
-        targets = [outputs[layer.name] for layer in layers]
+        modules = [module for module in self.modules if module.name in outputs]
+        targets = [outputs[module.name] for module in modules]
         # NOTE [column chunks]: type-2 has a column per class; a batched backward of all of
         # them at once holds k copies of the activations' gradients (and the columns
         # themselves k outputs), so they are made and go through in chunks of
         # ``column_chunk`` (the factors are sums over columns: the same result)
-        for start in range(0, k, self.column_chunk):
-            chunk = columns(start, min(k, start + self.column_chunk))
-            last = start + self.column_chunk >= k
+        step = self.options.column_chunk
+        for start in range(0, k, step):
+            chunk = columns(start, min(k, start + step))
+            last = start + step >= k
             if chunk.shape[0] == 1:
                 grads = torch.autograd.grad(
                     output, targets, chunk[0], allow_unused=True, retain_graph=not last
@@ -566,10 +561,10 @@ class FactorPass:
                     allow_unused=True,
                     retain_graph=not last,
                 )
-            for layer, g, y in zip(layers, grads, targets, strict=True):
+            for module, g, y in zip(modules, grads, targets, strict=True):
                 if g is None:
                     g = torch.zeros((chunk.shape[0], *y.shape), dtype=y.dtype, device=y.device)
-                visit(layer, inputs.get(layer.name, NO_INPUT), self._grads(layer, g), size)
+                visit(module, inputs.get(module.name, NO_INPUT), self._grads(module, g), size)
 
     def _forward(
         self, batch: Batch, on_input: OnInput | None, size: float
@@ -580,30 +575,30 @@ class FactorPass:
         handles = []
 
         def hook(
-            layer: Layer, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor
+            module: FactorModule, _module: nn.Module, args: tuple[Any, ...], out: torch.Tensor
         ) -> torch.Tensor | None:
-            if layer.name in outputs:
+            if module.name in outputs:
                 raise ValueError(
-                    f"layer {layer.name!r} ran twice in one forward; KFAC needs each layer called once per batch"
+                    f"layer {module.name!r} ran twice in one forward; KFAC needs each layer called once per batch"
                 )
             if on_input is not None:
-                on_input(layer, args[0], size)
+                on_input(module, args[0], size)
             else:
-                inputs[layer.name] = self.inputs(layer, args[0])
-            outputs[layer.name] = out
-            versions[layer.name] = out._version
+                inputs[module.name] = self.inputs(module, args[0])
+            outputs[module.name] = out
+            versions[module.name] = out._version
             return out.clone() if self._clone_outputs else None
 
-        for layer in self.layers:
+        for module in self.modules:
             handles.append(
-                layer.module.register_forward_hook(
-                    lambda m, a, o, layer=layer: hook(layer, m, a, o)
+                module.module.register_forward_hook(
+                    lambda m, a, o, module=module: hook(module, m, a, o)
                 )
             )
         try:
             with torch.enable_grad(), self.guard.private_buffers():
                 output = self.forward_fn(self.model, batch)
-            # NOTE [layer outputs changed in place]: an in-place op after a layer (ReLU(inplace=True))
+            # NOTE [module outputs changed in place]: an in-place op after a module (ReLU(inplace=True))
             # rewrites the output tensor we differentiate against; such models run every forward with
             # the hooks returning a copy, so the captured tensor keeps its value and graph
             if not self._clone_outputs and any(

@@ -1,9 +1,9 @@
 """Kronecker-factored curvature: KFAC and eigenvalue-corrected KFAC (EKFAC).
 
-For a layer ``z = W a (+ b)`` (``nn.Linear``; ``nn.Conv2d`` on unfolded patches; HuggingFace's
+For a module ``z = W a (+ b)`` (``nn.Linear``; ``nn.Conv2d`` on unfolded patches; HuggingFace's
 ``Conv1D``, ``z = a W + b`` with ``W`` stored ``(in, out)``, as a Linear of weight ``Wᵀ``)
 the GGN block of ``W`` is ``Σ_c (Σ_p g_cp ⊗ a_p)(Σ_p g_cp ⊗ a_p)ᵀ`` summed over
-the samples, where ``a_p`` is the layer's input at weight-sharing position ``p``
+the samples, where ``a_p`` is the module's input at weight-sharing position ``p``
 (a token, a patch; one position without sharing), ``g_cp = ∂z_p`` of the model
 output times column ``c`` of a factorization ``H_L = Σ_c s_c s_cᵀ`` of the
 batch-mean loss's output Hessian. KFAC keeps one Kronecker product per block:
@@ -34,7 +34,7 @@ The columns ``s_c`` (``fisher_type``) are:
 - ``"empirical"``: ``√w ∇ℓ(f, y)`` at the observed targets.
 
 Biases: ``separate_bias=True`` (default) gives a bias its own block ``G ⊗ [1]``;
-``False`` appends a column of ones to the layer input, so weight and bias form
+``False`` appends a column of ones to the module's input, so weight and bias form
 one block ``G ⊗ Ã`` (``Ã`` has the extra row/column ``[mean a, 1]``). Either
 way the flat vector is the model's parameters in ``named_parameters`` order,
 each weight row-major, as every other operator's (``op @ v`` lines up with
@@ -47,7 +47,7 @@ the same way): the exact diagonal of the GGN block in KFAC's eigenbasis. It cost
 a second pass over the data.
 
 Cost: one pass over the data (EKFAC: two), each a forward and, per batch of
-columns, one backward to the layers' outputs (no parameter gradients); then an
+columns, one backward to the modules' outputs (no parameter gradients); then an
 eigendecomposition per factor on first use of ``inverse``/``eigh``/``logdet``. A convolution's
 input factor is computed without unfolding where that is cheaper (see
 :mod:`~hessian_eigenthings.operators.conv_factors`: about a third of unfolding's multiply-adds for
@@ -55,28 +55,34 @@ a 3×3 convolution on a large map; on a GPU only on maps above 32×32, where the
 outweigh the extra kernel launches).
 A product costs two small matrix products per block and never reads the data.
 
-Shape: the pass over the data is :mod:`~hessian_eigenthings.operators.factor_pass`; the
-block-diagonal algebra (products, ``eigh``, ``inverse``, ``logdet``, ``trace``) is
+Shape: the keywords are one record, :class:`~hessian_eigenthings.operators.factor_options.
+KroneckerOptions` (NOTE [Kronecker options]); the pass over the data is
+:mod:`~hessian_eigenthings.operators.factor_pass`; the block-diagonal algebra (products, ``eigh``, ``inverse``, ``logdet``, ``trace``) is
 :class:`~hessian_eigenthings.operators.kronecker.KroneckerOperator`, which these operators are:
-this module only turns the pass's inputs and output gradients into factors.
+this module only turns the pass's inputs and output gradients into factors, module by module
+(:class:`ModuleKroneckerOperator`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
-from hessian_eigenthings.operators.data_setup import unexpected_keyword
-from hessian_eigenthings.operators.factor_pass import (
-    FactorPass,
+from hessian_eigenthings.operators.factor_options import (
     FisherType,
-    Layer,
+    KFACApprox,
+    KroneckerOptions,
+    factor_options,
+    with_options_signature,
+)
+from hessian_eigenthings.operators.factor_pass import (
+    FactorModule,
+    FactorPass,
     Retry,
     WeightedSum,
     input_moment,
@@ -93,9 +99,7 @@ from hessian_eigenthings.operators.kronecker_eigen import (
     not_finite_message,
     refuse_not_finite,
 )
-from hessian_eigenthings.operators.precision import Precision
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
-from hessian_eigenthings.param_utils import ParamFilter
 
 __all__ = [
     "EKFACOperator",
@@ -105,16 +109,17 @@ __all__ = [
     "KroneckerBlock",
     "KroneckerEigen",
     "KroneckerEigenBlock",
+    "KroneckerOptions",
     "LayerKroneckerOperator",
+    "ModuleKroneckerOperator",
 ]
 
-KFACApprox = Literal["expand", "reduce"]
 
-
-class LayerKroneckerOperator(KroneckerOperator):
-    """A :class:`KroneckerOperator` over a model's layers whose factors a
-    :class:`~hessian_eigenthings.operators.factor_pass.FactorPass` collects (KFAC, EKFAC, KFOC):
-    the pass's arguments as attributes, and each layer's blocks from its factors."""
+class ModuleKroneckerOperator(KroneckerOperator):
+    """A :class:`KroneckerOperator` over a model's factor modules (its Linear, Conv2d and Conv1D
+    modules) whose factors a :class:`~hessian_eigenthings.operators.factor_pass.FactorPass`
+    collects (KFAC, EKFAC, KFOC): the pass's options as attributes, and each module's blocks
+    from its factors."""
 
     excluded_parameters: tuple[str, ...]
 
@@ -124,14 +129,15 @@ class LayerKroneckerOperator(KroneckerOperator):
         self.model = factor_pass.model
         self.forward_fn = factor_pass.forward_fn
         self.loss_of_output_fn = factor_pass.loss_of_output_fn
-        self.fisher_type: FisherType = factor_pass.fisher_type
-        self.mc_samples = factor_pass.mc_samples
-        self.seed = factor_pass.seed
-        self.column_chunk = factor_pass.column_chunk
-        self.precision = factor_pass.precision
+        #: the options of the factor pass, checked (``factor_options.FactorOptions``)
+        self.options = options = factor_pass.options
+        self.fisher_type: FisherType = options.fisher_type
+        self.mc_samples, self.seed = options.mc_samples, options.seed
+        self.column_chunk, self.precision = options.column_chunk, options.precision
+        self.separate_bias = options.separate_bias
         self.source = factor_pass.source
         self.guard = factor_pass.guard
-        #: selected parameters left out with ``exclude_unsupported=True`` (name and layer type)
+        #: selected parameters left out with ``exclude_unsupported=True`` (name and module type)
         self.excluded_parameters = factor_pass.excluded
         self.named_params = factor_pass.named_params
         self.params = factor_pass.params
@@ -144,53 +150,54 @@ class LayerKroneckerOperator(KroneckerOperator):
         self.factor_dtype = factor_pass.factor_dtype
 
     def _zero_factor(self, n: int) -> torch.Tensor:
-        """An ``(n, n)`` factor of a zero block (a layer that never ran in the forward)."""
+        """An ``(n, n)`` factor of a zero block (a module that never ran in the forward)."""
         return torch.zeros(n, n, dtype=self.factor_dtype, device=self.device)
 
-    def _init_layer_blocks(
+    def _init_module_blocks(
         self,
         G_of: dict[str, torch.Tensor],
         A_of: dict[str, torch.Tensor],
         bias_G_of: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """The operator's blocks, each layer's in the layout's order: weight and bias joined, or the weight's
+        """The operator's blocks, each module's in the layout's order: weight and bias joined, or the weight's
         ``G ⊗ A`` and the bias's ``G ⊗ [1]`` (``bias_G_of``: a separate bias's own ``G``).
 
         NOTE [factors not finite]: NaN or inf in the data or the parameters reach the factors; a
         decomposition would then fail with torch's "ill-conditioned" error and products return
         NaN, so the factors are checked once here (one synchronization per construction) and
-        refused naming the layer."""
+        refused naming the module."""
         named = []
-        for layer in self._pass.layers:  # in the forward's order of layers: inputs, then outputs
+        for module in self._pass.modules:  # in the forward's order: inputs, then outputs
             for which, held in (("A", A_of), ("G", G_of), ("G of the bias", bias_G_of or {})):
-                if layer.name in held:
-                    named.append((which, layer.name, held[layer.name]))
+                if module.name in held:
+                    named.append((which, module.name, held[module.name]))
         self._refuse_not_finite(named)
         blocks = []
-        for layer in self._pass.layers:
-            if layer.weight is not None:
-                bias = layer.bias if layer.joint else None
-                G, A = G_of[layer.name], A_of[layer.name]
+        for module in self._pass.modules:
+            name = module.name
+            if module.weight is not None:
+                bias = module.bias if module.joint else None
+                G, A = G_of[name], A_of[name]
                 blocks.append(
-                    factor_slot(self.layout, layer.weight, bias, layer.name, G, A, layer.transposed)
+                    factor_slot(self.layout, module.weight, bias, name, G, A, module.transposed)
                 )
-            if layer.bias is not None and not layer.joint:
-                own = G_of[layer.name] if bias_G_of is None else bias_G_of[layer.name]
-                blocks.append(factor_slot(self.layout, None, layer.bias, layer.name, own, None))
+            if module.bias is not None and not module.joint:
+                own = G_of[name] if bias_G_of is None else bias_G_of[name]
+                blocks.append(factor_slot(self.layout, None, module.bias, name, own, None))
         self._init_blocks(self.layout, blocks)
 
     def _refuse_not_finite(self, factors: list[tuple[str, str, torch.Tensor]]) -> None:
-        """:func:`refuse_not_finite` of ``(factor, layer, tensor)``, naming the parameters that
+        """:func:`refuse_not_finite` of ``(factor, module, tensor)``, naming the parameters that
         hold NaN or inf, if any (NOTE [factors not finite])."""
         try:
             refuse_not_finite(type(self).__name__, factors)
         except ValueError as exc:
             raise ValueError(self._diagnosed(str(exc))) from None
 
-    def _not_finite(self, factor: str, layer: str) -> ValueError:
+    def _not_finite(self, factor: str, module: str) -> ValueError:
         """The error for one factor found not finite (its norm is NaN or inf)."""
         return ValueError(
-            self._diagnosed(not_finite_message(type(self).__name__, factor, layer, ()))
+            self._diagnosed(not_finite_message(type(self).__name__, factor, module, ()))
         )
 
     def _diagnosed(self, message: str) -> str:
@@ -219,9 +226,14 @@ class LayerKroneckerOperator(KroneckerOperator):
         )
 
 
-class _KFACFactors(LayerKroneckerOperator):
+#: the old name of :class:`ModuleKroneckerOperator`, kept importable
+LayerKroneckerOperator = ModuleKroneckerOperator
+
+
+class _KFACFactors(ModuleKroneckerOperator):
     """KFAC's factors from one pass (the constructor KFAC and EKFAC share)."""
 
+    @with_options_signature
     def __init__(
         self,
         model: nn.Module,
@@ -229,46 +241,20 @@ class _KFACFactors(LayerKroneckerOperator):
         forward_fn: ForwardFn,
         loss_of_output_fn: LossOfOutputFn,
         *,
-        fisher_type: FisherType = "type2",
         kfac_approx: KFACApprox = "expand",
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        mc_samples: int = 1,
-        seed: int = 0,
-        curvature: OutputCurvature | None = None,
-        num_batches: int | None = None,
-        separate_bias: bool = True,
-        exclude_unsupported: bool = False,
-        precision: Precision = "fp32",
-        column_chunk: int = 16,
         ranks: Ranks | None = None,
-        **unknown: object,
+        **options: Unpack[KroneckerOptions],
     ) -> None:
-        if unknown:  # a misspelt keyword: name the class called and the close match
-            raise unexpected_keyword(type(self), next(iter(unknown)), _KFACFactors)
+        # a misspelt keyword names the class called and the close match (NOTE [Kronecker options])
+        record = factor_options(type(self), _KFACFactors, options, kfac_approx)
         self.ranks = ranks or LOCAL
         factor_pass = FactorPass(
-            type(self).__name__,
-            model,
-            dataloader,
-            forward_fn,
-            loss_of_output_fn,
-            fisher_type=fisher_type,
-            kfac_approx=kfac_approx,
-            param_filter=param_filter,
-            mc_samples=mc_samples,
-            seed=seed,
-            curvature=curvature,
-            num_batches=num_batches,
-            separate_bias=separate_bias,
-            exclude_unsupported=exclude_unsupported,
-            precision=precision,
-            column_chunk=column_chunk,
+            type(self).__name__, model, dataloader, forward_fn, loss_of_output_fn, record
         )
         self._start_pass(factor_pass)
         self.kfac_approx: KFACApprox = kfac_approx
-        self.separate_bias = separate_bias
         G_of, A_of = self.ranks.factor_pass(self._kfac_factors)
-        self._init_layer_blocks(G_of, A_of)
+        self._init_module_blocks(G_of, A_of)
         self._after_factors()
 
     def _after_factors(self) -> None:
@@ -278,22 +264,22 @@ class _KFACFactors(LayerKroneckerOperator):
         return f"fisher_type={self.fisher_type!r}, kfac_approx={self.kfac_approx!r}"
 
     def _kfac_factors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``G`` and ``A`` of every layer (zero for a layer that never ran: its block is zero)."""
+        """``G`` and ``A`` of every module (zero for a module that never ran: its block is zero)."""
         sums_A: dict[str, WeightedSum] = {}
         sums_G: dict[str, WeightedSum] = {}
         reduce = self.kfac_approx == "reduce"
 
-        def on_input(layer: Layer, x: torch.Tensor, size: float) -> None:
-            if layer.weight is None:
+        def on_input(module: FactorModule, x: torch.Tensor, size: float) -> None:
+            if module.weight is None:
                 return
-            S, rows = input_moment(layer, x, self.factor_dtype, reduce)
+            S, rows = input_moment(module, x, self.factor_dtype, reduce)
             # the batch's mean over rows, weighted by its size
-            sums_A.setdefault(layer.name, WeightedSum()).add(S, size / rows)
+            sums_A.setdefault(module.name, WeightedSum()).add(S, size / rows)
 
-        def visit(layer: Layer, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+        def visit(module: FactorModule, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             g = g.sum(2, keepdim=True) if reduce else g
             flat = g.reshape(-1, g.shape[-1])
-            sums_G.setdefault(layer.name, WeightedSum()).addmm(flat.T, flat, size)
+            sums_G.setdefault(module.name, WeightedSum()).addmm(flat.T, flat, size)
 
         try:
             total = self._pass.run(visit, on_input)
@@ -303,17 +289,17 @@ class _KFACFactors(LayerKroneckerOperator):
             total = self._pass.run(visit, on_input)
         G_of: dict[str, WeightedSum | torch.Tensor] = {}
         A_of: dict[str, WeightedSum | torch.Tensor] = {}
-        for layer in self._pass.layers:
-            name = layer.name
-            if name in sums_G:  # a layer that ran has both (A only with a weight)
+        for module in self._pass.modules:
+            name = module.name
+            if name in sums_G:  # a module that ran has both (A only with a weight)
                 G_of[name] = sums_G[name]
                 if name in sums_A:
                     A_of[name] = sums_A[name]
             else:  # it never ran in the forward: its GGN block is zero
-                m, q = self._pass.matrix_shape(layer)
+                m, q = self._pass.matrix_shape(module)
                 G_of[name] = self._zero_factor(m)
-                if layer.weight is not None:
-                    A_of[name] = self._zero_factor(q + int(layer.joint))
+                if module.weight is not None:
+                    A_of[name] = self._zero_factor(q + int(module.joint))
         means = iter(self._means([*G_of.values(), *A_of.values()], total))
         return {n: next(means) for n in G_of}, {n: next(means) for n in A_of}
 
@@ -333,7 +319,9 @@ class KFACOperator(_KFACFactors):
 
     ``KFACOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
     kfac_approx="expand", param_filter=None, mc_samples=1, seed=0, curvature=None, num_batches=None,
-    separate_bias=True, exclude_unsupported=False, precision="fp32", column_chunk=16)``; the calling conventions
+    separate_bias=True, exclude_unsupported=False, precision="fp32", column_chunk=16)`` (the
+    keywords but ``kfac_approx`` are the family's record,
+    :class:`~hessian_eigenthings.operators.factor_options.KroneckerOptions`); the calling conventions
     of :class:`~hessian_eigenthings.operators.GGNOperator` (``forward_fn(model, batch) ->
     output``, ``loss_of_output_fn(output, batch) -> mean loss``).
 
@@ -342,7 +330,7 @@ class KFACOperator(_KFACFactors):
       untouched; the same draws as ``GGNOperator(mc_samples=k, seed=seed)``), ``"empirical"``
       (gradients at the observed targets). ``curvature``: any output-curvature strategy with
       columns (``loss_fns.output_curvature``), in place of ``fisher_type``.
-    - ``kfac_approx``: ``"expand"`` or ``"reduce"`` for layers with weight sharing (Conv2d,
+    - ``kfac_approx``: ``"expand"`` or ``"reduce"`` for modules with weight sharing (Conv2d,
       Linear on ``(N, T, d)``); the same thing without sharing.
     - ``separate_bias``: a bias in its own block ``G ⊗ [1]`` (default) or joined to its weight
       through a column of ones (one block ``G ⊗ Ã``).
@@ -358,7 +346,7 @@ class KFACOperator(_KFACFactors):
 
     The factors are computed once, at construction (one pass over ``dataloader``); build a new
     operator after the model changes. Factors that are not finite (NaN or inf in the data or
-    the parameters) are refused there, naming the layer and any parameter holding NaN/inf. The
+    the parameters) are refused there, naming the module and any parameter holding NaN/inf. The
     operator holds its factors (``op.factors`` hands out the tensors themselves); a change to
     them in place is followed by products and by the cached decompositions alike (NOTE
     [factors changed in place] in ``kronecker.py``). ``op @ v``, ``op.matmat``, ``op.inverse(damping)``,
@@ -406,13 +394,13 @@ class EKFACOperator(_KFACFactors):
 
     def _compute_scalings(self, bases: list[Eigen]) -> list[torch.Tensor]:
         sums = [WeightedSum() for _ in self._blocks]
-        by_layer: dict[str, list[int]] = {}
+        by_module: dict[str, list[int]] = {}
         for i, b in enumerate(self._blocks):
-            by_layer.setdefault(b.module, []).append(i)
+            by_module.setdefault(b.module, []).append(i)
 
-        def visit(layer: Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+        def visit(module: FactorModule, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             # g: (k, N, P, m); a: (N, P, q)
-            for i in by_layer[layer.name]:
+            for i in by_module[module.name]:
                 _, U_G, U_A = bases[i]
                 g_rot = g @ U_G  # (k, N, P, m)
                 if self._blocks[i].weight is None:  # a bias alone
@@ -423,7 +411,7 @@ class EKFACOperator(_KFACFactors):
                 sums[i].add(value, size)
 
         total = self._pass.run(visit, None)
-        # a block whose layer never ran is zero (its KFAC block is)
+        # a block whose module never ran is zero (its KFAC block is)
         return self._means(
             [
                 s if s.value is not None else b_D.new_zeros(b_D.shape)

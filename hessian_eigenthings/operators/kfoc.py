@@ -1,10 +1,10 @@
-"""Kronecker-factored optimal curvature (KFOC): per layer, the ``G ⊗ A`` nearest the GGN block.
+"""Kronecker-factored optimal curvature (KFOC): per module, the ``G ⊗ A`` nearest the GGN block.
 
-KFAC (:mod:`hessian_eigenthings.operators.kfac`) takes the factors of a layer's GGN block as
+KFAC (:mod:`hessian_eigenthings.operators.kfac`) takes the factors of a module's GGN block as
 separate averages of output gradients and inputs; KFOC takes the Kronecker product closest to
 the block itself in Frobenius norm, ``argmin ‖B - G ⊗ A‖_F``, without forming ``B``.
 
-The block. For a layer ``z = W a (+ b)`` with ``W (m, q)``, the contribution of sample ``n``
+The block. For a module ``z = W a (+ b)`` with ``W (m, q)``, the contribution of sample ``n``
 and loss-Hessian column ``c`` (the columns of KFAC's module docstring; ``fisher_type``) is the
 per-sample gradient ``J = Σ_p g_p a_pᵀ`` (``m × q``; a sum over the weight-sharing positions
 ``p``: patches of a conv, tokens; one position without sharing). That is
@@ -60,22 +60,24 @@ products, ``inverse``, ``eigh``, ``logdet``, ``trace`` and ``frobenius_norm`` ar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.batching import Batch
-from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.loss_fns.protocols import ForwardFn, LossOfOutputFn
 from hessian_eigenthings.loss_fns.standard import CrossEntropyOutputLoss
-from hessian_eigenthings.operators.data_setup import unexpected_keyword
-from hessian_eigenthings.operators.factor_pass import FactorPass, FisherType, Layer
-from hessian_eigenthings.operators.kfac import LayerKroneckerOperator
-from hessian_eigenthings.operators.precision import Precision
-from hessian_eigenthings.param_utils import ParamFilter
+from hessian_eigenthings.operators.factor_options import (
+    KroneckerOptions,
+    factor_options,
+    with_options_signature,
+)
+from hessian_eigenthings.operators.factor_pass import FactorModule, FactorPass
+from hessian_eigenthings.operators.kfac import ModuleKroneckerOperator
 
 __all__ = ["KFOCOperator", "WeightSharing"]
 
@@ -129,33 +131,35 @@ def _symmetric(M: torch.Tensor) -> torch.Tensor:
     return (M + M.T) / 2
 
 
-class KFOCOperator(LayerKroneckerOperator):
-    """Kronecker-factored optimal curvature: per layer, the ``G ⊗ A`` nearest the GGN block.
+class KFOCOperator(ModuleKroneckerOperator):
+    """Kronecker-factored optimal curvature: per module, the ``G ⊗ A`` nearest the GGN block.
 
     ``KFOCOperator(model, dataloader, forward_fn, loss_of_output_fn, *, fisher_type="type2",
     param_filter=None, mc_samples=1, seed=0, curvature=None, num_batches=None, separate_bias=True,
     exclude_unsupported=False, precision="fp32", column_chunk=16, weight_sharing="sample",
     max_iter=10, tol=1e-4)``:
-    the arguments and conventions of :class:`~hessian_eigenthings.operators.KFACOperator`
-    but ``kfac_approx`` (KFOC approximates the block itself), plus
+    the arguments and conventions of :class:`~hessian_eigenthings.operators.KFACOperator` (the
+    family's record, :class:`~hessian_eigenthings.operators.factor_options.KroneckerOptions`)
+    but ``kfac_approx`` (KFOC approximates the block itself) and ``ranks``, plus
 
     - ``weight_sharing``: ``"sample"`` (a sample's gradient sums the positions of a Conv2d or
       a Linear on ``(N, T, d)``: the exact block for a loss with one term per sample) or
       ``"position"`` (one outer product per position, as KFAC's ``"expand"``: the exact block
       when every position is its own loss term and the model does not mix positions);
     - ``max_iter``: most power iterations (two passes over the data each) per construction;
-    - ``tol``: stop once every layer's input-side factor, scaled to unit Frobenius norm,
+    - ``tol``: stop once every module's input-side factor, scaled to unit Frobenius norm,
       moved by less than ``tol`` in an iteration (``0``: run ``max_iter`` iterations).
 
-    ``.iterations`` is the number of iterations run and ``.converged`` whether every layer met
+    ``.iterations`` is the number of iterations run and ``.converged`` whether every module met
     ``tol``. The factors are computed at construction; build a new operator after the model
     changes. Factors that are not finite (NaN or inf in the data or the parameters) are refused
-    at the first pass, naming the layer; the backward count per batch is KFAC's (a
+    at the first pass, naming the module; the backward count per batch is KFAC's (a
     ``FactorPassCostWarning`` for many), in each of the passes. ``op @ v``, ``op.inverse(damping)``, ``op.eigh()``, ``op.logdet()``,
     ``op.trace()``, ``op.frobenius_norm()`` and ``op.factors`` as for KFAC. The module
     docstring states the math.
     """
 
+    @with_options_signature
     def __init__(
         self,
         model: nn.Module,
@@ -163,23 +167,14 @@ class KFOCOperator(LayerKroneckerOperator):
         forward_fn: ForwardFn,
         loss_of_output_fn: LossOfOutputFn,
         *,
-        fisher_type: FisherType = "type2",
-        param_filter: ParamFilter | str | Sequence[str] | None = None,
-        mc_samples: int = 1,
-        seed: int = 0,
-        curvature: OutputCurvature | None = None,
-        num_batches: int | None = None,
-        separate_bias: bool = True,
-        exclude_unsupported: bool = False,
-        precision: Precision = "fp32",
-        column_chunk: int = 16,
         weight_sharing: WeightSharing = "sample",
         max_iter: int = 10,
         tol: float = 1e-4,
-        **unknown: object,
+        **options: Unpack[KroneckerOptions],
     ) -> None:
-        if unknown:  # a misspelt keyword: name the class called and the close match
-            raise unexpected_keyword(type(self), next(iter(unknown)), KFOCOperator)
+        # a misspelt keyword names the class called and the close match (NOTE [Kronecker options])
+        # (kfac_approx stays "expand", unread: the block's per-sample gradients sum over positions)
+        record = factor_options(type(self), KFOCOperator, options)
         if weight_sharing not in ("sample", "position"):
             raise ValueError(
                 f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"
@@ -194,41 +189,25 @@ class KFOCOperator(LayerKroneckerOperator):
             raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
         #: power iterations run (each two passes over the data)
         self.iterations = 0
-        #: whether every layer's factors met ``tol`` within ``max_iter`` iterations
+        #: whether every module's factors met ``tol`` within ``max_iter`` iterations
         self.converged = False
         factor_pass = FactorPass(
-            type(self).__name__,
-            model,
-            dataloader,
-            forward_fn,
-            loss_of_output_fn,
-            fisher_type=fisher_type,
-            kfac_approx="expand",  # unused: the block's per-sample gradients sum over positions
-            param_filter=param_filter,
-            mc_samples=mc_samples,
-            seed=seed,
-            curvature=curvature,
-            num_batches=num_batches,
-            separate_bias=separate_bias,
-            exclude_unsupported=exclude_unsupported,
-            precision=precision,
-            column_chunk=column_chunk,
+            type(self).__name__, model, dataloader, forward_fn, loss_of_output_fn, record
         )
         factor_pass.check_output = self._check_output
         self._start_pass(factor_pass)
-        self.separate_bias = separate_bias
-        self._init_layer_blocks(*self._compute_factors())
+        self._init_module_blocks(*self._compute_factors())
 
     def _sum_pass(
         self,
-        contribution: Callable[[Layer, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+        contribution: Callable[[FactorModule, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
     ) -> dict[str, torch.Tensor]:
-        """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (layers that never ran in
-        the forward are missing: their blocks are zero)."""
+        """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (modules that never ran
+        in the forward are missing: their blocks are zero)."""
         sums: dict[str, torch.Tensor] = {}
 
-        def visit(layer: Layer, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
-            for key, value in contribution(layer, a, g).items():
+        def visit(module: FactorModule, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
+            for key, value in contribution(module, a, g).items():
                 value = value.mul_(size)
                 sums[key] = value if key not in sums else sums[key].add_(value)
 
@@ -238,15 +217,16 @@ class KFOCOperator(LayerKroneckerOperator):
     def _compute_factors(
         self,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``G`` and ``A`` of each layer with a weight, and each separate bias's own ``G``."""
-        shapes = {layer.name: self._pass.matrix_shape(layer) for layer in self._pass.layers}
+        """``G`` and ``A`` of each module with a weight, and each separate bias's own ``G``."""
+        modules = self._pass.modules
+        shapes = {module.name: self._pass.matrix_shape(module) for module in modules}
         q_of = {
-            layer.name: shapes[layer.name][1] + int(layer.joint)
-            for layer in self._pass.layers
-            if layer.weight is not None
+            module.name: shapes[module.name][1] + int(module.joint)
+            for module in modules
+            if module.weight is not None
         }
         separate = {
-            layer.name for layer in self._pass.layers if layer.bias is not None and not layer.joint
+            module.name for module in modules if module.bias is not None and not module.joint
         }
         G_unit, A_unit, sigma, bias_G = self._power_iteration(q_of, separate)
         G_of: dict[str, torch.Tensor] = {}
@@ -259,22 +239,22 @@ class KFOCOperator(LayerKroneckerOperator):
             else:
                 G_of[name] = G_unit[name] * root
                 A_of[name] = A_unit[name] * root
-        for name in separate - bias_G.keys():  # the layer never ran: a zero block
+        for name in separate - bias_G.keys():  # the module never ran: a zero block
             m = shapes[name][0]
             bias_G[name] = self._zero_factor(m)
         return G_of, A_of, bias_G
 
     # NOTE [a pass per product]: each product with the rearranged block R needs every
     # per-sample gradient, so it is a pass over the data; keeping the output gradients of all
-    # samples and columns instead (k·N·P·m numbers per layer, k = classes for type-2) would make
+    # samples and columns instead (k·N·P·m numbers per module, k = classes for type-2) would make
     # the iterations free but does not scale with the dataset. The first pass starts from A = I,
-    # so no pass is spent on an initial guess; a layer that met tol stops contributing work.
+    # so no pass is spent on an initial guess; a module that met tol stops contributing work.
     def _power_iteration(
         self, q_of: dict[str, int], separate: set[str]
     ) -> tuple[
         dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]
     ]:
-        """Unit ``G``, ``A`` and ``σ`` of each layer with a weight, from ``A₀ = I`` (module
+        """Unit ``G``, ``A`` and ``σ`` of each module with a weight, from ``A₀ = I`` (module
         docstring), and the exact ``G`` of each separate bias (from the first pass)."""
 
         def eye(n: int) -> torch.Tensor:
@@ -287,21 +267,23 @@ class KFOCOperator(LayerKroneckerOperator):
         first = True
         bias_G: dict[str, torch.Tensor] = {}
 
-        def left(layer: Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        def left(module: FactorModule, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
             a, g = self._terms(a, g)
             out = {}
-            if layer.name in active:
-                out[layer.name] = rearranged_product(a, g, A_unit[layer.name])
-            if first and layer.name in separate:
+            if module.name in active:
+                out[module.name] = rearranged_product(a, g, A_unit[module.name])
+            if first and module.name in separate:
                 g_bar = g.sum(2).reshape(-1, g.shape[-1])  # the bias gradient sums positions
-                out["bias:" + layer.name] = g_bar.T @ g_bar
+                out["bias:" + module.name] = g_bar.T @ g_bar
             return out
 
-        def right(layer: Layer, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
-            if layer.name not in active:
+        def right(
+            module: FactorModule, a: torch.Tensor, g: torch.Tensor
+        ) -> dict[str, torch.Tensor]:
+            if module.name not in active:
                 return {}
             a, g = self._terms(a, g)
-            return {layer.name: rearranged_transpose_product(a, g, G_unit[layer.name])}
+            return {module.name: rearranged_transpose_product(a, g, G_unit[module.name])}
 
         self.iterations = 0
         while first or (active and self.iterations < self.max_iter):
@@ -327,7 +309,9 @@ class KFOCOperator(LayerKroneckerOperator):
                 norm = 0.0 if G is None else float(torch.linalg.matrix_norm(G))
                 if not math.isfinite(norm):
                     raise self._not_finite("G", name)
-                if G is None or norm == 0.0:  # a zero block: the layer never ran or got no gradient
+                if (
+                    G is None or norm == 0.0
+                ):  # a zero block: the module never ran or got no gradient
                     sigma[name] = 0.0
                     active.discard(name)
                 else:
@@ -363,11 +347,11 @@ class KFOCOperator(LayerKroneckerOperator):
 
     def _check_output(self, output: torch.Tensor) -> None:
         # NOTE [weight sharing]: a column of the loss Hessian covers every loss term of the batch
-        # at once, so the backward keeps samples apart (and positions, as the layer sees them)
+        # at once, so the backward keeps samples apart (and positions, as the module sees them)
         # but adds up the terms of one sample. With one term per sample (logits (N, C), targets
         # (N, d)) a sample's gradient Σ_p g_p a_pᵀ is exact: "sample". With several (a sequence
         # model's (N, T, C)) that sum mixes the terms' gradients, and the exact block is only
-        # reachable when position p of the layer is term p alone (no mixing across positions):
+        # reachable when position p of the module is term p alone (no mixing across positions):
         # "position", one outer product per position, KFAC's "expand" grouping.
         if self.weight_sharing == "sample" and output.dim() > 2:
             if isinstance(self.loss_of_output_fn, CrossEntropyOutputLoss):

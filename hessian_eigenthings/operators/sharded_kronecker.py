@@ -4,8 +4,9 @@ The factor pass is first-order FSDP forwards and backwards on each rank's batche
 sums all-reduced as for replicated ranks (``ranks.Replicated.sum_factors``): factors replicated
 on every rank, vectors sharded. :class:`ShardedFactors` are the ranks of such an operator: the
 sharded ranks, meeting before each batch of a factor pass and between its forward and its
-backwards. Cost per product: one all-gather per layer of its ``k`` vectors' pieces and the
-layer's block products on its whole parameters. See NOTE [sharded Kronecker factors].
+backwards. Cost per product: one all-gather per factor module (a Linear, Conv2d or Conv1D) of
+its ``k`` vectors' pieces and the module's block products on its whole parameters. See NOTE
+[sharded Kronecker factors].
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hessian_eigenthings.batching import Batch, BatchSource, batch_size
 from hessian_eigenthings.linalg_distributed import DistributedBackend
 from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
 from hessian_eigenthings.operators.factor_pass import FactorPass
-from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator, LayerKroneckerOperator
+from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator, ModuleKroneckerOperator
 from hessian_eigenthings.operators.kronecker import (
     KroneckerBlock,
     KroneckerEigenBlock,
@@ -40,12 +41,12 @@ __all__ = ["FSDPEKFACOperator", "FSDPKFACOperator", "ShardedFactors", "ShardedKr
 
 # NOTE [sharded Kronecker factors]
 # Factors. FSDP2 shards parameters, never activations: inside a fully_shard'ed
-# module's forward its layers run on whole (gathered) weights, so the factor
-# pass's hooks see each layer's whole input and, in the backward to the layer
-# outputs, the whole output gradients of this rank's samples. The pass is the
+# module's forward its factor modules run on whole (gathered) weights, so the
+# factor pass's hooks see each module's whole input and, in the backward to the
+# modules' outputs, the whole output gradients of this rank's samples. The pass is the
 # single-process pass on this rank's batches (the tests check it against
 # KFACOperator on the union of the ranks' batches), run as ordinary
-# first-order FSDP forwards and backwards (to the layer outputs: no parameter
+# first-order FSDP forwards and backwards (to the module outputs: no parameter
 # gradient is made, so no reduce-scatter runs); the factor sums are then
 # all-reduced as KroneckerDataParallelMixin's. FSDP's forwards and backwards
 # are collectives, so the ranks meet twice per batch: before its forward
@@ -56,24 +57,25 @@ __all__ = ["FSDPEKFACOperator", "FSDPKFACOperator", "ShardedFactors", "ShardedKr
 # model's forward or backward leaves the other ranks in FSDP's own collectives
 # until the group's timeout, as in FSDP training.
 #
-# Products. The factors are replicated: every rank holds every layer's G and A
-# (Σ m² + q² numbers, as one process; sharding the layers' factors over the
+# Products. The factors are replicated: every rank holds every module's G and A
+# (Σ m² + q² numbers, as one process; sharding the modules' factors over the
 # ranks is a possible later step). Vectors are sharded (NOTE [sharded vector
-# layout]). Per layer and product: one all-gather of the layer's pieces of the
-# k vectors (each rank's rows padded to FSDP's chunk and packed; a rank's piece
-# may be short or empty: FSDP2's torch.chunk split of dim 0), the layer's
+# layout]). Per factor module and product: one all-gather of the module's pieces
+# of the k vectors (each rank's rows padded to FSDP's chunk and packed; a rank's
+# piece may be short or empty: FSDP2's torch.chunk split of dim 0), the module's
 # blocks applied to its whole parameters as in one process (a Conv2d kernel
 # flattened, a Conv1D weight transposed, a bias joined or alone, whichever
 # factor dim 0 meets), and this rank's rows kept. A rank holds at most one
-# layer's k vectors whole; the blocks' arithmetic (two small matrix products
+# module's k vectors whole; the blocks' arithmetic (two small matrix products
 # each) is repeated on every rank.
 
 
-class _ShardedLayer:
-    """One layer's blocks over its whole parameters, and where its entries sit on the ranks.
+class _ShardedModule:
+    """One factor module's blocks over its whole parameters, and where its entries sit on the
+    ranks.
 
-    ``take``: the columns of this rank's vector holding its rows of the layer, in the layer's
-    order; ``mine``: the same entries' columns in the layer's whole vector; ``place``: each whole
+    ``take``: the columns of this rank's vector holding its rows of the module, in the module's
+    order; ``mine``: the same entries' columns in the module's whole vector; ``place``: each whole
     entry's column in the gathered pieces (``W`` pieces of ``pad`` columns, rank after rank)."""
 
     def __init__(
@@ -96,7 +98,7 @@ class _ShardedLayer:
             starts.append([s + r * width for s, r in zip(starts[-1], n, strict=True)])
         self.pad = max(starts.pop())
         take, mine, place = [], [], []
-        offset = 0  # the parameter's offset in the layer's whole vector
+        offset = 0  # the parameter's offset in the module's whole vector
         for i, n, width, at in zip(indices, rows, widths, starts, strict=True):
             chunk = max(n[0], 1)
             row = torch.arange(whole.shapes[i][0])
@@ -258,39 +260,39 @@ class _ShardedBlocks:
     blocks at a time, on its whole parameters, its pieces of the vectors gathered from the
     ranks (NOTE [sharded Kronecker factors])."""
 
-    def __init__(self, layers: list[_ShardedLayer], local: ParamLayout, group: Any) -> None:
-        self.layers, self.local, self.group = layers, local, group
+    def __init__(self, modules: list[_ShardedModule], local: ParamLayout, group: Any) -> None:
+        self.modules, self.local, self.group = modules, local, group
         self.world = dist.get_world_size(group)
 
     def apply(
         self, V: torch.Tensor, fn: Callable[[KroneckerOperator, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """``fn(layer, whole rows of V)`` per layer, this rank's rows of the result; one
-        all-gather per layer."""
+        """``fn(module's operator, whole rows of V)`` per module, this rank's rows of the result;
+        one all-gather per module."""
         k = V.shape[0]
         out = self.local.empty(k)
-        for layer in self.layers:
-            mine = V.index_select(1, layer.take)
-            send = V.new_zeros(k, layer.pad)
+        for module in self.modules:
+            mine = V.index_select(1, module.take)
+            send = V.new_zeros(k, module.pad)
             send[:, : mine.shape[1]] = mine
-            parts = V.new_empty(self.world, k, layer.pad)
+            parts = V.new_empty(self.world, k, module.pad)
             _torch_compat.all_gather_single(parts.view(-1), send.view(-1), group=self.group)
-            whole = parts.transpose(0, 1).reshape(k, -1).index_select(1, layer.place)
-            out.index_copy_(1, layer.take, fn(layer.op, whole).index_select(1, layer.mine))
+            whole = parts.transpose(0, 1).reshape(k, -1).index_select(1, module.place)
+            out.index_copy_(1, module.take, fn(module.op, whole).index_select(1, module.mine))
         return out
 
     def eigen(self) -> list[Eigen]:
-        return [e for layer in self.layers for e in layer.op._eigen()]
+        return [e for module in self.modules for e in module.op._eigen()]
 
     def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
         """This rank's shard of :meth:`KroneckerOperator.eigenvector`'s ``u_G,i ⊗ u_A,j``."""
-        layer = next(layer for layer in self.layers if block in layer.blocks)
-        whole = layer.op.eigenvector(block - layer.blocks.start, i, j)
+        module = next(module for module in self.modules if block in module.blocks)
+        whole = module.op.eigenvector(block - module.blocks.start, i, j)
         out = torch.zeros(self.local.size, dtype=self.local.dtype, device=self.local.device)
-        return out.index_copy_(0, layer.take, whole.index_select(0, layer.mine))
+        return out.index_copy_(0, module.take, whole.index_select(0, module.mine))
 
 
-class ShardedKroneckerMixin(LayerKroneckerOperator):
+class ShardedKroneckerMixin(ModuleKroneckerOperator):
     """Turns a KFAC-family operator into its version for a model sharded with FSDP2.
 
     ``class FSDPMyKFAC(ShardedKroneckerMixin, MyKFAC)`` takes ``MyKFAC``'s arguments plus
@@ -299,12 +301,12 @@ class ShardedKroneckerMixin(LayerKroneckerOperator):
     of batches (their sizes may differ), and the factors' sums are summed over the ranks as in
     :class:`KroneckerDataParallelMixin`: the factors of the union of the ranks' batches.
 
-    The factors are **replicated**: every rank stores every layer's ``G`` and ``A`` (sharding them
-    by layer is a possible later step). Vectors are **sharded** like the parameters (NOTE
+    The factors are **replicated**: every rank stores every module's ``G`` and ``A`` (sharding them
+    by module is a possible later step). Vectors are **sharded** like the parameters (NOTE
     [sharded vector layout]): ``op.size`` is this rank's length, ``op.global_size`` the whole,
     ``op.layout`` this rank's shards and ``op.global_layout`` the whole parameters; pass
     ``op.backend`` (a :class:`DistributedBackend`) to the algorithms. Products, ``inverse`` and
-    ``eigenvector`` gather one layer of the vector at a time (NOTE [sharded Kronecker factors]);
+    ``eigenvector`` gather one factor module of the vector at a time (NOTE [sharded Kronecker factors]);
     ``factors``, ``eigh``, ``trace``, ``logdet`` are the whole operator's, the same on every rank.
     Monte-Carlo draws are keyed by rank, as in :class:`DDPKFACOperator`.
 
@@ -334,11 +336,11 @@ class ShardedKroneckerMixin(LayerKroneckerOperator):
         self._shard_vectors()
 
     def _shard_vectors(self) -> None:
-        """From here on vectors are this rank's shards: the layers' blocks over their whole
-        parameters, and where each layer's entries sit on the ranks."""
+        """From here on vectors are this rank's shards: the modules' blocks over their whole
+        parameters, and where each module's entries sit on the ranks."""
         whole = self.layout
         local = ParamLayout.from_named([(n, local_shard(p)) for n, p in self.named_params])
-        layers, first = [], 0
+        modules, first = [], 0
         for _, group in itertools.groupby(self._blocks, key=lambda b: b.module):
             blocks = list(group)
             indices = sorted({i for b in blocks for i in (b.weight, b.bias) if i is not None})
@@ -354,13 +356,13 @@ class ShardedKroneckerMixin(LayerKroneckerOperator):
             public = [self._public_block(b) for b in blocks]
             op = KroneckerOperator(sub, public, damping=self.damping)
             span = range(first, first + len(blocks))
-            layers.append(
-                _ShardedLayer(
+            modules.append(
+                _ShardedModule(
                     op, span, whole, local, indices, self.ranks.rank, self.ranks.world_size
                 )
             )
             first += len(blocks)
-        self.ranks.module_blocks = _ShardedBlocks(layers, local, self.ranks.group)
+        self.ranks.module_blocks = _ShardedBlocks(modules, local, self.ranks.group)
         self.global_layout, self.global_size = whole, whole.size
         self.layout, self._size = local, local.size
         self.backend = DistributedBackend(self.ranks.group)
