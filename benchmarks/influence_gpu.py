@@ -42,7 +42,13 @@ def build_model(layers: int, dtype: torch.dtype, device: str) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, attn_implementation="eager")
     model = transformers.GPT2LMHeadModel(config)
-    for module in list(model.modules()):  # Conv1D (x @ W + b, W (in, out)) as nn.Linear of Wᵀ
+    return conv1d_as_linear(model).to(device=device, dtype=dtype).eval()
+
+
+def conv1d_as_linear(model: nn.Module) -> nn.Module:
+    """HuggingFace's Conv1D (``x @ W + b``, ``W (in, out)``) replaced by the nn.Linear of ``Wᵀ``,
+    which Kronfluence tracks; in place."""
+    for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child).__name__ == "Conv1D":
                 linear = nn.Linear(child.weight.shape[0], child.weight.shape[1])
@@ -50,7 +56,7 @@ def build_model(layers: int, dtype: torch.dtype, device: str) -> nn.Module:
                     linear.weight.copy_(child.weight.T)
                     linear.bias.copy_(child.bias)
                 setattr(module, name, linear)
-    return model.to(device=device, dtype=dtype).eval()
+    return model
 
 
 class Sequences(Dataset[dict[str, torch.Tensor]]):

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hessian_eigenthings import influence
+
+sys.path.insert(0, str(Path(__file__).parent))
+from influence_gpu import conv1d_as_linear
 
 N_TRAIN, N_QUERY, LENGTH, BATCH = 64, 8, 12, 8
 DAMPING = 1e-3
@@ -58,16 +63,7 @@ def build_model() -> nn.Module:
         eos_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config)
-    # Conv1D (x @ W + b, W stored (in, out)) as the nn.Linear of weight Wᵀ: Kronfluence tracks Linear
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child).__name__ == "Conv1D":
-                linear = nn.Linear(child.weight.shape[0], child.weight.shape[1])
-                with torch.no_grad():
-                    linear.weight.copy_(child.weight.T)
-                    linear.bias.copy_(child.bias)
-                setattr(module, child_name, linear)
-    return model
+    return conv1d_as_linear(model)  # Kronfluence tracks nn.Linear
 
 
 def sequences(n: int, generator: torch.Generator) -> torch.Tensor:
