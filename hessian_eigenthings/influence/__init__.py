@@ -7,6 +7,7 @@ default), K-FAC, the exact GGN or the damped Hessian of the task's objective.
 
     fitted = influence.fit(model, train_data, influence.causal_lm_task())
     scores = fitted.pairwise_scores(query_data, train_data)   # (n_query, n_train)
+    tokens = fitted.token_scores(query_data, train_data)      # (n_query, n_train, positions)
     print(influence.top_k(scores, 5, train_data=train_data, tokenizer=tokenizer))
 
 Data-parallel and FSDP scoring are not provided yet.

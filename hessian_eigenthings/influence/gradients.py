@@ -40,7 +40,7 @@ from hessian_eigenthings.param_utils import ParamLayout
 #: stored ``(in, out)``)
 _CONV1D = "Conv1D"
 
-__all__ = ["PerExampleGradients"]
+__all__ = ["PerExampleGradients", "position_scores"]
 
 PerExampleLoss = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -226,6 +226,9 @@ def _linear_slots(model: nn.Module, layout: ParamLayout) -> list[_LinearSlot] | 
     return list(slots.values()) or None
 
 
+LayerUse = Callable[["_LinearSlot", torch.Tensor, torch.Tensor], None]
+
+
 def _linear_gradients(
     model: nn.Module,
     loss: PerExampleLoss,
@@ -235,29 +238,84 @@ def _linear_gradients(
     B: int,
 ) -> torch.Tensor:
     """Rows ``(B, n)`` from one forward and backward (NOTE [per-example gradients of linear
-    layers]); raises :class:`_NotLinear` when a layer is not called exactly once.
+    layers]); raises :class:`_NotLinear` when a layer is not called exactly once."""
+    rows = torch.zeros(B, layout.size, dtype=layout.dtype, device=layout.device)
+    views = layout.split_rows(rows)
+
+    def use(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
+        if slot.weight is not None:
+            if slot.conv1d:
+                views[slot.weight].copy_(torch.bmm(a3.transpose(1, 2), g3))  # (B, in, out)
+            else:
+                views[slot.weight].copy_(torch.bmm(g3.transpose(1, 2), a3))  # (B, out, in)
+        if slot.bias is not None:
+            views[slot.bias].copy_(g3.sum(1))
+
+    linear_backward(model, loss, slots, batch, B, use)
+    return rows
+
+
+def position_scores(
+    grads: PerExampleGradients, batch: Batch, Q: torch.Tensor
+) -> torch.Tensor | None:
+    """``(k, B, positions)``: for each row ``q`` of ``Q (k, n)`` and each example and input
+    position ``t`` of ``batch``, ``Σ_layers ⟨q, g_t a_tᵀ⟩`` (and ``⟨q_bias, g_t⟩``), the share of
+    position ``t`` in ``⟨q, ∇L(z)⟩`` (NOTE [per-example gradients of linear layers]: the example's
+    gradient is the sum of these terms over its positions). None when the hooked path does not
+    apply to the model."""
+    slots = grads.linear
+    if slots is None:
+        return None
+    B = batch_size(batch)
+    k = Q.shape[0]
+    views = grads.layout.split_rows(Q.to(grads.layout.dtype))
+    out: list[torch.Tensor] = []
+
+    def use(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
+        total = torch.zeros(k, B, g3.shape[1], dtype=g3.dtype, device=g3.device)
+        if slot.weight is not None:
+            W = views[slot.weight]
+            W = W.transpose(1, 2) if slot.conv1d else W  # (k, out, in)
+            h = torch.einsum("btj,kij->kbti", a3, W)  # (k, B, positions, out)
+            total += (h * g3.unsqueeze(0)).sum(-1)
+        if slot.bias is not None:
+            total += torch.einsum("bti,ki->kbt", g3, views[slot.bias])
+        out.append(total)
+
+    try:
+        linear_backward(grads.model, grads.loss, slots, batch, B, use)
+    except _NotLinear:
+        return None
+    if not out:
+        return torch.zeros(k, B, 0, dtype=Q.dtype, device=Q.device)
+    return torch.stack(out).sum(0).to(Q.dtype)
+
+
+def linear_backward(
+    model: nn.Module,
+    loss: PerExampleLoss,
+    slots: list[_LinearSlot],
+    batch: Batch,
+    B: int,
+    use: LayerUse,
+) -> None:
+    """One forward and backward of ``loss(model, batch).sum()``, calling ``use(slot, a, g)`` for
+    each layer with its input ``a`` and output gradient ``g``, both ``(B, positions, ·)``.
 
     Each layer's output gradient is used as the backward reaches it and then dropped (a tensor
     hook on ``output + 0``, the backward asked for the gradient of that shared zero only), so
-    the backward never holds every layer's output gradient at once."""
-    rows = torch.zeros(B, layout.size, dtype=layout.dtype, device=layout.device)
-    views = layout.split_rows(rows)
-    zero = torch.zeros((), dtype=layout.dtype, device=layout.device, requires_grad=True)
+    the backward never holds every layer's output gradient at once. Raises :class:`_NotLinear`
+    when a layer is not called exactly once or the loss is not one value per example."""
+    first = next(iter(slots)).module
+    param = next(first.parameters())
+    zero = torch.zeros((), dtype=param.dtype, device=param.device, requires_grad=True)
     called: set[int] = set()
 
     def consume(slot: _LinearSlot, a: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def use(g: torch.Tensor) -> None:
-            g3 = g.reshape(B, -1, g.shape[-1])  # (B, positions, out)
-            if slot.weight is not None:
-                a3 = a.reshape(B, -1, a.shape[-1])  # (B, positions, in)
-                if slot.conv1d:
-                    views[slot.weight].copy_(torch.bmm(a3.transpose(1, 2), g3))  # (B, in, out)
-                else:
-                    views[slot.weight].copy_(torch.bmm(g3.transpose(1, 2), a3))  # (B, out, in)
-            if slot.bias is not None:
-                views[slot.bias].copy_(g3.sum(1))
+        def on_grad(g: torch.Tensor) -> None:
+            use(slot, a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]))
 
-        return use
+        return on_grad
 
     def keep(i: int) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor]:
         def hook(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
@@ -280,4 +338,3 @@ def _linear_gradients(
     if len(called) != len(slots) or tuple(losses.shape) != (B,):
         raise _NotLinear
     torch.autograd.grad(losses.sum(), [zero], allow_unused=True)
-    return rows

@@ -48,7 +48,7 @@ from hessian_eigenthings.batching import (
     map_tensors,
     no_batch_message,
 )
-from hessian_eigenthings.influence.gradients import PerExampleGradients
+from hessian_eigenthings.influence.gradients import PerExampleGradients, position_scores
 from hessian_eigenthings.influence.tasks import InfluenceTask
 from hessian_eigenthings.operators import (
     EKFACOperator,
@@ -279,7 +279,8 @@ class Influence:
 
     ``pairwise_scores(query_data, train_data)`` ``(n_query, n_train)``,
     ``self_influence(train_data)`` ``(n_train,)``, ``gradients(batch)`` ``(B, n)``,
-    ``precondition(G)`` ``(C + λI)⁻¹`` applied to rows ``(k, n)``. Scores follow NOTE
+    ``precondition(G)`` ``(C + λI)⁻¹`` applied to rows ``(k, n)``, ``token_scores(query_data,
+    train_data)`` ``(n_query, n_train, positions)``. Scores follow NOTE
     [influence sign] (module docstring): positive raises the query's loss.
     """
 
@@ -464,6 +465,44 @@ class Influence:
                 out.append(-(self.precondition(G) * G).sum(1))
                 bar.update(1)
         return torch.cat(out)
+
+    def token_scores(
+        self,
+        query_data: Iterable[Batch],
+        train_data: Iterable[Batch],
+        *,
+        progress: bool | None = None,
+    ) -> torch.Tensor:
+        """Each training position's share of the pairwise scores, ``(n_query, n_train,
+        positions)``: ``−Σ_layers ⟨(C + λI)⁻¹∇L(q), g_t a_tᵀ⟩`` for the input position ``t`` of
+        a training sequence (``a_t`` a layer's input there, ``g_t`` the sequence loss's gradient
+        at the layer's output there), so the positions of an example sum to its
+        :meth:`pairwise_scores` entry (NOTE [per-example gradients of linear layers]). Needs the
+        scored parameters to be ``nn.Linear`` / ``Conv1D`` weights and biases (the Kronecker
+        routes' default selection) and every training batch of one length."""
+        first = _first_batch(train_data, "train_data")
+        Q = self.query_gradients(query_data, examples_at_once=max(1, batch_size(first)))
+        out: list[torch.Tensor] = []
+        with progress_bar(_length(train_data), "influence token scores", progress) as bar:
+            for i, batch in self._checked_batches(train_data, "train_data"):
+                if not self._grads.linear_checked:
+                    self.gradients(batch)  # the first batch's check of the hooked path
+                scores = position_scores(self._grads, batch, Q)
+                if scores is None:
+                    raise ValueError(
+                        "token_scores needs every scored parameter to be the weight or bias of an "
+                        "nn.Linear / Conv1D layer called once per forward, and examples that do "
+                        "not meet in the forward (the Kronecker routes' default selection; pass "
+                        "param_filter= selecting such layers)"
+                    )
+                if out and scores.shape[2] != out[0].shape[2]:
+                    raise ValueError(
+                        f"token_scores: train_data batch {i} has {scores.shape[2]} positions, the "
+                        f"first {out[0].shape[2]}; pad every batch to one length"
+                    )
+                out.append(-scores)
+                bar.update(1)
+        return torch.cat(out, dim=1)
 
 
 def _length(data: Iterable[Batch]) -> int | None:
