@@ -59,6 +59,7 @@ from hessian_eigenthings.operators import (
 from hessian_eigenthings.operators.engines import EngineName
 from hessian_eigenthings.operators.factor_pass import FisherType, is_hf_conv1d
 from hessian_eigenthings.operators.protocol import CurvatureOperator
+from hessian_eigenthings.operators.ranks import Ranks
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
 
 __all__ = ["Curvature", "Influence", "fit"]
@@ -150,6 +151,7 @@ def fit(
     max_iter: int | None = None,
     engine: EngineName = "auto",
     separate_bias: bool = True,
+    ranks: Ranks | None = None,
 ) -> Influence:
     """The curvature ``C`` of the task's objective over ``train_data``, ready to score.
 
@@ -179,6 +181,16 @@ def fit(
         engine: the exact routes' product engine (``engine=`` of the data operators).
         separate_bias: the Kronecker routes' bias in its own block (default) or joined to its
             weight through a column of ones (``False``: one block per layer, as Kronfluence's).
+        ranks: several processes, each with its own shard of ``train_data`` (NOTE [influence on
+            several ranks]): ``operators.distributed.Replicated()`` for a replicated model; the
+            curvature is that of the union of the shards on every rank. ``None``: one process.
+
+    NOTE [influence on several ranks]: given replicated ranks, the curvature operator is built
+    with them (Kronecker factors summed over the ranks, exact products all-reduced), so ``C``,
+    its default damping and the preconditioned queries are the same on every rank; every rank
+    passes the same queries and its own training shard, and ``pairwise_scores`` /
+    ``token_scores`` / ``self_influence`` return this rank's columns (its shard's examples, in
+    its order). Scores need no communication.
 
     NOTE [tied heads]: a parameter used by two modules (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) has one gradient summing both uses, while a Kronecker block sees
@@ -226,6 +238,7 @@ def fit(
             mc_samples=mc_samples,
             seed=seed,
             separate_bias=separate_bias,
+            ranks=ranks,
         )
         if damping is None:
             damping = 0.1 * float(op.trace()) / op.size
@@ -247,13 +260,16 @@ def fit(
                 task.loss_of_output,
                 param_filter=param_filter,
                 engine=engine,
+                ranks=ranks,
             )
         else:
 
             def loss_fn(m: nn.Module, batch: Batch) -> torch.Tensor:
                 return task.loss_of_output(task.forward(m, batch), batch)
 
-            op = HessianOperator(model, data, loss_fn, param_filter=param_filter, engine=engine)
+            op = HessianOperator(
+                model, data, loss_fn, param_filter=param_filter, engine=engine, ranks=ranks
+            )
     if not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping < 0:
         raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
     if damping == 0 and curvature in ("ggn", "hessian"):
@@ -458,6 +474,13 @@ class Influence:
     ) -> torch.Tensor:
         """``score(z, z) = −∇L(z)ᵀ (C + λI)⁻¹ ∇L(z)`` for every training example, ``(n_train,)``
         (never positive: ``C + λI`` is positive definite on the GGN and Kronecker routes)."""
+        ranks = getattr(self.operator, "ranks", None)
+        if self.curvature in ("ggn", "hessian") and ranks is not None and ranks.distributed:
+            raise ValueError(
+                f"self_influence on several ranks runs on the Kronecker routes: curvature="
+                f"{self.curvature!r} solves one system per training example, and each rank's "
+                "examples differ while its products are collective"
+            )
         out: list[torch.Tensor] = []
         with progress_bar(_length(train_data), "self-influence", progress) as bar:
             for _, batch in self._checked_batches(train_data, "train_data"):

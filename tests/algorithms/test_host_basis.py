@@ -11,11 +11,6 @@ the storage's own counters (numbers staged, copied in and out), never from timin
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,12 +35,12 @@ from hessian_eigenthings.linalg import SingleDeviceBackend
 from hessian_eigenthings.operators import HessianOperator
 from hessian_eigenthings.operators.base import LambdaOperator
 from tests.algorithms.spectra import dense_matrix, spectrum
+from tests.launch import launch_ranks
 
 # the package's `lanczos` attribute is the function: the module by its name
 lanczos_mod = importlib.import_module("hessian_eigenthings.algorithms.lanczos")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 N = 200
 TOL = 1e-12  # float64: the streamed sums differ from the device's in order only
 
@@ -317,50 +312,11 @@ def test_host_basis_spectral_density_checkpoint(
 LAUNCH_DEADLINE_S = 170
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(world: int, out: Path) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        )
-        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 -- closed below
-        worker = [sys.executable, str(HERE / "_host_basis_worker.py"), str(out)]
-        procs.append((subprocess.Popen(worker, env=env, cwd=REPO, stdout=log, stderr=log), log))
-    try:
-        for rank, (p, _) in enumerate(procs):
-            try:
-                code = p.wait(timeout=LAUNCH_DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} still running after {LAUNCH_DEADLINE_S} s (a hang?)")
-            text = (out / f"log{rank}.txt").read_text()
-            assert code == 0, f"rank {rank} exited with {code}:\n{text[-4000:]}"
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed, gloo"
 )
 def test_host_basis_on_sharded_vectors_over_gloo(tmp_path: Path) -> None:
-    results = _launch(2, tmp_path)
+    results = launch_ranks(HERE / "_host_basis_worker.py", 2, tmp_path, LAUNCH_DEADLINE_S)
     for rank, res in enumerate(results):
         for name, check in res.items():
             assert "error" not in check, f"rank {rank}, {name}: {check.get('traceback')}"
