@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings import influence
+from tests.influence.tiny import tiny_gpt2
 
 DAMPING = 1e-2
 
@@ -34,19 +35,7 @@ def _mlp() -> tuple[nn.Module, list[Any], list[Any]]:
 
 
 def _gpt2(vocab: int = 11) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=vocab,
-        n_positions=8,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(1)
-    return transformers.GPT2LMHeadModel(config).double().eval()  # type: ignore[no-any-return]
+    return tiny_gpt2(vocab)
 
 
 def _lm_data() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:

@@ -11,22 +11,11 @@ import torch
 from torch import nn
 
 from hessian_eigenthings import influence
+from tests.influence.tiny import tiny_gpt2
 
 
-def _gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=11,
-        n_positions=8,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(1)
-    return transformers.GPT2LMHeadModel(config).double().eval()  # type: ignore[no-any-return]
+def _gpt2(vocab: int = 11) -> nn.Module:
+    return tiny_gpt2(vocab)
 
 
 def _data() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:

@@ -1,0 +1,24 @@
+"""The tests' tiny causal LM: a one-layer GPT-2 from a config, float64, eval mode."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+
+def tiny_gpt2(vocab: int = 11, seed: int = 1) -> nn.Module:
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).double().eval()  # type: ignore[no-any-return]
