@@ -176,8 +176,10 @@ def fit(
             ``"type2"`` for outputs of at most 16 classes (one batched backward), else ``"mc"`` (a language model's
             vocabulary: type-2 takes a backward per 16 classes, mc one per batch; Kronfluence
             samples one label per token too).
-        mc_samples, seed: of ``fisher_type="mc"``.
-        tol, max_iter: of the exact routes' solves (relative residual, iterations per column).
+        mc_samples: labels drawn per output for ``fisher_type="mc"``.
+        seed: the draws' seed for ``fisher_type="mc"``.
+        tol: the exact routes' solves' relative residual.
+        max_iter: the exact routes' solves' iterations per column.
         engine: the exact routes' product engine (``engine=`` of the data operators).
         separate_bias: the Kronecker routes' bias in its own block (default) or joined to its
             weight through a column of ones (``False``: one block per layer, as Kronfluence's).
