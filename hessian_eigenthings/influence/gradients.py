@@ -34,11 +34,8 @@ import torch
 from torch import nn
 
 from hessian_eigenthings.batching import Batch, batch_size, map_tensors
+from hessian_eigenthings.operators.factor_pass import is_hf_conv1d
 from hessian_eigenthings.param_utils import ParamLayout
-
-#: HuggingFace's Conv1D, recognized by name without importing transformers (``x @ W + b``, ``W``
-#: stored ``(in, out)``)
-_CONV1D = "Conv1D"
 
 __all__ = ["PerExampleGradients", "position_scores"]
 
@@ -218,7 +215,7 @@ def _linear_slots(model: nn.Module, layout: ParamLayout) -> list[_LinearSlot] | 
         if len(uses) != 1 or not p.requires_grad:
             return None
         module, role = uses[0]
-        conv1d = type(module).__name__ == _CONV1D
+        conv1d = is_hf_conv1d(module)  # x @ W + b, W stored (in, out)
         if not (isinstance(module, nn.Linear) or conv1d) or role not in ("weight", "bias"):
             return None
         slot = slots.setdefault(id(module), _LinearSlot(module, conv1d))
@@ -269,26 +266,26 @@ def position_scores(
     B = batch_size(batch)
     k = Q.shape[0]
     views = grads.layout.split_rows(Q.to(grads.layout.dtype))
-    out: list[torch.Tensor] = []
+    total: list[torch.Tensor] = []  # one (k, B, positions) sum, made by the first layer reached
 
     def use(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
-        total = torch.zeros(k, B, g3.shape[1], dtype=g3.dtype, device=g3.device)
+        if not total:
+            total.append(torch.zeros(k, B, g3.shape[1], dtype=g3.dtype, device=g3.device))
         if slot.weight is not None:
             W = views[slot.weight]
             W = W.transpose(1, 2) if slot.conv1d else W  # (k, out, in)
             h = torch.einsum("btj,kij->kbti", a3, W)  # (k, B, positions, out)
-            total += (h * g3.unsqueeze(0)).sum(-1)
+            total[0] += (h * g3.unsqueeze(0)).sum(-1)
         if slot.bias is not None:
-            total += torch.einsum("bti,ki->kbt", g3, views[slot.bias])
-        out.append(total)
+            total[0] += torch.einsum("bti,ki->kbt", g3, views[slot.bias])
 
     try:
         linear_backward(grads.model, grads.loss, slots, batch, B, use)
     except _NotLinear:
         return None
-    if not out:
+    if not total:
         return torch.zeros(k, B, 0, dtype=Q.dtype, device=Q.device)
-    return torch.stack(out).sum(0).to(Q.dtype)
+    return total[0].to(Q.dtype)
 
 
 def linear_backward(
