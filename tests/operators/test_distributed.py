@@ -9,15 +9,13 @@ a hang fails the test instead of blocking CI.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+
+from tests.launch import REPO, launch
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -25,8 +23,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-LAUNCH_DEADLINE_S = 170
 
 # float64 products on the union of the shards agree with one process to rounding;
 # central differences agree with autograd to O(h²) + rounding/h.
@@ -34,97 +30,11 @@ ROUNDING = 1e-13
 FD = 1e-8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# A rank of the CPU/gloo group once died of heap corruption in the C++ runtime ("malloc():
-# unaligned tcache chunk detected", no Python traceback, its results never written) while two
-# tox environments ran beside the suite on the 2-core machine; six more launches of the same
-# worker passed, and so did the suite before and after. Such a native crash (and only that)
-# relaunches the group once; a second one, or any Python error, fails as before.
-NATIVE_CRASH = (
-    "malloc(): ",
-    "double free",
-    "corrupted ",
-    "Segmentation fault",
-    "Fatal Python error",
-)
-
-
 def rank_results(world: int, out: Path, worker: str, *args: str) -> list[dict[str, Any]]:
     """Launch ``world`` ranks of the worker script ``worker`` (in this folder) writing to ``out``;
     what each rank wrote (``out/rank{r}.json``)."""
     launch(world, out, [str(HERE / worker), str(out), *args])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def launch(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` ranks of ``argv`` (a script and its arguments); kill them all at the
-    deadline; relaunch once after a native crash (above)."""
-    results = _launch_once(world, out, argv)
-    crashed = any(r.returncode != 0 and any(m in r.stdout for m in NATIVE_CRASH) for r in results)
-    if crashed:
-        for rank in range(world):
-            (out / f"rank{rank}.json").unlink(missing_ok=True)
-        results = _launch_once(world, out, argv)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} exited with {r.returncode}:\n{r.stdout[-4000:]}"
-    return results
-
-
-def _launch_once(world: int, out: Path, argv: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        )
-        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 -- closed below
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, *argv],
-                    env=env,
-                    cwd=REPO,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                ),
-                log,
-            )
-        )
-    results = []
-    try:
-        for rank, (p, _log) in enumerate(procs):
-            try:
-                p.wait(timeout=LAUNCH_DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(
-                    f"rank {rank} of {world} still running after {LAUNCH_DEADLINE_S} s (a hang?)"
-                )
-            results.append(
-                subprocess.CompletedProcess(
-                    argv, p.returncode, (out / f"log{rank}.txt").read_text(), ""
-                )
-            )
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    return results
 
 
 def test_a_native_crash_relaunches_the_group_once(tmp_path: Path) -> None:
