@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["checkpoint_path", "load_checkpoint", "remove_checkpoint", "save_checkpoint"]
+__all__ = [
+    "checkpoint_path",
+    "load_checkpoint",
+    "rank_entries",
+    "remove_checkpoint",
+    "save_checkpoint",
+]
 
 _FORMAT = 1
 
@@ -29,6 +35,34 @@ _FORMAT = 1
 # either call. Results are bit for bit those of an uninterrupted call on the same device and
 # versions (torch, BLAS, thread count); a checkpoint belongs to one operator, which the file
 # cannot check beyond its size and dtype.
+
+# NOTE [checkpoints of sharded runs]
+# On sharded vectors each rank saves its own file: its piece of every basis vector, and its
+# generator, which draws this rank's pieces of the probes from a stream of its own (seed +
+# 1_000_003 · rank, `make_generator`). Another rank's file has pieces of another length (or,
+# with equal shards, of other entries) and, worse, that rank's generator: resumed, two ranks
+# would draw identical pieces from then on, a silently wrong probe distribution (SLQ's file
+# holds only global numbers besides it, so nothing else would catch that). A file of another
+# rank count cuts the vectors elsewhere. So a sharded call records its rank and world size
+# (`rank_entries`) and a file is refused, in one line naming both, unless it was written by
+# the same rank of as many ranks; one process records nothing (its files are as before), and
+# a replicated (DDP) run has whole vectors and one stream on every rank, so its ranks'
+# files are interchangeable.
+
+
+def rank_entries(backend: Any) -> dict[str, int]:
+    """``{"rank", "world_size"}`` of a sharded ``backend`` for a checkpoint's config; empty on
+    one process or replicated vectors (NOTE [checkpoints of sharded runs])."""
+    world = int(getattr(backend, "world_size", 1))
+    if world <= 1:
+        return {}
+    return {"rank": int(getattr(backend, "rank", 0)), "world_size": world}
+
+
+def _ranks_of(config: dict[str, Any]) -> str:
+    if config.get("world_size") is None:
+        return "one process (no rank recorded)"
+    return f"rank {config.get('rank')} of {config['world_size']}"
 
 
 def checkpoint_path(checkpoint: str | os.PathLike[str] | None) -> Path | None:
@@ -92,6 +126,14 @@ def load_checkpoint(
             f"{where} was written by {payload['algorithm']}, not {algorithm}; pass another file"
         )
     saved = payload["config"]
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where} is not a {algorithm} checkpoint; remove it or pass another file")
+    written, now = _ranks_of(saved), _ranks_of(config)
+    if written != now:  # NOTE [checkpoints of sharded runs]
+        raise ValueError(
+            f"{where} was written by {written}, this is {now}: resume on as many ranks as "
+            "wrote it, each rank from its own file"
+        )
     diff = [
         f"{key}: {saved.get(key)!r} in the file, {value!r} now"
         for key, value in config.items()

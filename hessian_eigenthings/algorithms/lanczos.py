@@ -51,6 +51,7 @@ from hessian_eigenthings._checks import InternalError, check_count
 from hessian_eigenthings.algorithms._checkpoint import (
     checkpoint_path,
     load_checkpoint,
+    rank_entries,
     remove_checkpoint,
     save_checkpoint,
 )
@@ -176,7 +177,8 @@ def lanczos(
             in Jupyter, elsewhere a log line on stderr every 30 s.
         checkpoint: a file to save the iteration to and to resume from, bit for bit
             (NOTE [resumable lanczos] in ``krylov``); one of other arguments is refused; a finished call
-            deletes it. One file per rank.
+            deletes it. One file per rank (another rank's, or one of another rank count, is
+            refused).
         checkpoint_every: save every this many products; default: at each thick restart.
         basis_device: where the Krylov basis lives; default (``None``) the operator's device.
             ``"cpu"``: in host memory (pinned when the operator is on CUDA), moved to the
@@ -205,6 +207,8 @@ def lanczos(
     start = _start_block(v0, plan, op.device, gen, backend)
     # the digest reads the whole warm start on the host: only when there is a file
     saves.config = plan.config(op, seed, _digest(v0) if saves.path is not None else None)
+    # a sharded run's file holds its rank's pieces: NOTE [checkpoints of sharded runs]
+    saves.config.update(rank_entries(backend))
     if resuming:
         run = saves.resume(plan, op, backend, gen)
     else:

@@ -28,6 +28,7 @@ from hessian_eigenthings._checks import check_count
 from hessian_eigenthings.algorithms._checkpoint import (
     checkpoint_path,
     load_checkpoint,
+    rank_entries,
     save_checkpoint,
 )
 from hessian_eigenthings.algorithms._common import (
@@ -101,7 +102,8 @@ def spectral_density(
             from (NOTE [resumable density]): a call that finds the file skips the runs
             it holds and gives the same result, bit for bit, as an uninterrupted call
             with the same arguments. The file is kept (a finished one returns at once).
-            With a sharded backend, give each rank a file of its own.
+            With a sharded backend, give each rank a file of its own (another rank's, or one
+            of another rank count, is refused).
         checkpoint_runs: runs per group when checkpointing (default: as many as
             ``memory_budget`` allows): the most work an interruption can lose.
         basis_device: where the reorthogonalized bases live; default (``None``) the
@@ -142,6 +144,7 @@ def spectral_density(
         "reorthogonalize": reorthogonalize,
         "work_dtype": str(wd),
         "op_dtype": str(op.dtype),
+        **rank_entries(backend),  # NOTE [checkpoints of sharded runs] in `_checkpoint`
     }
     if where is not None and reorthogonalize:  # sums over panels of this width
         config["basis_panel"] = panel_width(group * steps, n, wd, CHUNK_BYTES)
