@@ -86,6 +86,7 @@ from hessian_eigenthings.operators.factor_pass import (
     Retry,
     WeightedSum,
     input_moment,
+    input_rows,
 )
 from hessian_eigenthings.operators.kronecker import (
     KroneckerBlock,
@@ -272,14 +273,17 @@ class _KFACFactors(ModuleKroneckerOperator):
         def on_input(module: FactorModule, x: torch.Tensor, size: float) -> None:
             if module.weight is None:
                 return
+            flat = input_rows(module, x, self.factor_dtype, reduce)
+            if flat is not None:  # the batch's mean over rows, weighted by its size
+                sums_A.setdefault(module.name, WeightedSum()).addgram(flat, size / flat.shape[0])
+                return
             S, rows = input_moment(module, x, self.factor_dtype, reduce)
-            # the batch's mean over rows, weighted by its size
             sums_A.setdefault(module.name, WeightedSum()).add(S, size / rows)
 
         def visit(module: FactorModule, _a: torch.Tensor, g: torch.Tensor, size: float) -> None:
             g = g.sum(2, keepdim=True) if reduce else g
             flat = g.reshape(-1, g.shape[-1])
-            sums_G.setdefault(module.name, WeightedSum()).addmm(flat.T, flat, size)
+            sums_G.setdefault(module.name, WeightedSum()).addgram(flat, size)
 
         try:
             total = self._pass.run(visit, on_input)
