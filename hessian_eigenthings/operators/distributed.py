@@ -12,7 +12,9 @@ forms; the mechanisms live beside it, one module each:
 - ``operators.sharded``: parameters sharded with FSDP2, vectors sharded (the ``FSDP*`` data
   operators; the sharded layer walk and central differences, NOTE [sharded vector layout]);
 - ``operators.sharded_kronecker``: Kronecker factors of an FSDP2 model (NOTE [sharded Kronecker
-  factors]).
+  factors]);
+- ``operators.factor_owners``: Kronecker factors placed by module, each module's on one rank
+  (``factor_placement="by_module"``, NOTE [Kronecker factors by module]).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from hessian_eigenthings.operators.replicated import (
     DDPGGNOperator,
     DDPHessianOperator,
     DDPKFACOperator,
+    DDPKFOCOperator,
     KroneckerDataParallelMixin,
 )
 from hessian_eigenthings.operators.sharded import (
@@ -46,6 +49,7 @@ from hessian_eigenthings.operators.sharded import (
 from hessian_eigenthings.operators.sharded_kronecker import (
     FSDPEKFACOperator,
     FSDPKFACOperator,
+    FSDPKFOCOperator,
     ShardedFactors,
     ShardedKroneckerMixin,
 )
@@ -57,6 +61,7 @@ __all__ = [
     "DDPGGNOperator",
     "DDPHessianOperator",
     "DDPKFACOperator",
+    "DDPKFOCOperator",
     "DataParallelMixin",
     "DistributedBackend",
     "DistributedProductError",
@@ -65,6 +70,7 @@ __all__ = [
     "FSDPGGNOperator",
     "FSDPHessianOperator",
     "FSDPKFACOperator",
+    "FSDPKFOCOperator",
     "KroneckerDataParallelMixin",
     "RankGroup",
     "Ranks",
@@ -85,12 +91,14 @@ for _cls in (
     DDPGGNOperator,
     DDPHessianOperator,
     DDPKFACOperator,
+    DDPKFOCOperator,
     DistributedProductError,
     FSDPEKFACOperator,
     FSDPEmpiricalFisherOperator,
     FSDPGGNOperator,
     FSDPHessianOperator,
     FSDPKFACOperator,
+    FSDPKFOCOperator,
     KroneckerDataParallelMixin,
     ShardedKroneckerMixin,
     ShardedMixin,

@@ -80,6 +80,12 @@ from hessian_eigenthings.operators.factor_options import (
     factor_options,
     with_options_signature,
 )
+from hessian_eigenthings.operators.factor_owners import (
+    ReplicatedOwnedBlocks,
+    assign_owners,
+    factor_numels,
+    refuse_not_finite_by_module,
+)
 from hessian_eigenthings.operators.factor_pass import (
     FactorModule,
     FactorPass,
@@ -123,9 +129,22 @@ class ModuleKroneckerOperator(KroneckerOperator):
     from its factors."""
 
     excluded_parameters: tuple[str, ...]
+    #: whether a separate bias keeps a ``G`` of its own (KFOC), for the factors' sizes
+    _separate_bias_factor = False
 
     def _start_pass(self, factor_pass: FactorPass) -> None:
         self.ranks.start_factor_pass(factor_pass)  # its key by rank; sharded: agreed batches
+        #: ``{module: rank}`` with ``factor_placement="by_module"`` (NOTE [Kronecker factors
+        #: by module] in ``factor_owners``), else ``None``
+        self._owners: dict[str, int] | None = None
+        if self.ranks.factor_placement == "by_module":
+            if self.ranks.module_blocks is not None:
+                raise ValueError(
+                    "these ranks already hold another operator's factors by module; build one "
+                    "ranks object per operator"
+                )
+            sizes = factor_numels(factor_pass, self._separate_bias_factor)
+            self._owners = assign_owners(sizes, self.ranks.world_size)
         self._pass = factor_pass
         self.model = factor_pass.model
         self.forward_fn = factor_pass.forward_fn
@@ -176,6 +195,17 @@ class ModuleKroneckerOperator(KroneckerOperator):
         blocks = []
         for module in self._pass.modules:
             name = module.name
+            if not self._owns(name):  # another rank's module: its slots hold nothing
+                if module.weight is not None:
+                    bias = module.bias if module.joint else None
+                    blocks.append(
+                        factor_slot(
+                            self.layout, module.weight, bias, name, None, None, module.transposed
+                        )
+                    )
+                if module.bias is not None and not module.joint:
+                    blocks.append(factor_slot(self.layout, None, module.bias, name, None, None))
+                continue
             if module.weight is not None:
                 bias = module.bias if module.joint else None
                 G, A = G_of[name], A_of[name]
@@ -185,13 +215,36 @@ class ModuleKroneckerOperator(KroneckerOperator):
             if module.bias is not None and not module.joint:
                 own = G_of[name] if bias_G_of is None else bias_G_of[name]
                 blocks.append(factor_slot(self.layout, None, module.bias, name, own, None))
-        self._init_blocks(self.layout, blocks)
+        self._init_blocks(self.layout, blocks, factor_dtype=self.factor_dtype)
+        self._place_factors()
+
+    def _owns(self, module: str) -> bool:
+        """Whether this rank holds ``module``'s factors (every one unless placed by module)."""
+        return self._owners is None or self._owners[module] == self.ranks.rank
+
+    def _place_factors(self) -> None:
+        """With factors by module, the blocks module by module, each on its owner (NOTE
+        [Kronecker factors by module])."""
+        if self._owners is not None:
+            self.ranks.module_blocks = ReplicatedOwnedBlocks(
+                self,
+                self._owners,
+                self.ranks.agreement,  # type: ignore[attr-defined]
+            )
 
     def _refuse_not_finite(self, factors: list[tuple[str, str, torch.Tensor]]) -> None:
         """:func:`refuse_not_finite` of ``(factor, module, tensor)``, naming the parameters that
-        hold NaN or inf, if any (NOTE [factors not finite])."""
+        hold NaN or inf, if any (NOTE [factors not finite]); by module, each rank checks the
+        factors it owns and every rank raises."""
         try:
-            refuse_not_finite(type(self).__name__, factors)
+            if self._owners is not None:
+                refuse_not_finite_by_module(
+                    type(self).__name__,
+                    [(w, m, t if self._owns(m) else None) for w, m, t in factors],
+                    self.ranks.agreement,  # type: ignore[attr-defined]
+                )
+            else:
+                refuse_not_finite(type(self).__name__, factors)
         except ValueError as exc:
             raise ValueError(self._diagnosed(str(exc))) from None
 
@@ -304,17 +357,24 @@ class _KFACFactors(ModuleKroneckerOperator):
                 G_of[name] = self._zero_factor(m)
                 if module.weight is not None:
                     A_of[name] = self._zero_factor(q + int(module.joint))
+        if self._owners is not None:  # each module's sums onto its owner
+            self._sum_owners = [self._owners[n] for n in (*G_of, *A_of)]
         means = iter(self._means([*G_of.values(), *A_of.values()], total))
         return {n: next(means) for n in G_of}, {n: next(means) for n in A_of}
+
+    #: the rank each sum of the running pass is reduced onto (factors by module), else ``None``
+    _sum_owners: list[int] | None = None
 
     def _means(self, sums: list[WeightedSum | torch.Tensor], total: float) -> list[torch.Tensor]:
         """Each weighted sum over the batches divided by the total weight (a plain tensor: a sum
         of zeros). One process: one scaling per sum, none with one batch (NOTE [factor weights
-        applied late]); data parallel: the sums are summed over the processes first."""
+        applied late]); data parallel: the sums are summed over the processes first (by module:
+        onto their owners, ``_sum_owners``; the other ranks' copies are left to be dropped)."""
         if not self.ranks.sums_factors and total > 0:
             return [s.mean(total) if isinstance(s, WeightedSum) else s for s in sums]
         values = [s.mean(1.0) if isinstance(s, WeightedSum) else s for s in sums]
-        total = self.ranks.sum_factors(values, total)
+        owners, self._sum_owners = self._sum_owners, None
+        total = self.ranks.sum_factors(values, total, owners)
         return [v.div_(total) for v in values]
 
 
@@ -378,22 +438,39 @@ class EKFACOperator(_KFACFactors):
     """
 
     def _after_factors(self) -> None:
-        self._kfac_blocks = self._blocks
-        bases = self._eigen()
+        self._kfac_blocks = self._factor_blocks = self._blocks
+        owners = self._by_module()
+        if owners is None:
+            bases = self._eigen()
+        else:  # every block's eigenbasis on every rank for the pass (NOTE [Kronecker factors by module])
+            bases = owners.shared_bases()  # type: ignore[attr-defined]
+            self._sum_owners = [self._owners[b.module] for b in self._blocks]  # type: ignore[index]
         scalings = self.ranks.factor_pass(lambda: self._compute_scalings(bases))
         self._init_blocks(
             self.layout,
             [
                 factor_slot(
-                    self.layout, b.weight, b.bias, b.module, None, None, b.transposed, (D, U_G, U_A)
+                    self.layout,
+                    b.weight,
+                    b.bias,
+                    b.module,
+                    None,
+                    None,
+                    b.transposed,
+                    (D, U_G, U_A) if self._owns(b.module) else None,
                 )
                 for b, D, (_, U_G, U_A) in zip(self._kfac_blocks, scalings, bases, strict=True)
             ],
+            factor_dtype=self.factor_dtype,
         )
+        if owners is not None:
+            self.ranks.module_blocks = None
+            self._place_factors()
 
     @property
     def factors(self) -> tuple[KroneckerBlock, ...]:
         """KFAC's blocks ``G ⊗ A`` (whose eigenbases EKFAC keeps)."""
+        self._refuse_by_module("factors", "op.owned_factors gives this rank's modules' blocks")
         return self._public_factors(self._kfac_blocks)
 
     def _compute_scalings(self, bases: list[Eigen]) -> list[torch.Tensor]:
@@ -440,5 +517,10 @@ class EKFACOperator(_KFACFactors):
 
     @property
     def corrected_eigenvalues(self) -> tuple[torch.Tensor, ...]:
-        """Per block ``(m, q)``: the eigenvalues replacing ``λ_G λ_Aᵀ``."""
+        """Per block ``(m, q)``: the eigenvalues replacing ``λ_G λ_Aᵀ`` (refused with
+        ``factor_placement="by_module"``: ``eigenvalues(by_block=True)`` gathers them)."""
+        self._refuse_by_module(
+            "corrected_eigenvalues",
+            "op.eigenvalues(by_block=True) gathers every block's onto every rank",
+        )
         return tuple(b.eigen[0] for b in self._blocks)  # type: ignore[index]

@@ -50,6 +50,13 @@ Kronecker product, ``R`` has rank one, and KFOC equals KFAC (the first iteration
 the second sees no change). Elsewhere, once converged,
 ``‖B - G_KFOC ⊗ A_KFOC‖_F <= ‖B - G_KFAC ⊗ A_KFAC‖_F``.
 
+Distributed (``DDPKFOCOperator``, ``FSDPKFOCOperator``): each rank runs every pass over its own
+batches and the pass's sums and sample counts are summed over the ranks (one all-reduce per
+pass), so every rank iterates on the union's sums and takes the same decisions; Monte-Carlo
+draws are keyed by rank. Every rank needs every module's current iterate in every pass, so the
+sums are all-reduced even with ``factor_placement="by_module"``, which places only the
+converged factors (NOTE [Kronecker factors by module] in ``factor_owners``).
+
 Cost: ``2·max_iter`` passes over the data at most (one per product with ``R`` or ``Rᵀ``),
 each a forward and a backward per chunk of columns as KFAC's single pass; stopping when the
 input-side factor changes by less than ``tol`` (unit Frobenius norm) between iterations. The
@@ -78,6 +85,7 @@ from hessian_eigenthings.operators.factor_options import (
 )
 from hessian_eigenthings.operators.factor_pass import FactorModule, FactorPass
 from hessian_eigenthings.operators.kfac import ModuleKroneckerOperator
+from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 
 __all__ = ["KFOCOperator", "WeightSharing"]
 
@@ -140,7 +148,7 @@ class KFOCOperator(ModuleKroneckerOperator):
     max_iter=10, tol=1e-4)``:
     the arguments and conventions of :class:`~hessian_eigenthings.operators.KFACOperator` (the
     family's record, :class:`~hessian_eigenthings.operators.factor_options.KroneckerOptions`)
-    but ``kfac_approx`` (KFOC approximates the block itself) and ``ranks``, plus
+    but ``kfac_approx`` (KFOC approximates the block itself), plus
 
     - ``weight_sharing``: ``"sample"`` (a sample's gradient sums the positions of a Conv2d or
       a Linear on ``(N, T, d)``: the exact block for a loss with one term per sample) or
@@ -155,9 +163,12 @@ class KFOCOperator(ModuleKroneckerOperator):
     changes. Factors that are not finite (NaN or inf in the data or the parameters) are refused
     at the first pass, naming the module; the backward count per batch is KFAC's (a
     ``FactorPassCostWarning`` for many), in each of the passes. ``op @ v``, ``op.inverse(damping)``, ``op.eigh()``, ``op.logdet()``,
-    ``op.trace()``, ``op.frobenius_norm()`` and ``op.factors`` as for KFAC. The module
-    docstring states the math.
+    ``op.trace()``, ``op.frobenius_norm()`` and ``op.factors`` as for KFAC. Given ``ranks``
+    (``DDPKFOCOperator``, ``FSDPKFOCOperator``) each pass's sums are summed over the ranks. The
+    module docstring states the math.
     """
+
+    _separate_bias_factor = True
 
     @with_options_signature
     def __init__(
@@ -170,11 +181,13 @@ class KFOCOperator(ModuleKroneckerOperator):
         weight_sharing: WeightSharing = "sample",
         max_iter: int = 10,
         tol: float = 1e-4,
+        ranks: Ranks | None = None,
         **options: Unpack[KroneckerOptions],
     ) -> None:
         # a misspelt keyword names the class called and the close match (NOTE [Kronecker options])
         # (kfac_approx stays "expand", unread: the block's per-sample gradients sum over positions)
         record = factor_options(type(self), KFOCOperator, options)
+        self.ranks = ranks or LOCAL
         if weight_sharing not in ("sample", "position"):
             raise ValueError(
                 f"weight_sharing must be 'sample' or 'position', got {weight_sharing!r}"
@@ -201,9 +214,12 @@ class KFOCOperator(ModuleKroneckerOperator):
     def _sum_pass(
         self,
         contribution: Callable[[FactorModule, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+        sides: dict[str, int],
     ) -> dict[str, torch.Tensor]:
         """``Σ_b |b|·Σ_batch contribution / Σ|b|`` over the data, by key (modules that never ran
-        in the forward are missing: their blocks are zero)."""
+        in the forward are missing: their blocks are zero). Given ranks, the sums and weights of
+        every rank: each of the keys ``sides`` (``key: n`` of an ``(n, n)`` sum) is summed over
+        the ranks, as zeros where this rank's batches never reached its module."""
         sums: dict[str, torch.Tensor] = {}
 
         def visit(module: FactorModule, a: torch.Tensor, g: torch.Tensor, size: float) -> None:
@@ -211,7 +227,17 @@ class KFOCOperator(ModuleKroneckerOperator):
                 value = value.mul_(size)
                 sums[key] = value if key not in sums else sums[key].add_(value)
 
-        total = self._pass.run(visit, None)
+        def run() -> tuple[dict[str, torch.Tensor], float]:
+            total = self._pass.run(visit, None)
+            if self.ranks.sums_factors:
+                for key, n in sides.items():
+                    if key not in sums:
+                        sums[key] = self._zero_factor(n)
+                values = [sums[key] for key in sides]
+                total = self.ranks.sum_factors(values, total)  # every rank iterates on them
+            return sums, total
+
+        sums, total = self.ranks.factor_pass(run)
         return {key: _symmetric(value.div_(total)) for key, value in sums.items()}
 
     def _compute_factors(
@@ -261,6 +287,8 @@ class KFOCOperator(ModuleKroneckerOperator):
             return torch.eye(n, dtype=self.factor_dtype, device=self.device) / math.sqrt(n)
 
         A_unit = {name: eye(q) for name, q in q_of.items()}
+        m_of = {module.name: self._pass.matrix_shape(module)[0] for module in self._pass.modules}
+        order = list(m_of)
         G_unit: dict[str, torch.Tensor] = {}
         sigma = dict.fromkeys(q_of, 0.0)
         active = set(q_of)
@@ -287,7 +315,11 @@ class KFOCOperator(ModuleKroneckerOperator):
 
         self.iterations = 0
         while first or (active and self.iterations < self.max_iter):
-            sums = self._sum_pass(left)
+            # in the modules' order, the same on every rank (a set's order is not)
+            sides = {name: m_of[name] for name in order if name in active}
+            if first:
+                sides.update({"bias:" + name: m_of[name] for name in order if name in separate})
+            sums = self._sum_pass(left, sides)
             if first:
                 bias_G = {k.removeprefix("bias:"): v for k, v in sums.items() if k[:5] == "bias:"}
                 first = False
@@ -318,7 +350,7 @@ class KFOCOperator(ModuleKroneckerOperator):
                     G_unit[name] = G / norm
             if not active:
                 break
-            sums = self._sum_pass(right)
+            sums = self._sum_pass(right, {name: q_of[name] for name in order if name in active})
             self.iterations += 1
             for name in list(active):
                 A = sums[name]

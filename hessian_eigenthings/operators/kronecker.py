@@ -72,7 +72,7 @@ from hessian_eigenthings.operators.kronecker_blocks import (
 )
 from hessian_eigenthings.operators.kronecker_eigen import FactorDecompositions
 from hessian_eigenthings.operators.protocol import CurvatureOperator
-from hessian_eigenthings.operators.ranks import LOCAL, Ranks
+from hessian_eigenthings.operators.ranks import LOCAL, ModuleBlocks, Ranks
 from hessian_eigenthings.param_utils import ParamLayout
 
 __all__ = [
@@ -161,17 +161,26 @@ class KroneckerOperator(CurvatureOperator):
         self._init_blocks(lay, slots, check_damping(damping))
 
     # -- for subclasses that build their blocks from a model (KFAC, EKFAC, KFOC) -----------------
-    def _init_blocks(self, layout: ParamLayout, blocks: list[Slot], damping: float = 0.0) -> None:
+    def _init_blocks(
+        self,
+        layout: ParamLayout,
+        blocks: list[Slot],
+        damping: float = 0.0,
+        factor_dtype: torch.dtype | None = None,
+    ) -> None:
         """Trusted blocks (no checks; the factor path adds no kernel: a bias alone keeps ``A``
-        unset until it is read)."""
+        unset until it is read). ``factor_dtype``: given where a block may hold nothing (factors
+        by module: another rank's module)."""
         self.layout = layout
         self._size, self._device, self._dtype = layout.size, layout.device, layout.dtype
         self._blocks = blocks
         self.damping = damping
-        first = blocks[0]
-        factor = first.G if first.G is not None else first.eigen[0]  # type: ignore[index]
+        if factor_dtype is None:
+            first = blocks[0]
+            factor = first.G if first.G is not None else first.eigen[0]  # type: ignore[index]
+            factor_dtype = factor.dtype
         #: factors and reductions run in this dtype (float32 or wider in the KFAC family)
-        self.factor_dtype: torch.dtype = factor.dtype
+        self.factor_dtype: torch.dtype = factor_dtype
         #: the blocks' eigendecompositions, cached (NOTE [factors changed in place])
         self._decompositions = FactorDecompositions(blocks, type(self).__name__)
 
@@ -186,7 +195,47 @@ class KroneckerOperator(CurvatureOperator):
     @property
     def factors(self) -> tuple[KroneckerBlock, ...]:
         """The blocks ``G ⊗ A`` in the order of the flat vector's parameters."""
-        return self._public_factors(self._blocks)
+        self._refuse_by_module("factors", "op.owned_factors gives this rank's modules' blocks")
+        return self._public_factors(self._factor_slots())
+
+    @property
+    def owned_factors(self) -> tuple[KroneckerBlock, ...]:
+        """The blocks ``G ⊗ A`` this rank holds: every block (:attr:`factors`), but only its own
+        modules' with ``factor_placement="by_module"`` (:attr:`factor_owners`)."""
+        if self._by_module() is None:
+            return self.factors
+        owners, rank = self.factor_owners, self.ranks.rank
+        return self._public_factors(
+            [b for b in self._factor_slots() if owners is not None and owners[b.module] == rank]
+        )
+
+    @property
+    def factor_owners(self) -> dict[str, int] | None:
+        """``{module: rank}``, the rank holding each module's factors and eigendecompositions
+        with ``factor_placement="by_module"`` (``None``: every rank holds every factor)."""
+        owners = self._by_module()
+        return None if owners is None else dict(owners.owners)  # type: ignore[attr-defined]
+
+    #: the blocks holding the factors where they are not the operator's own blocks (EKFAC:
+    #: KFAC's, whose eigenbases it keeps)
+    _factor_blocks: list[Slot] | None = None
+
+    def _factor_slots(self) -> list[Slot]:
+        return self._blocks if self._factor_blocks is None else self._factor_blocks
+
+    def _by_module(self) -> ModuleBlocks | None:
+        """The ranks' module blocks when each module's factors live on one rank, else ``None``."""
+        blocks = self.ranks.module_blocks
+        return blocks if blocks is not None and blocks.by_module else None
+
+    def _refuse_by_module(self, what: str, instead: str) -> None:
+        """One line refusing ``what`` where each module's factors live on one rank."""
+        if self._by_module() is not None:
+            raise ValueError(
+                f"{type(self).__name__}.{what} with factor_placement='by_module': each module's "
+                f"factors and eigenbases live on one rank (op.factor_owners); {instead}, or "
+                "build the operator with factor_placement='replicated'"
+            )
 
     def _public_factors(self, blocks: Sequence[Slot]) -> tuple[KroneckerBlock, ...]:
         if any(b.G is None for b in blocks):
@@ -235,7 +284,13 @@ class KroneckerOperator(CurvatureOperator):
     def eigh(self) -> KroneckerEigen:
         """Eigenvalues of the whole operator with the factors' eigenvectors, block by block
         (an eigenvalue at the rounding level of its factor's largest is ``0``, plus the damping:
-        NOTE [eigenvalues at the rounding level])."""
+        NOTE [eigenvalues at the rounding level]). Refused with ``factor_placement="by_module"``
+        (every eigenbasis on every rank): :meth:`eigenvalues` and :meth:`eigenvector` work there."""
+        self._refuse_by_module(
+            "eigh()",
+            "op.eigenvalues() gives every eigenvalue on every rank and op.eigenvector(block, i, j) "
+            "one eigenvector",
+        )
         return KroneckerEigen(
             tuple(
                 KroneckerEigenBlock(
@@ -244,6 +299,18 @@ class KroneckerOperator(CurvatureOperator):
                 for b, (D, U_G, U_A) in zip(self._blocks, self._eigen(), strict=True)
             )
         )
+
+    def eigenvalues(self, by_block: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Every eigenvalue of the operator (damping included), ascending ``(n,)``: the same as
+        ``eigh().eigenvalues``; ``by_block=True``: each block's ``(m, q)`` instead, the eigenvalue
+        of ``eigenvector(block, i, j)`` at ``[i, j]``. With ``factor_placement="by_module"`` the
+        owners decompose their modules and every rank gets every eigenvalue (one collective)."""
+        owners = self._by_module()
+        undamped = owners.eigenvalues() if owners is not None else [D for D, _, _ in self._eigen()]
+        values = [D + self.damping if self.damping else D for D in undamped]
+        if by_block:
+            return tuple(values)
+        return torch.cat([D.reshape(-1) for D in values]).sort(stable=True).values
 
     def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
         """The eigenvector ``u_G,i ⊗ u_A,j`` of block ``block`` in the flat layout ``(n,)``
@@ -266,6 +333,8 @@ class KroneckerOperator(CurvatureOperator):
     def trace(self) -> torch.Tensor:
         """``tr`` of the operator, a 0-dim tensor in the factors' dtype: ``Σ tr(G)·tr(A)`` over
         factored blocks (no eigendecomposition), the eigenvalues' sum over the others."""
+        if (owners := self._by_module()) is not None:
+            return owners.total(lambda op: op.trace())
         terms = (
             b.G.trace() * self._A(b).trace() if b.G is not None else b.eigen[0].sum()  # type: ignore[index]
             for b in self._blocks
@@ -281,10 +350,14 @@ class KroneckerOperator(CurvatureOperator):
         [eigenvalues at the rounding level]); an eigenvalue below zero beyond rounding (a factor
         that is not positive semi-definite) gives ``nan``."""
         shift = self.damping + check_damping(damping)
+        if (owners := self._by_module()) is not None:
+            return owners.total(lambda op: op.logdet(damping))
         return sum(((D + shift).log().sum() for D, _, _ in self._eigen()), self._zero())
 
     def frobenius_norm(self) -> torch.Tensor:
         """``‖·‖_F`` of the operator (from the factors where no damping and no eigenbasis)."""
+        if (owners := self._by_module()) is not None:
+            return owners.total(lambda op: op.frobenius_norm().square()).sqrt()
         if self.damping:
             squares = sum(
                 ((D + self.damping).square().sum() for D, _, _ in self._eigen()),
@@ -354,6 +427,8 @@ class _EigenFunction(CurvatureOperator):
         #: an undamped inverse: refuse a singular operator, again after a factor changed
         self.refuse_singular = False
         self._checked_at: tuple[int, ...] | None = None
+        #: factors by module: each owned module's own undamped inverse, which checks its blocks
+        self._module_inverses: dict[int, _EigenFunction] = {}
 
     def check_invertible(self) -> None:
         """Refuse a singular operator, once per version of its factors (Python integers read on
@@ -367,8 +442,9 @@ class _EigenFunction(CurvatureOperator):
         """A ``ValueError`` naming the first block with an eigenvalue at the rounding level of
         zero (NOTE [eigenvalues at the rounding level]); one synchronization."""
         op = self._op
-        eigen = op._eigen()
-        flags = torch.stack([(D == 0).any() for D, _, _ in eigen])
+        owners = op._by_module()  # by module: every block's eigenvalues, from their owners
+        values = owners.eigenvalues() if owners is not None else [D for D, _, _ in op._eigen()]
+        flags = torch.stack([(D == 0).any() for D in values])
         singular = flags.nonzero().flatten().tolist()
         if singular:
             b = op._blocks[singular[0]]
@@ -383,5 +459,18 @@ class _EigenFunction(CurvatureOperator):
 
     def _matmat_rows(self, V: torch.Tensor) -> torch.Tensor:
         if self.refuse_singular:
+            if (owners := self._op._by_module()) is not None:
+                # each owner checks its own modules (their versions are its alone); a refusal
+                # there raises on every rank through the product's failure flags
+                return owners.apply(V, lambda op, X: self._module_inverse(op)._matmat_rows(X))
             self.check_invertible()
         return self._op._eigen_apply(V, self._fn)
+
+    def _module_inverse(self, op: KroneckerOperator) -> _EigenFunction:
+        held = self._module_inverses.get(id(op))
+        if held is None or held._op is not op:
+            made = op.inverse()
+            if not isinstance(made, _EigenFunction):
+                raise InternalError("inverse() is an _EigenFunction")
+            held = self._module_inverses[id(op)] = made
+        return held

@@ -24,7 +24,7 @@ import functools
 import math
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,10 @@ from hessian_eigenthings.linalg_distributed import resolve_process_group
 from hessian_eigenthings.operators.cuda_graphs import Product
 
 __all__ = [
+    "FACTOR_PLACEMENTS",
     "LOCAL",
     "DistributedProductError",
+    "FactorPlacement",
     "RankGroup",
     "Ranks",
     "Replicated",
@@ -193,10 +195,39 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
+#: where a distributed Kronecker operator keeps its factors: every module's on every rank, or
+#: each module's on one rank (NOTE [Kronecker factors by module] in ``operators.factor_owners``)
+FactorPlacement = Literal["replicated", "by_module"]
+FACTOR_PLACEMENTS: tuple[FactorPlacement, ...] = ("replicated", "by_module")
+
+
+def check_factor_placement(value: object) -> FactorPlacement:
+    """``value`` if it is a :data:`FactorPlacement`, else one clear ``ValueError``."""
+    if value not in FACTOR_PLACEMENTS:
+        raise ValueError(
+            f"factor_placement must be 'replicated' (every module's factors on every rank) or "
+            f"'by_module' (each module's factors on one rank), got {value!r}"
+        )
+    return value
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """The default group's number of ``rank`` of ``group`` (what ``dist.reduce``'s ``dst``,
+    ``dist.broadcast``'s ``src``, ``gather`` and ``scatter`` take)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    return int(dist.get_global_rank(group, rank))
+
+
 class ModuleBlocks(Protocol):
-    """A Kronecker operator's blocks on sharded vectors, one module's blocks at a time
-    (``operators.sharded_kronecker``): what ``KroneckerOperator`` calls in place of its own
+    """A Kronecker operator's blocks one module's blocks at a time: on sharded vectors
+    (``operators.sharded_kronecker``), or with each module's factors on one rank
+    (``operators.factor_owners``): what ``KroneckerOperator`` calls in place of its own
     products, decompositions and eigenvectors when its ranks hold them."""
+
+    #: each module's factors on one rank: the whole-operator reductions (``total``,
+    #: ``eigenvalues``) replace the operator's own, and ``eigen`` is refused
+    by_module: bool
 
     def apply(
         self, V: torch.Tensor, fn: Callable[[Any, torch.Tensor], torch.Tensor]
@@ -210,6 +241,14 @@ class ModuleBlocks(Protocol):
 
     def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
         """This rank's shard of an eigenvector of block ``block``."""
+        ...
+
+    def total(self, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """``Σ fn(module's operator)`` over the modules (0-dim), the same on every rank."""
+        ...
+
+    def eigenvalues(self) -> list[torch.Tensor]:
+        """Each block's undamped eigenvalues ``(m, q)``, block after block, on every rank."""
         ...
 
 
@@ -232,8 +271,11 @@ class Ranks:
     auto_trials = True
     #: whether products may keep per-batch states between products (NOTE [graph reuse])
     keeps_states = True
-    #: a Kronecker operator's blocks on sharded vectors (``None``: vectors whole on each rank)
+    #: a Kronecker operator's blocks module by module (``None``: vectors whole on each rank and
+    #: every factor on it)
     module_blocks: ModuleBlocks | None = None
+    #: where a Kronecker operator's factors live (one process: all of them here)
+    factor_placement: FactorPlacement = "replicated"
 
     # -- construction ---------------------------------------------------------------
     def constructed(self, op: Any, failure: BaseException | None) -> None:
@@ -303,8 +345,12 @@ class Ranks:
         """Whether factor sums are summed over the ranks before they are divided."""
         return False
 
-    def sum_factors(self, sums: list[torch.Tensor], total: float) -> float:
-        """Sum ``sums`` (in place) and ``total`` over the ranks; the summed total."""
+    def sum_factors(
+        self, sums: list[torch.Tensor], total: float, owners: Sequence[int] | None = None
+    ) -> float:
+        """Sum ``sums`` (in place) and ``total`` over the ranks; the summed total. ``owners``:
+        the rank of each sum (factors by module): it alone receives the sum, the other ranks'
+        copies are left undefined (to be freed)."""
         return total
 
     def __repr__(self) -> str:
@@ -323,7 +369,16 @@ class Replicated(Ranks):
     auto_trials = False
     distributed = True
 
-    def __init__(self, process_group: Any = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        process_group: Any = None,
+        device: torch.device | None = None,
+        *,
+        factor_placement: FactorPlacement = "replicated",
+    ) -> None:
+        #: where a Kronecker operator given these ranks keeps its factors (NOTE [Kronecker
+        #: factors by module] in ``operators.factor_owners``)
+        self.factor_placement = check_factor_placement(factor_placement)
         self.agreement = RankGroup(process_group, device or torch.device("cpu"))
         self.group = self.agreement.group
         self.rank = self.agreement.rank
@@ -445,19 +500,41 @@ class Replicated(Ranks):
     def sums_factors(self) -> bool:
         return True
 
-    def sum_factors(self, sums: list[torch.Tensor], total: float) -> float:
+    def sum_factors(
+        self, sums: list[torch.Tensor], total: float, owners: Sequence[int] | None = None
+    ) -> float:
         table = self.agreement.agree(None, total, what="a factor pass", last=True)
-        if sums:
-            flat = torch.cat([t.reshape(-1) for t in sums])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for t in sums:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if owners is None:
+            self._reduce_onto(sums, None)
+        else:  # NOTE [Kronecker factors by module]: each sum onto its owner, one reduce per rank
+            for r in range(self.world_size):
+                self._reduce_onto([t for t, o in zip(sums, owners, strict=True) if o == r], r)
         return float(table[:, 0].sum())
 
+    def _reduce_onto(self, sums: list[torch.Tensor], owner: int | None) -> None:
+        """``sums`` summed over the ranks, packed in one buffer: on every rank (``owner=None``:
+        an all-reduce) or on ``owner`` alone (a reduce)."""
+        if not sums:
+            return
+        flat = torch.cat([t.reshape(-1) for t in sums])
+        if owner is None:
+            dist.all_reduce(flat, group=self.group)
+        else:
+            dist.reduce(flat, global_rank(self.group, owner), group=self.group)
+            if owner != self.rank:
+                return
+        offset = 0
+        for t in sums:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
     def __repr__(self) -> str:
-        return f"Replicated(rank={self.rank}, world_size={self.world_size})"
+        placed = (
+            f", factor_placement={self.factor_placement!r}"
+            if self.factor_placement != "replicated"
+            else ""
+        )
+        return f"Replicated(rank={self.rank}, world_size={self.world_size}{placed})"
 
 
 def unwrap_replica(model: Any, process_group: Any) -> tuple[Any, Any]:
@@ -472,7 +549,9 @@ def unwrap_replica(model: Any, process_group: Any) -> tuple[Any, Any]:
     return model, process_group
 
 
-def replicated(model: Any, process_group: Any = None) -> tuple[Any, Replicated]:
+def replicated(
+    model: Any, process_group: Any = None, factor_placement: FactorPlacement = "replicated"
+) -> tuple[Any, Replicated]:
     """A replicated model (unwrapped) and its ranks."""
     model, process_group = unwrap_replica(model, process_group)
-    return model, Replicated(process_group, first_device(model))
+    return model, Replicated(process_group, first_device(model), factor_placement=factor_placement)

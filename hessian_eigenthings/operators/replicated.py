@@ -22,7 +22,9 @@ passes the same ``v`` and gets the same ``C v``, bit for bit.
 Any data operator runs so when given ``ranks=Replicated(group)``; the ``DDP*`` classes here are
 constructors that build those ranks (unwrapping a ``DistributedDataParallel`` model). The
 Kronecker operators take the same ranks: each rank's factor passes over its own batches, the
-factor sums summed over the ranks (``Replicated.sum_factors``).
+factor sums summed over the ranks (``Replicated.sum_factors``), the factors on every rank or,
+with ``factor_placement="by_module"``, each module's on one rank (NOTE [Kronecker factors by
+module] in ``operators.factor_owners``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from hessian_eigenthings.operators.fisher import EmpiricalFisherOperator
 from hessian_eigenthings.operators.ggn import GGNOperator
 from hessian_eigenthings.operators.hessian import HessianOperator
 from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator
-from hessian_eigenthings.operators.ranks import Replicated, replicated
+from hessian_eigenthings.operators.kfoc import KFOCOperator
+from hessian_eigenthings.operators.ranks import FactorPlacement, Replicated, replicated
 
 __all__ = [
     "DDPEKFACOperator",
@@ -44,6 +47,7 @@ __all__ = [
     "DDPGGNOperator",
     "DDPHessianOperator",
     "DDPKFACOperator",
+    "DDPKFOCOperator",
     "DataParallelMixin",
     "KroneckerDataParallelMixin",
     "Replicated",
@@ -108,23 +112,50 @@ class KroneckerDataParallelMixin:
     counts are summed over the ranks (one status agreement and one all-reduce per pass), so
     every rank holds the factors of the union of the batches. ``class DDPMyKFAC(
     KroneckerDataParallelMixin, MyKFAC)`` takes ``MyKFAC``'s arguments plus ``process_group``
-    (``MyKFAC(..., ranks=Replicated(process_group))``); the model is replicated (a
-    ``DistributedDataParallel`` wrapper is unwrapped). Monte-Carlo draws are keyed by rank.
+    and ``factor_placement`` (``MyKFAC(..., ranks=Replicated(process_group,
+    factor_placement=...))``); the model is replicated (a ``DistributedDataParallel`` wrapper is
+    unwrapped). Monte-Carlo draws are keyed by rank. Vectors are replicated: every rank passes
+    the same ``v`` and gets the same ``op @ v``.
+
+    ``factor_placement``: ``"replicated"`` (default): every rank holds every module's ``G``, ``A``
+    and, once used, their eigendecompositions, and every method runs locally after construction.
+    ``"by_module"``: each module's factors are reduced onto one owner rank
+    (``op.factor_owners``, balanced by factor size), which alone keeps and decomposes them, so
+    factor memory and eigendecomposition time per rank fall by about the number of ranks.
+    Products, ``inverse(damping)`` products, ``trace``, ``logdet``, ``frobenius_norm``,
+    ``eigenvalues()`` and ``eigenvector(block, i, j)`` then work on every rank together (one
+    all-reduce each: every rank must call them, in the same order); ``eigh()``, ``factors`` and
+    EKFAC's ``corrected_eigenvalues`` are refused (they would gather every module's tensors on
+    each rank), ``owned_factors`` gives this rank's. NOTE [Kronecker factors by module] in
+    ``operators.factor_owners`` says what each pass costs.
     """
 
     def __init__(
-        self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
+        self,
+        model: nn.Module,
+        *args: Any,
+        process_group: Any = None,
+        factor_placement: FactorPlacement = "replicated",
+        **kwargs: Any,
     ) -> None:
-        model, ranks = replicated(model, process_group)
+        model, ranks = replicated(model, process_group, factor_placement)
         super().__init__(model, *args, ranks=ranks, **kwargs)  # type: ignore[call-arg]
 
 
 class DDPKFACOperator(KroneckerDataParallelMixin, KFACOperator):
     """:class:`KFACOperator` with the data split across ranks: its arguments plus
-    ``process_group``; the factors of the union of the ranks' batches on every rank. See
+    ``process_group`` and ``factor_placement``; the factors of the union of the ranks' batches on every rank. See
     :class:`KroneckerDataParallelMixin`."""
 
 
 class DDPEKFACOperator(KroneckerDataParallelMixin, EKFACOperator):
     """:class:`EKFACOperator` with the data split across ranks (both passes summed over the
-    ranks). See :class:`KroneckerDataParallelMixin`."""
+    ranks; by module, the second pass holds every module's eigenbases on every rank while it
+    runs). See :class:`KroneckerDataParallelMixin`."""
+
+
+class DDPKFOCOperator(KroneckerDataParallelMixin, KFOCOperator):
+    """:class:`KFOCOperator` with the data split across ranks: its arguments plus
+    ``process_group`` and ``factor_placement``; every pass of the power iteration summed over the
+    ranks (one all-reduce each), so every rank iterates on the union's sums and stops at the
+    same iteration. See :class:`KroneckerDataParallelMixin`."""

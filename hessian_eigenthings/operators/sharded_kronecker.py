@@ -1,12 +1,16 @@
-"""Kronecker factors of a model sharded with FSDP2: replicated factors, sharded vectors.
+"""Kronecker factors of a model sharded with FSDP2: factors replicated or placed by module,
+sharded vectors.
 
 The factor pass is first-order FSDP forwards and backwards on each rank's batches, the factor
 sums all-reduced as for replicated ranks (``ranks.Replicated.sum_factors``): factors replicated
-on every rank, vectors sharded. :class:`ShardedFactors` are the ranks of such an operator: the
-sharded ranks, meeting before each batch of a factor pass and between its forward and its
-backwards. Cost per product: one all-gather per factor module (a Linear, Conv2d or Conv1D) of
-its ``k`` vectors' pieces and the module's block products on its whole parameters. See NOTE
-[sharded Kronecker factors].
+on every rank, vectors sharded; or, with ``factor_placement="by_module"``, each module's sums
+reduced onto one owner rank that alone keeps them (NOTE [Kronecker factors by module] in
+``factor_owners``). :class:`ShardedFactors` are the ranks of such an operator: the sharded
+ranks, meeting before each batch of a factor pass and between its forward and its backwards.
+Cost per product: replicated factors, one all-gather per factor module (a Linear, Conv2d or
+Conv1D) of its ``k`` vectors' pieces and the module's block products on its whole parameters;
+by module, per owner rank one gather of its modules' pieces onto it and one scatter of the
+results' pieces back. See NOTE [sharded Kronecker factors].
 """
 
 from __future__ import annotations
@@ -24,20 +28,36 @@ from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch, BatchSource, batch_size
 from hessian_eigenthings.linalg_distributed import DistributedBackend
 from hessian_eigenthings.loss_fns.output_curvature import OutputCurvature
+from hessian_eigenthings.operators.factor_owners import (
+    ModulesByOwner,
+    OwnedModule,
+    module_operators,
+)
 from hessian_eigenthings.operators.factor_pass import FactorPass
 from hessian_eigenthings.operators.kfac import EKFACOperator, KFACOperator, ModuleKroneckerOperator
-from hessian_eigenthings.operators.kronecker import (
-    KroneckerBlock,
-    KroneckerEigenBlock,
-    KroneckerOperator,
-)
+from hessian_eigenthings.operators.kfoc import KFOCOperator
+from hessian_eigenthings.operators.kronecker import KroneckerOperator
 from hessian_eigenthings.operators.kronecker_blocks import Eigen
-from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, layout_signature, local_shard
+from hessian_eigenthings.operators.ranks import (
+    FactorPlacement,
+    RankGroup,
+    check_factor_placement,
+    global_rank,
+    is_dtensor,
+    layout_signature,
+    local_shard,
+)
 from hessian_eigenthings.operators.sharded import Sharded
 from hessian_eigenthings.operators.sharded_walk import chunk_rows
 from hessian_eigenthings.param_utils import ParamLayout
 
-__all__ = ["FSDPEKFACOperator", "FSDPKFACOperator", "ShardedFactors", "ShardedKroneckerMixin"]
+__all__ = [
+    "FSDPEKFACOperator",
+    "FSDPKFACOperator",
+    "FSDPKFOCOperator",
+    "ShardedFactors",
+    "ShardedKroneckerMixin",
+]
 
 # NOTE [sharded Kronecker factors]
 # Factors. FSDP2 shards parameters, never activations: inside a fully_shard'ed
@@ -68,6 +88,15 @@ __all__ = ["FSDPEKFACOperator", "FSDPKFACOperator", "ShardedFactors", "ShardedKr
 # factor dim 0 meets), and this rank's rows kept. A rank holds at most one
 # module's k vectors whole; the blocks' arithmetic (two small matrix products
 # each) is repeated on every rank.
+#
+# By module (factor_placement="by_module", NOTE [Kronecker factors by module]):
+# each rank owns whole modules' factors. Per product, for each rank r owning
+# modules: every rank sends r its pieces of r's modules (one gather, each rank's
+# pieces padded to the module's chunk as above), r applies its modules' blocks on
+# the whole parameters, and sends each rank its rows of the result with a failure
+# flag (one scatter); the flags are read once at the end (one host sync), and a
+# failing owner raises on every rank. r holds its modules' k vectors whole; the
+# blocks' arithmetic is done once, on the owner.
 
 
 class _ShardedModule:
@@ -76,11 +105,12 @@ class _ShardedModule:
 
     ``take``: the columns of this rank's vector holding its rows of the module, in the module's
     order; ``mine``: the same entries' columns in the module's whole vector; ``place``: each whole
-    entry's column in the gathered pieces (``W`` pieces of ``pad`` columns, rank after rank)."""
+    entry's column in the gathered pieces (``W`` pieces of ``pad`` columns, rank after rank).
+    ``op`` is ``None`` on the ranks that do not own the module (factors by module)."""
 
     def __init__(
         self,
-        op: KroneckerOperator,
+        op: KroneckerOperator | None,
         blocks: range,
         whole: ParamLayout,
         local: ParamLayout,
@@ -212,7 +242,20 @@ class _AgreedColumns(OutputCurvature):
 class ShardedFactors(Sharded):
     """:class:`~hessian_eigenthings.operators.sharded.Sharded` ranks of a Kronecker operator:
     a factor pass's batches and output curvature agreed on (NOTE [sharded Kronecker factors]),
-    every selected parameter checked to be split by FSDP2's rows."""
+    every selected parameter checked to be split by FSDP2's rows. ``factor_placement``: the
+    factors on every rank (``"replicated"``) or each module's on one rank (``"by_module"``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        process_group: Any = None,
+        replicated: str = "DDPKFACOperator",
+        *,
+        factor_placement: FactorPlacement = "replicated",
+    ) -> None:
+        placement = check_factor_placement(factor_placement)
+        super().__init__(model, process_group, replicated)
+        self.factor_placement = placement
 
     def start_factor_pass(self, factor_pass: FactorPass) -> None:
         super().start_factor_pass(factor_pass)
@@ -278,18 +321,143 @@ class _ShardedBlocks:
             parts = V.new_empty(self.world, k, module.pad)
             _torch_compat.all_gather_single(parts.view(-1), send.view(-1), group=self.group)
             whole = parts.transpose(0, 1).reshape(k, -1).index_select(1, module.place)
-            out.index_copy_(1, module.take, fn(module.op, whole).index_select(1, module.mine))
+            out.index_copy_(1, module.take, fn(module.op, whole).index_select(1, module.mine))  # type: ignore[arg-type]
         return out
 
+    by_module = False
+
+    def _ops(self) -> list[KroneckerOperator]:
+        return [module.op for module in self.modules if module.op is not None]
+
     def eigen(self) -> list[Eigen]:
-        return [e for module in self.modules for e in module.op._eigen()]
+        return [e for op in self._ops() for e in op._eigen()]
 
     def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
         """This rank's shard of :meth:`KroneckerOperator.eigenvector`'s ``u_G,i ⊗ u_A,j``."""
         module = next(module for module in self.modules if block in module.blocks)
+        if module.op is None:
+            raise InternalError("a replicated factor's module has its operator on every rank")
         whole = module.op.eigenvector(block - module.blocks.start, i, j)
         out = torch.zeros(self.local.size, dtype=self.local.dtype, device=self.local.device)
         return out.index_copy_(0, module.take, whole.index_select(0, module.mine))
+
+    def total(self, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        return torch.stack([fn(op) for op in self._ops()]).sum()
+
+    def eigenvalues(self) -> list[torch.Tensor]:
+        return [D for D, _, _ in self.eigen()]
+
+
+class _ShardedOwnedBlocks(ModulesByOwner):
+    """A Kronecker operator's blocks on sharded vectors, each module's factors on its owner
+    (NOTE [sharded Kronecker factors], by module): per owner, one gather of its modules'
+    pieces and one scatter of the results' pieces."""
+
+    def __init__(
+        self,
+        op: KroneckerOperator,
+        owners: dict[str, int],
+        agreement: RankGroup,
+        pieces: list[_ShardedModule],
+        local: ParamLayout,
+        modules: list[OwnedModule],
+    ) -> None:
+        super().__init__(op, owners, agreement, modules)
+        self.pieces, self.local = pieces, local
+
+    def _scatter(
+        self, owner: int, results: torch.Tensor | None, width: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """This rank's row of ``results`` ``(W, width + 1)`` (on ``owner``; the last column the
+        failure flag), scattered from ``owner``."""
+        recv = torch.empty(width + 1, dtype=dtype, device=self.local.device)
+        rows = list(results.unbind(0)) if results is not None else None
+        dist.scatter(recv, rows, src=global_rank(self.group, owner), group=self.group)
+        return recv
+
+    def apply(
+        self, V: torch.Tensor, fn: Callable[[KroneckerOperator, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``fn(module's operator, whole rows of V)`` per module on its owner, this rank's rows
+        of the result; per owner one gather and one scatter."""
+        k, W = V.shape[0], self.world
+        out = self.local.empty(k)
+        failure: BaseException | None = None
+        flags, seen = [], []
+        for r in range(W):
+            pairs = [(m, p) for m, p in zip(self.modules, self.pieces, strict=True) if m.owner == r]
+            if not pairs:
+                continue
+            width = sum(p.pad for _, p in pairs)
+            send = V.new_zeros(k, width)
+            at = 0
+            for _, p in pairs:
+                send[:, at : at + p.take.numel()] = V.index_select(1, p.take)
+                at += p.pad
+            parts = [V.new_empty(k, width) for _ in range(W)] if r == self.rank else None
+            dist.gather(send, parts, dst=global_rank(self.group, r), group=self.group)
+            results = None
+            if parts is not None:
+                results = V.new_zeros(W, k * width + 1)
+                try:
+                    stacked = torch.stack(parts)  # (W, k, width)
+                    pieces = V.new_zeros(W, k, width)
+                    at = 0
+                    for m, p in pairs:
+                        whole = stacked[:, :, at : at + p.pad].transpose(0, 1).reshape(k, -1)
+                        Y = fn(m.op, whole.index_select(1, p.place))  # type: ignore[arg-type]
+                        placed = V.new_zeros(k, W * p.pad).index_copy_(1, p.place, Y.to(V.dtype))
+                        pieces[:, :, at : at + p.pad] = placed.view(k, W, p.pad).transpose(0, 1)
+                        at += p.pad
+                    results[:, :-1] = pieces.reshape(W, -1)
+                except Exception as exc:
+                    failure = exc
+                    results[:, -1] = 1.0
+            recv = self._scatter(r, results, k * width, V.dtype)
+            flags.append(recv[-1])
+            seen.append(r)
+            got = recv[:-1].view(k, width)
+            at = 0
+            for _, p in pairs:
+                out.index_copy_(1, p.take, got[:, at : at + p.take.numel()])
+                at += p.pad
+        self._raise_flagged(seen, flags, failure, f"a product of {self.who}")
+        return out
+
+    def _raise_flagged(
+        self,
+        owners: list[int],
+        flags: list[torch.Tensor],
+        failure: BaseException | None,
+        what: str,
+    ) -> None:
+        """Raise on every rank when an owner flagged a failure (one host sync)."""
+        if not flags:
+            return
+        state = torch.stack(flags).cpu().tolist()
+        failed = [r for r, f in zip(owners, state, strict=True) if f > 0]
+        self.agreement.raise_failed(failed, failure, what)
+
+    def eigenvector(self, block: int, i: int, j: int) -> torch.Tensor:
+        """This rank's shard of ``u_G,i ⊗ u_A,j``, made on the module's owner and scattered."""
+        at = next(n for n, m in enumerate(self.modules) if block in m.blocks)
+        module, piece = self.modules[at], self.pieces[at]
+        dtype, W = self.local.dtype, self.world
+        failure: BaseException | None = None
+        results = None
+        if module.op is not None:
+            results = torch.zeros(W, piece.pad + 1, dtype=dtype, device=self.local.device)
+            try:
+                whole = module.op.eigenvector(block - module.blocks.start, i, j)
+                placed = whole.new_zeros(W * piece.pad).index_copy_(0, piece.place, whole)
+                results[:, :-1] = placed.view(W, piece.pad)
+            except Exception as exc:
+                failure = exc
+                results[:, -1] = 1.0
+        recv = self._scatter(module.owner, results, piece.pad, dtype)
+        self._raise_flagged([module.owner], [recv[-1]], failure, f"an eigenvector of {self.who}")
+        out = torch.zeros(self.local.size, dtype=dtype, device=self.local.device)
+        return out.index_copy_(0, piece.take, recv[: piece.take.numel()])
 
 
 class ShardedKroneckerMixin(ModuleKroneckerOperator):
@@ -301,13 +469,18 @@ class ShardedKroneckerMixin(ModuleKroneckerOperator):
     of batches (their sizes may differ), and the factors' sums are summed over the ranks as in
     :class:`KroneckerDataParallelMixin`: the factors of the union of the ranks' batches.
 
-    The factors are **replicated**: every rank stores every module's ``G`` and ``A`` (sharding them
-    by module is a possible later step). Vectors are **sharded** like the parameters (NOTE
+    ``factor_placement``: ``"replicated"`` (default): every rank stores every module's ``G`` and
+    ``A``. ``"by_module"``: each module's factors on one owner rank (``op.factor_owners``), which
+    alone decomposes them and applies their blocks; as in :class:`KroneckerDataParallelMixin`,
+    ``eigh()``, ``factors`` and EKFAC's ``corrected_eigenvalues`` are then refused and
+    ``eigenvalues()``, ``eigenvector``, ``trace``, ``logdet``, ``frobenius_norm`` and
+    ``owned_factors`` work (NOTE [Kronecker factors by module]). Vectors are **sharded** like the parameters (NOTE
     [sharded vector layout]): ``op.size`` is this rank's length, ``op.global_size`` the whole,
     ``op.layout`` this rank's shards and ``op.global_layout`` the whole parameters; pass
     ``op.backend`` (a :class:`DistributedBackend`) to the algorithms. Products, ``inverse`` and
     ``eigenvector`` gather one factor module of the vector at a time (NOTE [sharded Kronecker factors]);
-    ``factors``, ``eigh``, ``trace``, ``logdet`` are the whole operator's, the same on every rank.
+    ``factors``, ``eigh``, ``trace``, ``logdet`` are the whole operator's, the same on every rank
+    (every rank calls each method together: they are collectives).
     Monte-Carlo draws are keyed by rank, as in :class:`DDPKFACOperator`.
 
     Refused: selected parameters that FSDP does not shard, parameters sharded on another
@@ -320,9 +493,19 @@ class ShardedKroneckerMixin(ModuleKroneckerOperator):
     backend: DistributedBackend
 
     def __init__(
-        self, model: nn.Module, *args: Any, process_group: Any = None, **kwargs: Any
+        self,
+        model: nn.Module,
+        *args: Any,
+        process_group: Any = None,
+        factor_placement: FactorPlacement = "replicated",
+        **kwargs: Any,
     ) -> None:
-        ranks = ShardedFactors(model, process_group, "DDPKFACOperator or DDPEKFACOperator")
+        ranks = ShardedFactors(
+            model,
+            process_group,
+            type(self).__name__.replace("FSDP", "DDP", 1),
+            factor_placement=factor_placement,
+        )
         try:
             super().__init__(model, *args, ranks=ranks, **kwargs)  # type: ignore[arg-type, call-arg]
         except Exception as exc:
@@ -337,51 +520,42 @@ class ShardedKroneckerMixin(ModuleKroneckerOperator):
 
     def _shard_vectors(self) -> None:
         """From here on vectors are this rank's shards: the modules' blocks over their whole
-        parameters, and where each module's entries sit on the ranks."""
+        parameters (on their owners only, by module), and where each module's entries sit on
+        the ranks."""
         whole = self.layout
         local = ParamLayout.from_named([(n, local_shard(p)) for n, p in self.named_params])
-        modules, first = [], 0
-        for _, group in itertools.groupby(self._blocks, key=lambda b: b.module):
-            blocks = list(group)
-            indices = sorted({i for b in blocks for i in (b.weight, b.bias) if i is not None})
-            shapes = [whole.shapes[i] for i in indices]
-            offsets = [0, *itertools.accumulate(s.numel() for s in shapes)]
-            sub = ParamLayout(
-                tuple(whole.names[i] for i in indices),
-                tuple(shapes),
-                tuple(offsets),
-                whole.dtype,
-                whole.device,
+        rank, world = self.ranks.rank, self.ranks.world_size
+        modules = module_operators(self, self._owners, rank)
+        pieces = [
+            _ShardedModule(m.op, m.blocks, whole, local, m.indices, rank, world) for m in modules
+        ]
+        if self._owners is None:
+            self.ranks.module_blocks = _ShardedBlocks(pieces, local, self.ranks.group)
+        else:
+            self.ranks.module_blocks = _ShardedOwnedBlocks(
+                self, self._owners, self.ranks.agreement, pieces, local, modules
             )
-            public = [self._public_block(b) for b in blocks]
-            op = KroneckerOperator(sub, public, damping=self.damping)
-            span = range(first, first + len(blocks))
-            modules.append(
-                _ShardedModule(
-                    op, span, whole, local, indices, self.ranks.rank, self.ranks.world_size
-                )
-            )
-            first += len(blocks)
-        self.ranks.module_blocks = _ShardedBlocks(modules, local, self.ranks.group)
         self.global_layout, self.global_size = whole, whole.size
         self.layout, self._size = local, local.size
         self.backend = DistributedBackend(self.ranks.group)
 
-    def _public_block(self, b: Any) -> KroneckerBlock | KroneckerEigenBlock:
-        """A block of the operator as the public type that :class:`KroneckerOperator` takes."""
-        if b.G is not None:
-            return KroneckerBlock(b.names, b.module, b.G, self._A(b), b.transposed)
-        D, U_G, U_A = b.eigen
-        return KroneckerEigenBlock(b.names, D, U_G, U_A, b.transposed)
-
 
 class FSDPKFACOperator(ShardedKroneckerMixin, KFACOperator):
     """:class:`KFACOperator` of a model sharded with FSDP2 ``fully_shard``: its arguments plus
-    ``process_group``. Factors of the union of the ranks' batches, replicated on every rank;
-    sharded vectors. See :class:`ShardedKroneckerMixin`."""
+    ``process_group`` and ``factor_placement``. Factors of the union of the ranks' batches,
+    replicated on every rank or placed by module; sharded vectors. See
+    :class:`ShardedKroneckerMixin`."""
 
 
 class FSDPEKFACOperator(ShardedKroneckerMixin, EKFACOperator):
     """:class:`EKFACOperator` of a model sharded with FSDP2 (both passes summed over the ranks;
-    factors and corrected eigenvalues replicated, vectors sharded). See
+    factors and corrected eigenvalues replicated or placed by module, vectors sharded). See
+    :class:`ShardedKroneckerMixin`."""
+
+
+class FSDPKFOCOperator(ShardedKroneckerMixin, KFOCOperator):
+    """:class:`KFOCOperator` of a model sharded with FSDP2: its arguments plus ``process_group``
+    and ``factor_placement``; every pass of the power iteration is first-order FSDP forwards
+    and backwards on each rank's batches (every rank the same number), its sums summed over the
+    ranks; Monte-Carlo draws keyed by rank as in :class:`DDPKFOCOperator`. See
     :class:`ShardedKroneckerMixin`."""
