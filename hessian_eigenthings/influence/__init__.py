@@ -10,8 +10,9 @@ default), K-FAC, the exact GGN or the damped Hessian of the task's objective.
     tokens = fitted.token_scores(query_data, train_data)      # (n_query, n_train, positions)
     print(influence.top_k(scores, 5, train_data=train_data, tokenizer=tokenizer))
 
-Several ranks with a replicated model: ``fit(..., ranks=Replicated())`` (NOTE [influence on
-several ranks]); FSDP scoring is not provided yet.
+Several ranks: ``fit(..., ranks=Replicated())`` for a replicated model, ``fit(...,
+ranks=Sharded(model))`` for a model sharded with FSDP2 (the Kronecker routes; NOTE [influence on
+several ranks]).
 """
 
 from hessian_eigenthings.influence.scores import Curvature, Influence, fit

@@ -18,6 +18,18 @@ one-example-at-a-time gradients of two of its examples, and a model where it doe
 vmap for good. Measured on GPT-2 124 M (8 × 512 tokens, fp32, H100): the vmapped gradients
 peaked at 36 GB, the hooked ones at the memory of a training step plus the rows.
 
+NOTE [per-example gradients on sharded ranks]: on a model sharded with FSDP2 (``fit(...,
+ranks=Sharded(model))``) FSDP shards parameters, never activations: inside the forward each
+layer runs on its whole (gathered) weight, so the hooked rows above are whole and exact on
+each rank. vmap and the one-example loop swap the parameters through ``functional_call``,
+which FSDP's own gathering overrides, so they are not used there: every scored parameter must
+be a hooked layer's (refused in one line otherwise), and the first batch's check takes its
+reference per example from the gathered parameters the forward used (captured by a pre-forward
+hook, differentiated with ``torch.autograd.grad``: nothing is accumulated into ``.grad``). Each
+pass is FSDP forwards and backwards, collectives: every rank runs the same passes (the check
+two, whatever its batch size), and the ranks meet between a pass's forward and its backward, so
+that a loss failing on one rank raises on all.
+
 The model is left as it was: no parameter is written, ``.grad`` is never touched (the gradients
 are returned, not accumulated), nor are ``requires_grad`` flags or train/eval modes. Tied
 parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are passed under their
@@ -27,19 +39,31 @@ sums over every use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch, batch_size, map_tensors
 from hessian_eigenthings.operators.factor_pass import is_hf_conv1d
 from hessian_eigenthings.param_utils import ParamLayout
 
-__all__ = ["PerExampleGradients", "position_scores"]
+__all__ = ["PerExampleGradients", "ShardedPasses", "position_scores", "refuse_unhooked"]
 
 PerExampleLoss = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+class ShardedPasses(Protocol):
+    """What the gradients of a model sharded with FSDP2 ask of its ranks (NOTE [per-example
+    gradients on sharded ranks])."""
+
+    def meet(self, failure: BaseException | None, what: str) -> None:
+        """Every rank meets; raises on every rank when one brought a ``failure``."""
+
+    def reshard(self) -> None:
+        """Every FSDP module back to its shards."""
 
 
 def _as_plain(batch: Batch) -> Batch:
@@ -53,7 +77,13 @@ class PerExampleGradients:
     """``gradients(batch) -> (B, n)``: the gradient of ``loss(model, batch)[i]`` with respect to
     the parameters of ``layout`` (by name, in its order), for each example ``i``."""
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, loss: PerExampleLoss) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        loss: PerExampleLoss,
+        sharded: ShardedPasses | None = None,
+    ) -> None:
         self.model = model
         self.layout = layout
         self.loss = loss
@@ -66,8 +96,12 @@ class PerExampleGradients:
         self.vmap_works: bool | None = None
         #: NOTE [per-example gradients of linear layers]: the layers, or None (vmap); checked
         #: on the first batch (``linear_checked``)
-        self.linear: list[_LinearSlot] | None = _linear_slots(model, layout)
+        self.linear: list[_LinearSlot] | None = _linear_slots(model, layout.names)
         self.linear_checked = False
+        #: the ranks of a model sharded with FSDP2 (NOTE [per-example gradients on sharded ranks])
+        self.sharded = sharded
+        if sharded is not None:
+            refuse_unhooked(model, layout.names)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         batch = _as_plain(batch)
@@ -76,6 +110,8 @@ class PerExampleGradients:
             return torch.zeros(
                 0, self.layout.size, dtype=self.layout.dtype, device=self.layout.device
             )
+        if self.sharded is not None:
+            return self._sharded_rows(self.sharded, batch, B)
         if self.linear is not None:
             rows = self._hooked(batch, B)
             if rows is not None:
@@ -113,6 +149,88 @@ class PerExampleGradients:
                 return None
             self.linear_checked = True
         return rows
+
+    def _sharded_rows(self, sharded: ShardedPasses, batch: Batch, B: int) -> torch.Tensor:
+        """The hooked rows on a model sharded with FSDP2, checked on the first batch against
+        gradients of two examples alone (NOTE [per-example gradients on sharded ranks])."""
+        slots = self.linear
+        if slots is None:
+            raise InternalError("hooked layers, checked at construction on sharded ranks")
+        try:
+            rows = _linear_gradients(
+                self.model, self.loss, self.layout, slots, batch, B, sharded.meet
+            )
+            if not self.linear_checked:
+                # two passes on every rank, whatever its batch size: FSDP's collectives pair up
+                picks = [0, min(1, B - 1)]
+                reference = torch.stack(
+                    [self._gathered_gradient(sharded, map_tensors(batch, _row(i))) for i in picks]
+                )
+                eps = torch.finfo(rows.dtype).eps
+                scale = reference.norm().clamp_min(torch.finfo(rows.dtype).tiny)
+                error = float((rows[picks] - reference).norm() / scale)
+                failure = None
+                if error > max(1e-3, 64 * eps):
+                    failure = ValueError(
+                        "per-example gradients from the layers' hooks differ from gradients of "
+                        f"examples taken alone (relative {error:.2g}): the examples of a batch "
+                        "meet in the forward, or a scored parameter is used outside its layer; "
+                        "on a model sharded with FSDP2 there is no vmap to fall back to"
+                    )
+                sharded.meet(failure, "checking per-example gradients")
+                self.linear_checked = True
+        except _NotLinear:
+            raise ValueError(
+                "on a model sharded with FSDP2 every scored nn.Linear / Conv1D layer must be "
+                "called exactly once per forward and the loss be one value per example (per-"
+                "example gradients come from the layers' hooks only)"
+            ) from None
+        finally:
+            sharded.reshard()
+        return rows
+
+    def _gathered_gradient(self, sharded: ShardedPasses, single: Batch) -> torch.Tensor:
+        """The gradient of one example's loss with respect to the gathered (whole) parameters
+        its forward used, captured as each layer is called (NOTE [per-example gradients on
+        sharded ranks])."""
+        slots = self.linear
+        if slots is None:
+            raise InternalError("hooked layers, checked at construction on sharded ranks")
+        used: dict[int, torch.Tensor] = {}
+
+        def capture(slot: _LinearSlot) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+            def hook(module: nn.Module, _args: tuple[Any, ...]) -> None:
+                for role in ("weight", "bias"):
+                    index = getattr(slot, role)
+                    if index is not None:
+                        used[index] = getattr(module, role)
+
+            return hook
+
+        handles = [s.module.register_forward_pre_hook(capture(s)) for s in slots]
+        failure: BaseException | None = None
+        value = None
+        try:
+            with torch.enable_grad():
+                value = self.loss(self.model, single).reshape(())
+            if len(used) != len(self.layout.names):
+                raise _NotLinear
+        except Exception as exc:  # met below, so that every rank raises
+            failure = exc
+        finally:
+            for h in handles:
+                h.remove()
+        sharded.meet(failure, "a per-example gradient")
+        if value is None:
+            raise InternalError("a loss after the ranks met without a failure")
+        order = sorted(used)
+        grads = torch.autograd.grad(value, [used[i] for i in order], allow_unused=True)
+        out = torch.zeros(self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
+        views = self.layout.split(out)
+        for i, g in zip(order, grads, strict=True):
+            if g is not None:
+                views[i].copy_(g.reshape(views[i].shape))
+        return out
 
     def _flat(self, grads: dict[str, torch.Tensor], B: int) -> torch.Tensor:
         return torch.cat([grads[n].reshape(B, -1) for n in self.layout.names], dim=1)
@@ -200,30 +318,56 @@ class _LinearSlot:
         self.bias: int | None = None
 
 
-def _linear_slots(model: nn.Module, layout: ParamLayout) -> list[_LinearSlot] | None:
+def _linear_slots(
+    model: nn.Module, names: Sequence[str], why: list[str] | None = None
+) -> list[_LinearSlot] | None:
     """The layers of NOTE [per-example gradients of linear layers], or None when a selected
-    parameter is not a linear layer's own weight or bias (or is shared, or frozen)."""
+    parameter is not a linear layer's own weight or bias (or is shared, or frozen): then
+    ``why`` receives the first such parameter, and what it is."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((module, pname))
     params = dict(model.named_parameters(remove_duplicate=False))
     slots: dict[int, _LinearSlot] = {}
-    for index, name in enumerate(layout.names):
+    for index, name in enumerate(names):
         p = params[name]
         uses = owners.get(id(p), [])
-        if len(uses) != 1 or not p.requires_grad:
-            return None
-        module, role = uses[0]
-        conv1d = is_hf_conv1d(module)  # x @ W + b, W stored (in, out)
-        if not (isinstance(module, nn.Linear) or conv1d) or role not in ("weight", "bias"):
+        reason = None
+        if len(uses) != 1:
+            reason = f"{name!r} (used by {len(uses)} modules)"
+        elif not p.requires_grad:
+            reason = f"{name!r} (frozen)"
+        else:
+            module, role = uses[0]
+            conv1d = is_hf_conv1d(module)  # x @ W + b, W stored (in, out)
+            if not (isinstance(module, nn.Linear) or conv1d) or role not in ("weight", "bias"):
+                reason = f"{name!r} (a {type(module).__name__}'s {role})"
+        if reason is not None:
+            if why is not None:
+                why.append(reason)
             return None
         slot = slots.setdefault(id(module), _LinearSlot(module, conv1d))
         setattr(slot, role, index)
     return list(slots.values()) or None
 
 
+def refuse_unhooked(model: nn.Module, names: Sequence[str]) -> None:
+    """Refuse, on a model sharded with FSDP2, a scored parameter that is not a hooked layer's
+    (NOTE [per-example gradients on sharded ranks])."""
+    why: list[str] = []
+    if _linear_slots(model, names, why) is None:
+        raise ValueError(
+            "on a model sharded with FSDP2, influence takes per-example gradients from hooks on "
+            f"nn.Linear / Conv1D weights and biases only; {why[0] if why else 'no parameter'} "
+            "would need vmap over FSDP's sharded parameters, which is not supported: leave it "
+            "out with param_filter"
+        )
+
+
 LayerUse = Callable[["_LinearSlot", torch.Tensor, torch.Tensor], None]
+#: the ranks meeting between a pass's forward and its backward (``ShardedPasses.meet``)
+Meet = Callable[[BaseException | None, str], None]
 
 
 def _linear_gradients(
@@ -233,6 +377,7 @@ def _linear_gradients(
     slots: list[_LinearSlot],
     batch: Batch,
     B: int,
+    meet: Meet | None = None,
 ) -> torch.Tensor:
     """Rows ``(B, n)`` from one forward and backward (NOTE [per-example gradients of linear
     layers]); raises :class:`_NotLinear` when a layer is not called exactly once."""
@@ -248,7 +393,7 @@ def _linear_gradients(
         if slot.bias is not None:
             views[slot.bias].copy_(g3.sum(1))
 
-    linear_backward(model, loss, slots, batch, B, use)
+    linear_backward(model, loss, slots, batch, B, use, meet)
     return rows
 
 
@@ -280,7 +425,8 @@ def position_scores(
             total[0] += torch.einsum("bti,ki->kbt", g3, views[slot.bias])
 
     try:
-        linear_backward(grads.model, grads.loss, slots, batch, B, use)
+        meet = grads.sharded.meet if grads.sharded is not None else None
+        linear_backward(grads.model, grads.loss, slots, batch, B, use, meet)
     except _NotLinear:
         return None
     if not total:
@@ -295,6 +441,7 @@ def linear_backward(
     batch: Batch,
     B: int,
     use: LayerUse,
+    meet: Meet | None = None,
 ) -> None:
     """One forward and backward of ``loss(model, batch).sum()``, calling ``use(slot, a, g)`` for
     each layer with its input ``a`` and output gradient ``g``, both ``(B, positions, ·)``.
@@ -302,7 +449,9 @@ def linear_backward(
     Each layer's output gradient is used as the backward reaches it and then dropped (a tensor
     hook on ``output + 0``, the backward asked for the gradient of that shared zero only), so
     the backward never holds every layer's output gradient at once. Raises :class:`_NotLinear`
-    when a layer is not called exactly once or the loss is not one value per example."""
+    when a layer is not called exactly once or the loss is not one value per example. ``meet``:
+    the ranks of a sharded model meet between the forward and the backward (a failure of one
+    rank's forward or loss raises on every rank, before FSDP's backward collectives)."""
     first = next(iter(slots)).module
     param = next(first.parameters())
     zero = torch.zeros((), dtype=param.dtype, device=param.device, requires_grad=True)
@@ -326,12 +475,22 @@ def linear_backward(
         return hook
 
     handles = [s.module.register_forward_hook(keep(i)) for i, s in enumerate(slots)]
+    failure: BaseException | None = None
+    losses = None
     try:
         with torch.enable_grad():
             losses = loss(model, batch)
+        if len(called) != len(slots) or tuple(losses.shape) != (B,):
+            raise _NotLinear
+    except Exception as exc:
+        failure = exc
     finally:
         for h in handles:
             h.remove()
-    if len(called) != len(slots) or tuple(losses.shape) != (B,):
-        raise _NotLinear
+    if meet is not None:
+        meet(failure, "per-example gradients")  # raises on every rank if one failed
+    if failure is not None:
+        raise failure
+    if losses is None:
+        raise InternalError("losses after a forward without a failure")
     torch.autograd.grad(losses.sum(), [zero], allow_unused=True)

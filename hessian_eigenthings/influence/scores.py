@@ -23,6 +23,7 @@ routes: slow on large data).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -48,7 +49,17 @@ from hessian_eigenthings.batching import (
     map_tensors,
     no_batch_message,
 )
-from hessian_eigenthings.influence.gradients import PerExampleGradients, position_scores
+from hessian_eigenthings.influence.gradients import (
+    PerExampleGradients,
+    position_scores,
+    refuse_unhooked,
+)
+from hessian_eigenthings.influence.sharded import (
+    ShardedScoring,
+    check_sharded_fit,
+    refuse_sharded_model,
+    whole_kronecker,
+)
 from hessian_eigenthings.influence.tasks import InfluenceTask
 from hessian_eigenthings.operators import (
     EKFACOperator,
@@ -56,11 +67,16 @@ from hessian_eigenthings.operators import (
     HessianOperator,
     KFACOperator,
 )
+from hessian_eigenthings.operators.distributed import (
+    FSDPEKFACOperator,
+    FSDPKFACOperator,
+    Sharded,
+)
 from hessian_eigenthings.operators.engines import EngineName
 from hessian_eigenthings.operators.factor_pass import FisherType, is_hf_conv1d
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 from hessian_eigenthings.operators.ranks import Ranks
-from hessian_eigenthings.param_utils import ParamFilter, ParamLayout
+from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
 
 __all__ = ["Curvature", "Influence", "fit"]
 
@@ -184,15 +200,27 @@ def fit(
         separate_bias: the Kronecker routes' bias in its own block (default) or joined to its
             weight through a column of ones (``False``: one block per layer, as Kronfluence's).
         ranks: several processes, each with its own shard of ``train_data`` (NOTE [influence on
-            several ranks]): ``operators.distributed.Replicated()`` for a replicated model; the
-            curvature is that of the union of the shards on every rank. ``None``: one process.
+            several ranks]): ``operators.distributed.Replicated()`` for a replicated model,
+            ``operators.distributed.Sharded(model)`` for a model sharded with FSDP2's
+            ``fully_shard`` (the Kronecker routes); the curvature is that of the union of the
+            shards on every rank. ``None``: one process.
 
     NOTE [influence on several ranks]: given replicated ranks, the curvature operator is built
     with them (Kronecker factors summed over the ranks, exact products all-reduced), so ``C``,
     its default damping and the preconditioned queries are the same on every rank; every rank
     passes the same queries and its own training shard, and ``pairwise_scores`` /
     ``token_scores`` / ``self_influence`` return this rank's columns (its shard's examples, in
-    its order). Scores need no communication.
+    its order). Scores need no communication. Given sharded ranks (a model sharded with FSDP2),
+    the curvature is ``FSDPEKFACOperator`` / ``FSDPKFACOperator`` (factors from every rank's
+    shard, replicated); per-example gradients are whole on every rank (FSDP shards parameters,
+    not activations) and come from hooks on ``nn.Linear`` / ``Conv1D`` layers only (another
+    scored parameter is refused: vmap cannot run over FSDP's sharded parameters); the exact
+    routes are refused. The columns are returned as for replicated ranks, but each batch's
+    gradients are FSDP forwards and backwards, collectives: every rank calls the same methods
+    with the same queries and the same number of training batches (sizes may differ; an empty
+    batch on every rank or on none), refused in one line on every rank otherwise (NOTE
+    [influence on sharded ranks] in ``influence.sharded``). ``layout`` is then the whole
+    parameters' and ``operator`` the FSDP operator (sharded vectors, ``global_layout``).
 
     NOTE [tied heads]: a parameter used by two modules (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) has one gradient summing both uses, while a Kronecker block sees
@@ -213,9 +241,21 @@ def fit(
         raise ValueError(
             f"curvature must be one of {', '.join(map(repr, _CURVATURES))}; got {curvature!r}"
         )
+    sharded: ShardedScoring | None = None
+    if isinstance(ranks, Sharded):
+        check_sharded_fit(model, ranks, curvature)
+        sharded = ShardedScoring(model, ranks)
+    else:
+        refuse_sharded_model(model, ranks)
     _refuse_training_mode(model)
-    first = _first_batch(train_data, "train_data")
-    task.check_batch(model, first, "train_data's first batch")
+
+    def first_batch() -> Batch:
+        batch = _first_batch(train_data, "train_data")
+        task.check_batch(model, batch, "train_data's first batch")
+        return batch
+
+    # sharded: a rank without data must not leave the others in FSDP's collectives
+    first = first_batch() if sharded is None else sharded.agreed(first_batch, "reading train_data")
     data = _OperatorBatches(train_data, task)
     excluded: tuple[str, ...] = ()
     op: CurvatureOperator
@@ -224,26 +264,44 @@ def fit(
             names, excluded = _kronecker_selection(model)
             chosen = set(names)
             param_filter = _named_filter(chosen)
+        if sharded is not None:  # before the factor pass: the same on every rank
+            refuse_unhooked(model, list(select_parameters(model, param_filter)))
         if fisher_type is None:
-            with torch.no_grad():
-                out = task.forward(model, task.operator_batch(first))
-            classes = int(out.shape[1]) if out.dim() > 1 else 1
-            fisher_type = "type2" if classes <= _TYPE2_MAX_CLASSES else "mc"
-        cls = EKFACOperator if curvature == "ekfac" else KFACOperator
-        op = cls(
-            model,
-            data,
-            task.forward,
-            task.loss_of_output,
+
+            def classes() -> int:
+                with torch.no_grad():
+                    out = task.forward(model, task.operator_batch(first))
+                return int(out.shape[1]) if out.dim() > 1 else 1
+
+            if sharded is None:
+                count = classes()
+            else:
+                count = sharded.agreed(classes, "the model's output")
+                sharded.reshard()  # FSDP keeps the root whole after a forward without backward
+            fisher_type = "type2" if count <= _TYPE2_MAX_CLASSES else "mc"
+        options: dict[str, Any] = dict(
             fisher_type=fisher_type,
             param_filter=param_filter,
             mc_samples=mc_samples,
             seed=seed,
             separate_bias=separate_bias,
-            ranks=ranks,
         )
+        if sharded is not None:
+            fsdp = FSDPEKFACOperator if curvature == "ekfac" else FSDPKFACOperator
+            op = fsdp(
+                model,
+                data,
+                task.forward,
+                task.loss_of_output,
+                process_group=sharded.ranks.group,
+                **options,
+            )
+        else:
+            cls = EKFACOperator if curvature == "ekfac" else KFACOperator
+            op = cls(model, data, task.forward, task.loss_of_output, ranks=ranks, **options)
         if damping is None:
-            damping = 0.1 * float(op.trace()) / op.size
+            # the mean eigenvalue of the whole operator (sharded: op.size is this rank's piece)
+            damping = 0.1 * float(op.trace()) / getattr(op, "global_size", op.size)
     else:
         if fisher_type is not None:
             raise ValueError(
@@ -277,7 +335,7 @@ def fit(
     if damping == 0 and curvature in ("ggn", "hessian"):
         raise ValueError(f"curvature={curvature!r} needs damping > 0 (the curvature is singular)")
     return Influence(
-        model, task, op, float(damping), curvature, fisher_type, excluded, tol, max_iter
+        model, task, op, float(damping), curvature, fisher_type, excluded, tol, max_iter, sharded
     )
 
 
@@ -313,6 +371,7 @@ class Influence:
         excluded: tuple[str, ...],
         tol: float,
         max_iter: int | None,
+        sharded: ShardedScoring | None = None,
     ) -> None:
         self.model = model
         self.task = task
@@ -321,10 +380,12 @@ class Influence:
         self.curvature: Curvature = curvature
         self.fisher_type = fisher_type
         self.excluded_parameters = excluded
-        self.layout: ParamLayout = operator.layout  # type: ignore[attr-defined]
+        #: the scored parameters, whole (on sharded ranks too: NOTE [influence on sharded ranks])
+        self.layout: ParamLayout = getattr(operator, "global_layout", None) or operator.layout  # type: ignore[attr-defined]
         self.tol = tol
         self.max_iter = max_iter
-        self._grads = PerExampleGradients(model, self.layout, task.per_example_loss)
+        self._sharded = sharded
+        self._grads = PerExampleGradients(model, self.layout, task.per_example_loss, sharded)
         self._inverse: CurvatureOperator | None = None
 
     def __repr__(self) -> str:
@@ -335,7 +396,8 @@ class Influence:
 
     # -- the pieces ------------------------------------------------------------------------------
     def gradients(self, batch: Batch) -> torch.Tensor:
-        """``∇L`` of each example of ``batch``, rows ``(B, n)`` in ``layout``'s order."""
+        """``∇L`` of each example of ``batch``, rows ``(B, n)`` in ``layout``'s order (sharded
+        ranks: whole rows, and a collective call: every rank calls it with a batch)."""
         return self._grads(batch)
 
     def precondition(self, G: torch.Tensor) -> torch.Tensor:
@@ -367,19 +429,34 @@ class Influence:
     def _kronecker_precondition(self, G: torch.Tensor, rows: int = 4) -> torch.Tensor:
         """``G`` overwritten by ``(C + λI)⁻¹ G`` a few rows at a time (the Kronecker inverse
         acts on each row alone): memory of ``G`` plus a few rows, not of two copies of it."""
-        if self._inverse is None:
-            self._inverse = self.operator.inverse(self.damping)  # type: ignore[attr-defined]
+        if self._inverse is None:  # sharded ranks: whole rows, from the replicated factors
+            self._inverse = whole_kronecker(self.operator).inverse(self.damping)  # type: ignore[attr-defined]
         if self._inverse is None:
             raise InternalError("the inverse of a Kronecker operator is None")
         for s in range(0, G.shape[0], rows):
             G[s : s + rows] = (self._inverse @ G[s : s + rows].T).T
         return G
 
-    def _checked_batches(self, data: Iterable[Batch], what: str) -> Iterator[tuple[int, Batch]]:
-        _first_batch(data, what)  # an iterable of batches, not one batch; not empty
-        _refuse_training_mode(self.model)
-        for i, batch in enumerate(data):
+    def _checked_batches(
+        self, data: Iterable[Batch], what: str, *, last: bool = False
+    ) -> Iterator[tuple[int, Batch]]:
+        """``(i, batch)`` of ``data``, each checked; on sharded ranks read in step (``last``:
+        the end of this loop is the call's last agreement)."""
+
+        def start() -> Iterator[Batch]:
+            _first_batch(data, what)  # an iterable of batches, not one batch; not empty
+            _refuse_training_mode(self.model)
+            return iter(data)
+
+        def check(i: int, batch: Batch) -> None:
             self.task.check_batch(self.model, batch, f"{what} batch {i}")
+
+        if self._sharded is not None:
+            same = what == "query_data"
+            yield from self._sharded.batches(start, what, check, same=same, last=last)
+            return
+        for i, batch in enumerate(start()):
+            check(i, batch)
             yield i, batch
 
     def query_gradients(
@@ -389,9 +466,18 @@ class Influence:
         a query batch larger than this goes through the model in slices of that many examples
         (``pairwise_scores`` passes the training batches' size: the activations' memory the
         user chose; ``None``: whole batches)."""
+        with _span(self._sharded, "influence.query_gradients"):
+            return self._query_gradients(query_data, examples_at_once, last=True)
+
+    def _query_gradients(
+        self, query_data: Iterable[Batch], examples_at_once: int | None, *, last: bool
+    ) -> torch.Tensor:
+        if self._sharded is not None:  # the same slices on every rank
+            at_once = examples_at_once or 0
+            examples_at_once = self._sharded.smallest(lambda: at_once, "query_data") or None
         rows = [
             self._sliced_gradients(b, examples_at_once)
-            for _, b in self._checked_batches(query_data, "query_data")
+            for _, b in self._checked_batches(query_data, "query_data", last=last)
         ]
         G = rows[0] if len(rows) == 1 else torch.cat(rows)
         del rows
@@ -426,9 +512,23 @@ class Influence:
             raise ValueError(f"rank must be an integer >= 1 or None, got {rank!r}")
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+        with _span(self._sharded, "influence.pairwise_scores"):
+            return self._pairwise_scores(
+                query_data, train_data, rank, checkpoint, checkpoint_every, progress
+            )
+
+    def _pairwise_scores(
+        self,
+        query_data: Iterable[Batch],
+        train_data: Iterable[Batch],
+        rank: int | None,
+        checkpoint: str | os.PathLike[str] | None,
+        checkpoint_every: int,
+        progress: bool | None,
+    ) -> torch.Tensor:
         # before the queries' work: an empty set says so now
-        first = _first_batch(train_data, "train_data")
-        Q = self.query_gradients(query_data, examples_at_once=max(1, batch_size(first)))
+        at_once = max(1, _first_size(train_data, self._sharded))
+        Q = self._query_gradients(query_data, at_once, last=False)
         path = checkpoint_path(checkpoint)
         config = {
             "curvature": self.curvature,
@@ -446,11 +546,13 @@ class Influence:
             state = load_checkpoint(path, "influence.pairwise_scores", config, gen)
             done = int(state["batches"])
             blocks = [state["scores"]]
+        if self._sharded is not None:  # the ranks skip the same batches: FSDP's collectives
+            self._sharded.same(done, "the training batches their checkpoints hold")
         scorer = _LowRank(Q, self.layout, rank) if rank is not None else None
         total = _length(train_data)
         with progress_bar(total, "influence scores", progress) as bar:
             bar.update(done)
-            for i, batch in self._checked_batches(train_data, "train_data"):
+            for i, batch in self._checked_batches(train_data, "train_data", last=True):
                 if i < done:
                     continue
                 G = self.gradients(batch).to(Q.dtype)
@@ -484,8 +586,11 @@ class Influence:
                 "examples differ while its products are collective"
             )
         out: list[torch.Tensor] = []
-        with progress_bar(_length(train_data), "self-influence", progress) as bar:
-            for _, batch in self._checked_batches(train_data, "train_data"):
+        with (
+            _span(self._sharded, "influence.self_influence"),
+            progress_bar(_length(train_data), "self-influence", progress) as bar,
+        ):
+            for _, batch in self._checked_batches(train_data, "train_data", last=True):
                 G = self.gradients(batch)
                 out.append(-(self.precondition(G) * G).sum(1))
                 bar.update(1)
@@ -505,11 +610,17 @@ class Influence:
         :meth:`pairwise_scores` entry (NOTE [per-example gradients of linear layers]). Needs the
         scored parameters to be ``nn.Linear`` / ``Conv1D`` weights and biases (the Kronecker
         routes' default selection) and every training batch of one length."""
-        first = _first_batch(train_data, "train_data")
-        Q = self.query_gradients(query_data, examples_at_once=max(1, batch_size(first)))
+        with _span(self._sharded, "influence.token_scores"):
+            return self._token_scores(query_data, train_data, progress)
+
+    def _token_scores(
+        self, query_data: Iterable[Batch], train_data: Iterable[Batch], progress: bool | None
+    ) -> torch.Tensor:
+        at_once = max(1, _first_size(train_data, self._sharded))
+        Q = self._query_gradients(query_data, at_once, last=False)
         out: list[torch.Tensor] = []
         with progress_bar(_length(train_data), "influence token scores", progress) as bar:
-            for i, batch in self._checked_batches(train_data, "train_data"):
+            for i, batch in self._checked_batches(train_data, "train_data", last=True):
                 if not self._grads.linear_checked:
                     self.gradients(batch)  # the first batch's check of the hooked path
                 scores = position_scores(self._grads, batch, Q)
@@ -528,6 +639,21 @@ class Influence:
                 out.append(-scores)
                 bar.update(1)
         return torch.cat(out, dim=1)
+
+
+def _span(sharded: ShardedScoring | None, what: str) -> contextlib.AbstractContextManager[None]:
+    """A scoring call on sharded ranks (a rank failing between agreements raises on all)."""
+    return contextlib.nullcontext() if sharded is None else sharded.span(what)
+
+
+def _first_size(train_data: Iterable[Batch], sharded: ShardedScoring | None) -> int:
+    """The first training batch's size (sharded ranks: the smallest over the ranks, so that
+    query batches go through the model in the same slices on every rank)."""
+
+    def size() -> int:
+        return batch_size(_first_batch(train_data, "train_data"))
+
+    return size() if sharded is None else sharded.smallest(size, "reading train_data")
 
 
 def _length(data: Iterable[Batch]) -> int | None:
