@@ -9,9 +9,11 @@ a hang fails the test instead of blocking CI.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -451,3 +453,185 @@ def test_benchmark_runs_tiny_on_cpu(tmp_path: Path) -> None:
     if "skip" not in data["fsdp"]:
         assert data["fsdp"]["rel_err_vs_single_fd"] < 1e-3
     assert (out / "bench_distributed.md").read_text().startswith("#")
+
+
+# --------------------------------------------------------------------------
+# the estimators on sharded vectors, checked statistically (one launch of 2 ranks)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stats_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return rank_results(2, tmp_path_factory.mktemp("stats2"), "_dist_stats_worker.py")
+
+
+# NOTE [statistical bands]
+# Each estimator is unbiased, so over N seeds its mean estimate is the exact value up to a
+# standard error SE = sqrt(Var / N) (N >= 600 calls: the mean is close to Gaussian). A band of
+# 4 SE fails a correct estimator with probability 6e-5 per check, and a biased one once its
+# bias passes 4 SE: a probe missing a rank's piece estimates the trace of the other rank's
+# block only, a sum missing a rank a partial quadratic form; each moves the mean by O(||H||)
+# against SE ~ 0.03 ||H|| here. The spread: the sample variance s² of N draws has
+# Var(s²) ≈ σ⁴ (κ − 1) / N (κ: the fourth standardized moment, 3 for a Gaussian), so log(s²/σ²)
+# has a standard deviation of about sqrt((κ − 1) / N), and for two independent samples the two
+# terms add. We check |log(s²_sharded / σ²)| < 4 of those, with σ² the closed form where there
+# is one (Hutchinson with Rademacher probes, Var = 2(||H||_F² − Σ H_ii²) per probe; SLQ's
+# moments are Rademacher quadratic forms of H and H² over n, which a 10-node quadrature gives
+# exactly) and otherwise the one-process estimator's variance over 2000 other seeds on the
+# same matrix (Hutch++, XTrace), κ taken from that reference sample: ±0.26 in log variance at
+# N = 600 (±14% in standard deviation). The one-process reference is checked the same way
+# (its mean, and its spread against the closed forms), so a wrong reference cannot hide a
+# wrong sharded estimator. Measured with these seeds (torch 2.13, CPU): correct, the largest
+# |z| is 2.1 (Hutchinson's mean, XTrace's spread); with rank 1's piece of every probe zeroed,
+# Hutchinson's mean is 16 SE off, Hutch++'s and XTrace's 6 SE and their spreads 16, SLQ's second
+# moment 4 SE and its spread 6; with row_dots' all-reduce dropped (a sum missing a rank),
+# means 15 to 55 SE off; with one probe stream for both ranks (pieces that repeat each other),
+# Hutchinson's mean 7 SE off (its bias is a sum of cross entries of H that another matrix
+# could cancel: sharded_estimators' exact "same stream" numbers guard that mistake too).
+Z_BAND = 4.0
+
+
+def _z(mean: float, exact: float, var: float, count: int) -> float:
+    return (mean - exact) / math.sqrt(var / count)
+
+
+def _log_var_ratio(samples: np.ndarray, var: float, kappa: float, ref_count: int | None) -> float:
+    """log(s² / var) in units of its standard deviation (NOTE [statistical bands]);
+    ``ref_count``: ``var`` is itself a sample variance of that many draws (else exact)."""
+    spread = (kappa - 1.0) * (1.0 / samples.size + (1.0 / ref_count if ref_count else 0.0))
+    return math.log(samples.var(ddof=1) / var) / math.sqrt(spread)
+
+
+def _kurtosis(x: np.ndarray) -> float:
+    c = x - x.mean()
+    return float((c**4).mean() / (c**2).mean() ** 2)
+
+
+def test_sharded_estimators_statistically(stats_ranks: list[dict[str, Any]]) -> None:
+    """Hutchinson, Hutch++, XTrace and SLQ on sharded vectors (2 gloo ranks, the FSDP2 MLP's walk
+    matrix, float64) over many seeds against the dense Hessian of
+    ``torch.autograd.functional.hessian``: means within 4 standard errors of the exact trace (SLQ:
+    of tr(H)/n and ||H||_F²/n), spreads within 4 standard deviations of the sample variance of
+    the closed-form variance or of the one-process estimator's (NOTE [statistical bands])."""
+    per_rank = get(stats_ranks, "estimator_statistics")
+    res = per_rank[0]
+    assert all(r["sharded"] == res["sharded"] for r in per_rank)  # every rank, one answer
+    assert res["same_on_ranks"]
+    # the sharded walk's matrix is the dense float64 Hessian (rank 58 < the sketches' probes
+    # would make Hutch++ and XTrace exact: their budgets stay below it)
+    assert res["walk_vs_dense"] < 1e-13 and res["operator_vs_dense"] < 1e-13
+    assert res["rank_H"] == 58
+    n = res["n"]
+    per_probe = 2.0 * (res["fro2"] - res["diag2"])  # Hutchinson, Rademacher
+    exact: dict[str, tuple[float, float | None]] = {
+        "hutchinson": (res["trace"], per_probe / res["budgets"]["hutchinson"]),
+        "hutch++": (res["trace"], None),
+        "xtrace": (res["trace"], None),
+        "slq_first": (res["trace"] / n, per_probe / n**2),
+        "slq_second": (res["fro2"] / n, 2.0 * (res["fro2_H2"] - res["diag2_H2"]) / n**2),
+    }
+    for key, (value, closed) in exact.items():
+        sharded = np.asarray(res["sharded"][key])
+        ref = np.asarray(res["reference"][key])
+        assert sharded.size >= 600 and ref.size >= 2000, key
+        kappa = _kurtosis(ref)
+        ref_var = float(ref.var(ddof=1))
+        var, ref_count = (closed, None) if closed is not None else (ref_var, ref.size)
+        # the one-process reference itself: unbiased, and its spread the closed form's
+        assert abs(_z(float(ref.mean()), value, var, ref.size)) < Z_BAND, key
+        if closed is not None:
+            assert abs(_log_var_ratio(ref, closed, kappa, None)) < Z_BAND, key
+        # the sharded estimator
+        z = _z(float(sharded.mean()), value, var, sharded.size)
+        assert abs(z) < Z_BAND, (key, z, float(sharded.mean()), value)
+        spread = _log_var_ratio(sharded, var, kappa, ref_count)
+        assert abs(spread) < Z_BAND, (key, spread, float(sharded.var(ddof=1)), var)
+
+
+def test_sharded_checkpoints_of_another_rank_are_refused(
+    stats_ranks: list[dict[str, Any]],
+) -> None:
+    """Per-rank Lanczos and SLQ checkpoints (NOTE [checkpoints of sharded runs]): another rank's
+    file (uneven pieces), and a file one process wrote, are refused in one line naming both."""
+    for rank, res in enumerate(get(stats_ranks, "sharded_checkpoint_refusals")):
+        for name in ("lanczos", "density"):
+            r = res[name]
+            assert r["stopped"] == ["_Interrupted", "_Interrupted"], r
+            assert r["swapped"]["type"] == "ValueError", r
+            assert (
+                f"written by rank {1 - rank} of 2, this is rank {rank} of 2" in r["swapped"]["msg"]
+            )
+            assert r["from_single"]["type"] == "ValueError", r
+            msg = r["from_single"]["msg"]
+            assert f"one process (no rank recorded), this is rank {rank} of 2" in msg, msg
+            assert "\n" not in r["swapped"]["msg"] + msg
+
+
+# --------------------------------------------------------------------------
+# several nodes: two rendezvous groups on one host
+# --------------------------------------------------------------------------
+
+MULTINODE_DEADLINE_S = 170
+
+
+@pytest.mark.parametrize(
+    ("rendezvous", "operator"),
+    [("c10d", "--sharded"), ("static", "--replicated")],
+    ids=["c10d-sharded", "static-replicated"],
+)
+def test_two_rendezvous_groups_on_one_host(tmp_path: Path, rendezvous: str, operator: str) -> None:
+    """``scripts/multinode_lanczos.py`` (the recipe of docs/distributed.md, "Several nodes") under
+    ``torchrun --nnodes=2 --nproc-per-node=1``, one launcher per "node" on this host (gloo, CPU):
+    the top-3 Hessian eigenvalues of the ranks' FSDP2 or replicated operator equal one process's
+    on the union of the samples to 1e-10, converged."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from tests.launch import free_port
+
+    if importlib.util.find_spec("torch.distributed.run") is None:
+        pytest.skip("torch.distributed.run is not in this torch build")
+    port = free_port()
+    if rendezvous == "c10d":  # the ranks come from the rendezvous (node_rank is not used)
+        where = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    else:
+        where = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    out = tmp_path / "result.json"
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    script = [str(REPO / "scripts" / "multinode_lanczos.py"), f"--out={out}", operator]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        cmd += [f"--node-rank={node}", *where, *script]
+        log = open(tmp_path / f"node{node}.txt", "w")  # noqa: SIM115 -- closed below
+        procs.append(
+            (subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log)
+        )
+    try:
+        for node, (p, _) in enumerate(procs):
+            try:
+                p.wait(timeout=MULTINODE_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node {node} still running after {MULTINODE_DEADLINE_S} s (a hang?)")
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    for node, (p, _) in enumerate(procs):
+        text = (tmp_path / f"node{node}.txt").read_text()
+        assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{text[-4000:]}"
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and res["ok"] and res["converged"], res
+    assert res["operator"] == (
+        "FSDPHessianOperator" if operator == "--sharded" else "DDPHessianOperator"
+    )
+    assert res["relative_difference"] < 1e-10, res
+    assert len(res["eigenvalues"]) == 3
