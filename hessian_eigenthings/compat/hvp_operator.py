@@ -150,6 +150,9 @@ class _HVPOperator(HessianOperator):
             microbatch_size=None if chunk is None else _microbatch_size(dataloader, chunk),
             # 0.x split BatchNorm batches too; 1.0 asks for consent, which 0.x code cannot give
             microbatch_unsafe=True,
+            # 0.x computed in the model's dtype (a half model's products in half): so does the
+            # facade, whatever 1.0's default (NOTE [half models] in operators.precision)
+            precision="model",
         )
         # See NOTE [0.x batch weighting]
         self.batch_weighting = "size" if _equal_batches(dataloader) else "uniform"

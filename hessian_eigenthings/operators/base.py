@@ -53,6 +53,7 @@ from hessian_eigenthings.operators.model_guard import (
     preserve_model,
     private_buffers,
 )
+from hessian_eigenthings.operators.precision import upcast_batch
 from hessian_eigenthings.operators.protocol import CurvatureOperator, LambdaOperator, same_device
 from hessian_eigenthings.param_utils import RowBlock
 
@@ -121,7 +122,11 @@ class DataCurvatureOperator(DataOperatorSetup):
       The recordings hold memory between products (``held_bytes``); ``False`` records nothing.
     - ``engine``: ``"auto"``, ``"autograd"``, ``"functional"``, ``"compiled"`` or ``"layers"``
       (with ``layers=``, the dotted path to the model's blocks: NOTE [layer walk]).
-    - ``precision``: ``"fp32"`` or ``"tf32"``; ``backend``: the vectors' arithmetic (default the
+    - ``precision``: ``"fp32"`` (the default: full float32 products, TF32 off; a float16 or
+      bfloat16 model's products run on float32 copies of its parameters, NOTE [half models]),
+      ``"tf32"`` (float32 products with TF32 matrix products and convolutions, a half model's on
+      float32 copies too) or ``"model"`` (products in the model's own dtype: bfloat16 arithmetic
+      for a bfloat16 model; the same as ``"fp32"`` for a float32 or float64 model); ``backend``: the vectors' arithmetic (default the
       single-device one); ``ranks``: the processes products span (default this one).
 
     A curvature writes the hooks ``_prepare`` / ``_apply`` (and, for the traced engines,
@@ -138,6 +143,9 @@ class DataCurvatureOperator(DataOperatorSetup):
 
     def _chunks(self, raw: Batch) -> list[Batch]:
         batch = to_device(raw, self.device)
+        # a half model's inputs in float32 (NOTE [half models]; sharded ranks cast in their product)
+        if self._upcast is not None:
+            batch = upcast_batch(batch, self._dtype)
         if self.microbatch_size is None:
             return [batch]
         return split_batch(batch, self.microbatch_size)
@@ -237,6 +245,8 @@ class DataCurvatureOperator(DataOperatorSetup):
             and self.ranks.records_graphs
             and self._device.type == "cuda"
             and RNG_RESTORABLE
+            # the recordings' stand-in leaves are the user's half tensors (NOTE [half models])
+            and self._upcast is None
             and getattr(runner, "recordable", True)
             and (runner.traced or self.supports_cuda_graphs)
         )

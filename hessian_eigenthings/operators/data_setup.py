@@ -11,6 +11,7 @@ runner, ``functional_product`` for the traced ones). The data loop itself is ``b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -43,8 +44,14 @@ from hessian_eigenthings.operators.engines.runner import (
     unsupported,
 )
 from hessian_eigenthings.operators.graph_reuse import StateCache
-from hessian_eigenthings.operators.model_guard import ModelGuard, Precision, check_precision
+from hessian_eigenthings.operators.model_guard import ModelGuard
 from hessian_eigenthings.operators.parameter_binding import ParameterBinding
+from hessian_eigenthings.operators.precision import (
+    ProductPrecision,
+    Upcast,
+    check_product_precision,
+    product_dtype,
+)
 from hessian_eigenthings.operators.protocol import CurvatureOperator
 from hessian_eigenthings.operators.ranks import LOCAL, Ranks
 from hessian_eigenthings.param_utils import ParamFilter, ParamLayout, select_parameters
@@ -61,7 +68,7 @@ class DataOptions(TypedDict, total=False):
     ``microbatch_unsafe=False``), blocks (``max_block_size=None``, ``block_memory_budget=None``),
     kept states (``graph_reuse="auto"``, ``graph_reuse_max_batches=4``,
     ``graph_memory_budget=None``), ``cuda_graphs=True``, the engine (``engine="auto"``,
-    ``layers=None``), ``precision="fp32"``, the vector ``backend`` (``None``: the single-device
+    ``layers=None``), ``precision="fp32"`` (``"tf32"``, ``"model"``), the vector ``backend`` (``None``: the single-device
     one) and the ``ranks`` products span (``None``: this process). What each does:
     :class:`~hessian_eigenthings.operators.base.DataCurvatureOperator`."""
 
@@ -77,7 +84,7 @@ class DataOptions(TypedDict, total=False):
     graph_memory_budget: int | None
     cuda_graphs: bool
     engine: EngineName
-    precision: Precision
+    precision: ProductPrecision
     layers: str | Sequence[nn.Module] | None
     backend: LinAlgBackend | None
     ranks: Ranks | None
@@ -296,7 +303,7 @@ class DataOperatorSetup(CurvatureOperator):
         graph_memory_budget: int | None = None,
         cuda_graphs: bool = True,
         engine: EngineName = "auto",
-        precision: Precision = "fp32",
+        precision: ProductPrecision = "fp32",
         layers: str | Sequence[nn.Module] | None = None,
         backend: LinAlgBackend | None = None,
         ranks: Ranks | None = None,
@@ -324,6 +331,14 @@ class DataOperatorSetup(CurvatureOperator):
         self._binding = ParameterBinding(
             model, self.named_params, self.layout.offsets, type(self).__name__
         )
+        self.precision = check_product_precision(precision)
+        #: the dtype of the parameters' values as the user holds them; products and vectors are
+        #: in ``dtype`` (float32 for a half model under the default, NOTE [half models])
+        self.param_dtype = self.layout.dtype
+        if product_dtype(self.param_dtype, self.precision) != self.param_dtype:
+            self.layout = dataclasses.replace(
+                self.layout, dtype=product_dtype(self.param_dtype, self.precision)
+            )
         self._empty = EmptyBatches(type(self).__name__)
         self._size = self.layout.size
         self._device = self.layout.device
@@ -336,7 +351,6 @@ class DataOperatorSetup(CurvatureOperator):
         self.graph_memory_budget = graph_memory_budget
         self.cuda_graphs = cuda_graphs
         self.backend = self.ranks.backend(backend)
-        self.precision = check_precision(precision)
         check_engine(type(self), model, engine, layers)
         #: the layers ``engine="layers"`` walks (NOTE [layer walk])
         self.layers = layers
@@ -379,6 +393,12 @@ class DataOperatorSetup(CurvatureOperator):
         parameters bound now; a batch cycled on every product (``full_dataset=False`` over more
         than one batch) is not kept under ``graph_reuse="auto"``."""
         self.guard = ModelGuard(self.model, self.params)
+        #: the float32 copies a half model's products run on (NOTE [half models]); ranks that
+        #: gather the parameters (FSDP2) cast each gathered block instead
+        self._upcast: Upcast | None = None
+        if self._dtype != self.param_dtype and not getattr(self.ranks, "gathers_parameters", False):
+            self._upcast = Upcast(self.guard.modules, self.params, self._dtype)
+        self.guard.upcast = self._upcast
         self._states = StateCache(
             self.guard.modules,
             self._device,
@@ -488,13 +508,18 @@ class DataOperatorSetup(CurvatureOperator):
 
     @property
     def held_bytes(self) -> int:
-        """Device bytes held between products: kept graphs and CUDA-graph pools (0 on the CPU)."""
-        return self._states.nbytes
+        """Device bytes held between products: kept graphs, CUDA-graph pools (0 on the CPU), and
+        the float32 copies of a half model's tensors (NOTE [half models])."""
+        copies = 0 if self._upcast is None else self._upcast.nbytes
+        return self._states.nbytes + copies
 
     def clear_cache(self) -> None:
-        """Drop kept graphs and recorded products (they are dropped automatically when stale)."""
+        """Drop kept graphs, recorded products and a half model's float32 copies (they are
+        dropped or refreshed automatically when stale)."""
         self._states.clear()
         self.recorder.clear()
+        if self._upcast is not None:
+            self._upcast.clear()
 
     def _follow_parameters(self) -> None:
         """NOTE [replaced parameters]: drop what was keyed on replaced tensors (states, recordings,

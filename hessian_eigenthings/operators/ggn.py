@@ -164,7 +164,7 @@ class GGNOperator(OutputSandwichOperator):
     ) -> Sequence[torch.Tensor | None]:
         if self._head is None:
             return super()._apply(state, vecs, retain)
-        return self._head.apply(state, vecs, retain, self.params, jvp=self._jvp, vjp=self._vjp)
+        return self._head.apply(state, vecs, retain, self._at(), jvp=self._jvp, vjp=self._vjp)
 
 
 def check_ggn(

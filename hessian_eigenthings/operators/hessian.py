@@ -156,7 +156,10 @@ class HessianOperator(DataCurvatureOperator):
             return _AtBatch(batch)
         self.num_forwards += 1
         if params is None:
-            inputs: Sequence[torch.Tensor] = self.params
+            # a half model's float32 copies, swapped in for the pass (NOTE [half models])
+            inputs: Sequence[torch.Tensor] = (
+                self.params if self._upcast is None else self._upcast.params
+            )
             loss = scalar_loss(self.loss_fn(self.model, batch))
         else:
             inputs = params
@@ -208,7 +211,8 @@ class HessianOperator(DataCurvatureOperator):
     # valid. Tied weights follow (functional_call ties them).
     def _differences(self, batch: Batch, vecs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``H v`` by central differences of the gradient (NOTE [perturbed copies])."""
-        base = [p.detach() for p in self.params]
+        at = self.params if self._upcast is None else self._upcast.params  # NOTE [half models]
+        base = [p.detach() for p in at]
         out = [torch.empty_like(v) for v in vecs]
         # the padding lookups read the rows of θ, not of θ ± h·v̂ (NOTE [padding rows])
         with self.guard.padding.frozen():

@@ -4,7 +4,8 @@ Parameters bit-identical with their version counters, ``.grad`` untouched,
 train/eval flags and ``requires_grad`` as they were, buffers of training
 modules (BatchNorm statistics) never written, the global precision switches
 restored (NOTE [product precision]) — also when the user's loss raises half-way.
-And a model that draws random numbers in its forward (dropout in training mode) is
+A half model's products run on float32 copies of its tensors, swapped in for the pass and
+taken out after (:class:`Upcast`, NOTE [half models] in ``precision``). And a model that draws random numbers in its forward (dropout in training mode) is
 said once.
 
 Cost per pass of products: a few attribute reads and writes on the host, no device work.
@@ -34,11 +35,16 @@ from hessian_eigenthings._warnings import user_stacklevel
 # 1.9% with TF32 matmuls, GPT-2 1e-3 — silently. So every product switches
 # both to full float32 for its duration and puts back exactly what it found,
 # also when the product raises; ``precision="tf32"`` opts in to the faster
-# mode (1.6-2.1x on those workloads). Setting the flags is a few attribute
+# mode (1.6-2.1x on those workloads); ``precision="model"`` (a half model's
+# products in its own dtype, NOTE [half models] in ``precision``) sets them as
+# ``"fp32"`` does. Setting the flags is a few attribute
 # writes on the host per product, no device work.
 
 Precision = Literal["fp32", "tf32"]
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32")
+#: a data operator's ``precision=``: the switches of ``"fp32"`` and ``"tf32"``, and ``"model"``
+#: (products in a half model's own dtype, NOTE [half models] in ``precision``; switches as "fp32")
+ProductPrecision = Literal["fp32", "tf32", "model"]
 
 
 def check_precision(precision: object) -> Precision:
@@ -50,7 +56,7 @@ def check_precision(precision: object) -> Precision:
     return precision  # type: ignore[return-value]
 
 
-def switch_precision(precision: Precision) -> tuple[str | None, bool]:
+def switch_precision(precision: ProductPrecision) -> tuple[str | None, bool]:
     """Set the switches for ``precision`` (NOTE [product precision]); returns what
     :func:`restore_precision` puts back: the matmul precision if it was changed, and cuDNN's flag."""
     tf32 = precision == "tf32"
@@ -74,7 +80,7 @@ def restore_precision(saved: tuple[str | None, bool]) -> None:
 
 
 @contextlib.contextmanager
-def product_precision(precision: Precision) -> Iterator[None]:
+def product_precision(precision: ProductPrecision) -> Iterator[None]:
     """Run the body with TF32 off (``"fp32"``) or on (``"tf32"``), then restore the user's switches."""
     saved: tuple[str | None, bool] | None = None
     try:
@@ -108,7 +114,14 @@ def watch_optimizer_steps() -> None:
 
 def model_tensors(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
     """Every parameter and buffer of ``modules`` (each module's own, in registration order):
-    what a product reads besides the batch."""
+    what a product reads besides the batch. During a pass of a half model, the user's tensors,
+    not the float32 copies standing in for them (:class:`Upcast`)."""
+    if _UPCAST_ORIGINALS:
+        for m in modules:
+            for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+                if t is not None:
+                    yield _UPCAST_ORIGINALS.get(id(t), t)
+        return
     for m in modules:
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None:
@@ -125,6 +138,97 @@ def model_key(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
         torch.get_float32_matmul_precision(),
     )
     return tensors, tuple(m.training for m in modules), precision, _optimizer_steps
+
+
+#: the copy's id -> the user's tensor, for the copies swapped in now (:class:`Upcast`): the reuse
+#: key and the kept states' watch read the user's tensors during a pass
+_UPCAST_ORIGINALS: dict[int, torch.Tensor] = {}
+
+#: the half dtypes whose models compute in float32 by default (NOTE [half models] in ``precision``)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Upcast:
+    """Float32 copies of a half model's tensors, standing in for them during a pass of products
+    (NOTE [half models] in ``precision``).
+
+    :meth:`enter` puts, in every module of ``modules``, a copy in ``dtype`` in the slot of each
+    parameter and floating buffer of a half dtype (a parameter's copy is an ``nn.Parameter``
+    requiring grad as the user's does; a tensor held by two modules gets one copy, so ties stay
+    ties); :meth:`exit` puts the user's tensors back. The user's tensors are never written, and
+    no reference to a copy is left in the model. The copies are kept between passes while the
+    user's tensor is the same object at the same version (a kept graph or a traced state made
+    from a copy stays the graph of that copy) and dropped by :meth:`clear`: ``nbytes`` of the
+    device's memory, on top of the model.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        selected: Sequence[torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.modules = modules
+        self.selected = list(selected)
+        self.dtype = dtype
+        #: id of the user's tensor -> (that tensor, its version when copied, the copy)
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        #: the copies of the selected parameters, in their order (set by :meth:`enter`)
+        self.params: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copies hold."""
+        return sum(c.numel() * c.element_size() for _, _, c in self._copies.values())
+
+    def clear(self) -> None:
+        self._copies = {}
+        self.params = []
+
+    def _copy(self, t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        entry = self._copies.get(id(t))
+        if entry is not None and entry[0] is t and entry[1] == t._version:
+            copy = entry[2]
+        else:
+            with torch.no_grad():
+                data = t.detach().to(self.dtype)
+            copy = nn.Parameter(data, requires_grad=False) if parameter else data
+            self._copies[id(t)] = (t, t._version, copy)
+        if parameter and copy.requires_grad != t.requires_grad:
+            copy.requires_grad_(t.requires_grad)
+        return copy
+
+    def enter(self) -> None:
+        """Swap the copies in (NOTE [half models])."""
+        seen: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        try:
+            for m in self.modules:
+                pairs: tuple[tuple[dict[str, Any], bool], ...] = (
+                    (m._parameters, True),
+                    (m._buffers, False),
+                )
+                for slots, parameter in pairs:
+                    for name, t in list(slots.items()):
+                        if t is None or t.dtype not in HALF_DTYPES:
+                            continue
+                        copy = self._copy(t, parameter)
+                        seen[id(t)] = self._copies[id(t)]
+                        slots[name] = copy
+                        self._swapped.append((slots, name, t))
+                        _UPCAST_ORIGINALS[id(copy)] = t
+            self.params = [seen[id(p)][2] for p in self.selected]
+        except BaseException:
+            self.exit()
+            raise
+        self._copies = seen  # copies of tensors the model no longer holds are let go
+
+    def exit(self) -> None:
+        """Put the user's tensors back in their slots."""
+        swapped, self._swapped = self._swapped, []
+        for slots, name, t in reversed(swapped):
+            _UPCAST_ORIGINALS.pop(id(slots[name]), None)
+            slots[name] = t
 
 
 # NOTE [padding rows]
@@ -277,16 +381,19 @@ class ModelGuard:
         self.random_said = False
         #: padding lookups made constants during products (NOTE [padding rows])
         self.padding = PaddingLookups(self.modules)
+        #: the float32 copies a half model's products run on (NOTE [half models] in
+        #: ``precision``); ``None``: products run on the model's own tensors
+        self.upcast: Upcast | None = None
 
     def product(
-        self, precision: Precision, *, double_backward: bool, key: bool = False
+        self, precision: ProductPrecision, *, double_backward: bool, key: bool = False
     ) -> _ProductScope:
         """One pass of products: the precision switches and the model restored afterwards
         (``preserve_model`` and ``product_precision`` as one scope: one call in, one out). With
         ``key``, entering it gives the model's reuse key (:func:`model_key`) under the pass's
         switches, read once for the pass's kept-state checks; else ``None``."""
         return _ProductScope(
-            self.params, self.modules, precision, double_backward, key, self.padding
+            self.params, self.modules, precision, double_backward, key, self.padding, self.upcast
         )
 
     def private_buffers(self) -> contextlib.AbstractContextManager[None]:
@@ -334,16 +441,19 @@ class _ProductScope:
         self,
         params: Sequence[nn.Parameter],
         modules: Sequence[nn.Module],
-        precision: Precision | None,
+        precision: ProductPrecision | None,
         double_backward: bool,
         key: bool = False,
         padding: PaddingLookups | None = None,
+        upcast: Upcast | None = None,
     ) -> None:
         self.params = params
         self.modules = modules
         self.precision = precision
         self.key = key
         self.padding = padding
+        self.upcast = upcast
+        self.entered_upcast = False
         self.handles: list[Any] = []
         self.sdpa = _torch_compat.math_sdpa() if double_backward else None
         self.saved: tuple[str | None, bool] | None = None
@@ -358,6 +468,9 @@ class _ProductScope:
         # read before the SDPA switch, whose context calls out of this module
         key = model_key(self.modules) if self.key else None
         try:
+            if self.upcast is not None:  # after the key: it reads the user's tensors
+                self.entered_upcast = True
+                self.upcast.enter()
             if self.padding:
                 self.handles = self.padding.attach()
             if self.sdpa is not None:
@@ -377,6 +490,9 @@ class _ProductScope:
             for h in self.handles:
                 h.remove()
             self.handles = []
+            if self.entered_upcast and self.upcast is not None:
+                self.entered_upcast = False
+                self.upcast.exit()
             for p in self.frozen:
                 p.requires_grad_(False)
             for m, mode in zip(self.modules, self.modes, strict=True):

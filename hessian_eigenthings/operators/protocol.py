@@ -130,8 +130,11 @@ class CurvatureOperator(ABC):
         algorithms' messages); empty when nothing specific is known."""
         causes = []
         if self.dtype in (torch.float16, torch.bfloat16):
+            # a data operator of a half model computes in float32 unless precision="model" asked
+            # for this (NOTE [half models] in operators.precision)
             causes.append(
-                f"{str(self.dtype).removeprefix('torch.')} products carry about 1e-3 (float16) to 1e-2 (bfloat16) relative error"
+                f"{str(self.dtype).removeprefix('torch.')} products carry about 1e-3 (float16) to 1e-2 (bfloat16) "
+                "relative error (a data operator's products run in float32 unless precision='model')"
             )
         return causes
 

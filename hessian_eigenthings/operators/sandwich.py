@@ -196,11 +196,12 @@ class OutputSandwichOperator(DataCurvatureOperator):
         acc = self.layout.empty()
         acc.zero_()
         parts = self.layout.split(acc)
-        state = {n: t.detach() for n, t in self.model.named_parameters()}
-        state.update({n: t.detach().clone() for n, t in self.model.named_buffers()})
         total = 0.0
         self.chunk_position = -1
         with self.guard.product(self.precision, double_backward=False):
+            # read in the pass: a half model's float32 copies (NOTE [half models] in ``precision``)
+            state = {n: t.detach() for n, t in self.model.named_parameters()}
+            state.update({n: t.detach().clone() for n, t in self.model.named_buffers()})
             for raw, chunk in self._fresh_chunks():
                 self.chunk_position += 1
                 with torch.no_grad(), self.guard.private_buffers():
@@ -293,8 +294,13 @@ class OutputSandwichOperator(DataCurvatureOperator):
         self.jvp_method = "finite_difference"
         return self._jvp_finite_difference(batch, vecs)
 
+    def _at(self) -> Sequence[torch.Tensor]:
+        """The selected parameters a product runs on: a half model's float32 copies during its
+        pass (NOTE [half models] in ``precision``), else the parameters."""
+        return self.params if self._upcast is None else self._upcast.params
+
     def _jvp_forward_mode(self, batch: Batch, vecs: list[torch.Tensor]) -> torch.Tensor:
-        primals = tuple(p.detach() for p in self.params)
+        primals = tuple(p.detach() for p in self._at())
 
         def f(*tensors: torch.Tensor) -> torch.Tensor:
             return self._call_at(tensors, batch)
@@ -337,7 +343,7 @@ class OutputSandwichOperator(DataCurvatureOperator):
 
     def _jvp_finite_difference(self, batch: Batch, vecs: list[torch.Tensor]) -> torch.Tensor:
         k = vecs[0].shape[0]
-        primals = [p.detach() for p in self.params]
+        primals = [p.detach() for p in self._at()]
         out: torch.Tensor | None = None
         with torch.no_grad():
             for j in range(k):
@@ -354,8 +360,9 @@ class OutputSandwichOperator(DataCurvatureOperator):
     def _vjp(
         self, output: torch.Tensor, u: torch.Tensor, retain: bool
     ) -> Sequence[torch.Tensor | None]:
+        inputs = self.params if self._upcast is None else self._upcast.params
         grads, self._vjp_batched_ok = batched_backward(
-            [output], self.params, [u], retain, self._vjp_batched_ok
+            [output], inputs, [u], retain, self._vjp_batched_ok
         )
         return grads
 

@@ -26,6 +26,7 @@ The ``FSDP*`` classes are constructors that build the ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -161,6 +162,10 @@ class Sharded(Replicated):
     :class:`DistributedBackend`. The Kronecker operators take them too (``sharded_kronecker``)."""
 
     keeps_states = False
+    #: each rank holds shards of the parameters and gathers blocks whole: a half model's products
+    #: cast each gathered block to float32 (NOTE [half models] in ``precision``), no copy of the
+    #: rank's shards is swapped into the modules
+    gathers_parameters = True
 
     def __init__(
         self, model: nn.Module, process_group: Any = None, replicated: str = "DDPHessianOperator"
@@ -213,12 +218,15 @@ class Sharded(Replicated):
         signature = layout_signature(whole.names, whole.shapes, op.dtype)
         #: the whole (unsharded) layout and length; ``layout`` and ``size`` are this rank's
         op.global_layout, op.global_size = whole, whole.size
-        op.layout = ParamLayout.from_named([(n, local_shard(p)) for n, p in op.named_params])
+        local = ParamLayout.from_named([(n, local_shard(p)) for n, p in op.named_params])
+        op.layout = dataclasses.replace(local, dtype=op.dtype)  # NOTE [half models]
         op._size = op.layout.size
         op._device = op.layout.device
+        # a half model's blocks cast to float32 as they are gathered (NOTE [half models])
+        upcast = op.dtype if op.dtype != op.param_dtype else None
         if op.layers is not None:
             check_every_parameter(op.model, op.layout.names)
-            shards = ShardGather(op.model, self.fsdp_cls, self.group)
+            shards = ShardGather(op.model, self.fsdp_cls, self.group, dtype=upcast)
             make = getattr(op, "layer_walk_runner", None)
             if make is None:
                 raise TypeError(f"{type(op).__name__} has no layer walk")
@@ -229,11 +237,18 @@ class Sharded(Replicated):
                 op.functional_product,
                 op._engine_batch,
                 op.layout.names,
-                ShardGather(op.model, self.fsdp_cls, self.group),
+                ShardGather(op.model, self.fsdp_cls, self.group, dtype=upcast),
                 self.agreement,
                 op.counts,
             )
         elif getattr(op, "method", None) == "finite_difference":
+            if upcast is not None:
+                raise ValueError(
+                    f"method='finite_difference' on a sharded {str(op.param_dtype).removeprefix('torch.')} model runs FSDP's own "
+                    "forward and backward, in the model's dtype; for float32 products pass "
+                    "engine='layers' with layers= (or engine='functional'), for products in the "
+                    "model's dtype precision='model'"
+                )
             self.product = ShardedDifferences(
                 op.model,
                 op.loss_fn,

@@ -22,11 +22,12 @@ from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import scalar_loss
-from hessian_eigenthings.operators.engines.layers import LayerWalkRunner
+from hessian_eigenthings.operators.engines.layers import LayerWalkRunner, WalkState
 from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.operators.engines.tracing import PureProduct
 from hessian_eigenthings.operators.hessian import LossFn
 from hessian_eigenthings.operators.model_guard import ModelGuard
+from hessian_eigenthings.operators.precision import upcast_batch
 from hessian_eigenthings.operators.ranks import RankGroup, is_dtensor, local_shard
 from hessian_eigenthings.operators.sharded_walk import ShardGather, chunk_rows
 
@@ -66,8 +67,21 @@ class ShardedWalk(ShardedProduct):
         total = float(self.agreement.agree(failure, weight, what="a product")[:, 0].sum())
         if state is None:
             raise InternalError("state is not None")
+        if self.shards.dtype is not None:
+            upcast_calls(state, self.shards.dtype)
         with self.shards.walking(weight / total):
             return [t for t in self.walk.apply(state, vecs, False)], total  # type: ignore[misc]
+
+
+def upcast_calls(state: WalkState, dtype: torch.dtype) -> None:
+    """A half model's batch and its layers' recorded arguments, captured by FSDP's forward in the
+    model's dtype, cast to ``dtype`` for the walk (NOTE [half models] in ``precision``): the walk
+    computes in ``dtype``; arguments the model derived from its parameters in the forward keep
+    the rounding of the model's dtype."""
+    state.batch = upcast_batch(state.batch, dtype)
+    for call in state.calls:
+        call.args = upcast_batch(call.args, dtype)
+        call.kwargs = upcast_batch(call.kwargs, dtype)
 
 
 # NOTE [gathered functional product]
@@ -111,6 +125,8 @@ class ShardedFunctional(ShardedProduct):
         failure: BaseException | None = None
         batch = None
         try:
+            if self.shards.dtype is not None:  # a half model's inputs (NOTE [half models])
+                chunk = upcast_batch(chunk, self.shards.dtype)
             batch = self.batch_of(chunk)  # a sampled curvature's draw key travels beside it
         except Exception as exc:
             failure = exc
@@ -122,6 +138,7 @@ class ShardedFunctional(ShardedProduct):
             items += [(n, v[j]) for j in range(k) for n, v in zip(self.names, vecs, strict=True)]
             whole = self.shards.gather(items)
             state = dict(zip(every, whole, strict=False))
+            # the walking scope put a half model's buffers in float32 (NOTE [half models])
             state.update({n: b.detach() for n, b in model.named_buffers()})
             tangents = whole[len(every) :]
             rows: list[Sequence[torch.Tensor]] = []

@@ -92,10 +92,16 @@ class ShardGather:
     (and what NOTE [gathered functional product] gathers and reduces with);
     :meth:`walking` is the scope of one chunk's walk."""
 
-    def __init__(self, model: nn.Module, fsdp_cls: type, group: Any) -> None:
+    def __init__(
+        self, model: nn.Module, fsdp_cls: type, group: Any, dtype: torch.dtype | None = None
+    ) -> None:
+        """``dtype``: the dtype every gathered tensor and the rank's half buffers are cast to
+        during a walk (a half model's float32, NOTE [half models] in ``precision``); ``None``:
+        their own."""
         self.model = model
         self.fsdp_cls = fsdp_cls
         self.group = group
+        self.dtype = dtype
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._now: dict[str, torch.Tensor] = {}
@@ -116,10 +122,28 @@ class ShardGather:
         self.reshard()
         self._now, self._scale = dict(self.model.named_parameters()), scale
         try:
-            with without_fsdp_hooks(self.model, self.fsdp_cls):
+            with without_fsdp_hooks(self.model, self.fsdp_cls), self.upcast_buffers():
                 yield
         finally:
             self._now = {}
+
+    @contextlib.contextmanager
+    def upcast_buffers(self) -> Iterator[None]:
+        """The rank's half buffers (replicated, not sharded) as ``dtype`` copies for the walk,
+        the user's put back after (NOTE [half models] in ``precision``); nothing without
+        ``dtype``."""
+        swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        try:
+            if self.dtype is not None:
+                for m in self.model.modules():
+                    for name, b in list(m._buffers.items()):
+                        if b is not None and b.is_floating_point() and b.dtype != self.dtype:
+                            swapped.append((m._buffers, name, b))
+                            m._buffers[name] = b.detach().to(self.dtype)
+            yield
+        finally:
+            for slots, name, b in reversed(swapped):
+                slots[name] = b
 
     def agree(self, value: float, op: str) -> float:
         """``value`` reduced over the ranks (``"min"`` or ``"max"``)."""
@@ -151,8 +175,9 @@ class ShardGather:
             locals_.append((p.to_local() if shard is None else shard).detach())  # type: ignore[attr-defined]
             _, chunk, width = self._rows(p.shape)
             metas.append((p.shape, chunk * width, width))
-        # each piece written once into its padded slot of one send buffer
-        flat = locals_[0].new_zeros(sum(size for _, size, _ in metas))
+        # each piece written once into its padded slot of one send buffer (cast to ``dtype``
+        # there: a half model's blocks arrive in float32, NOTE [half models] in ``precision``)
+        flat = locals_[0].new_zeros(sum(size for _, size, _ in metas), dtype=self.dtype)
         offset = 0
         for local, (_, size, _) in zip(locals_, metas, strict=True):
             flat[offset : offset + local.numel()] = local.reshape(-1)

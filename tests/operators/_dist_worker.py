@@ -209,8 +209,9 @@ def ddp_low_precision() -> dict[str, Any]:
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         batches = make_batches(SIZES, dtype=dtype)
+        # precision="model": the products and the ranks' exchange in the model's 16-bit dtype
         op = hd.DDPHessianOperator(
-            mlp(dtype=dtype), batches[BOUNDS[RANK] : BOUNDS[RANK + 1]], loss_fn
+            mlp(dtype=dtype), batches[BOUNDS[RANK] : BOUNDS[RANK + 1]], loss_fn, precision="model"
         )
         ref = HessianOperator(mlp(), make_batches(SIZES), loss_fn)
         v = rand(op.size)

@@ -218,8 +218,12 @@ def test_finite_difference_step_defaults_by_dtype() -> None:
     model = mlp()
     assert HessianOperator(model, [], sup_loss, method="finite_difference").fd_eps == 6e-6
     assert HessianOperator(model.float(), [], sup_loss, method="finite_difference").fd_eps == 5e-3
-    assert HessianOperator(model.half(), [], sup_loss, method="finite_difference").fd_eps == 5e-2
-    assert HessianOperator(model.bfloat16(), [], sup_loss, method="finite_difference").fd_eps == 0.2
+    # a half model's products run in float32 (NOTE [half models]): float32's step; in its own
+    # dtype (precision="model"), its dtype's
+    assert HessianOperator(model.bfloat16(), [], sup_loss, method="finite_difference").fd_eps == 5e-3
+    fd = {"method": "finite_difference", "precision": "model"}
+    assert HessianOperator(model.half(), [], sup_loss, **fd).fd_eps == 5e-2
+    assert HessianOperator(model.bfloat16(), [], sup_loss, **fd).fd_eps == 0.2
 
 
 @pytest.mark.parametrize("method", ["autograd", "finite_difference"])
