@@ -117,17 +117,13 @@ class DataCurvatureOperator(DataOperatorSetup):
       ``graph_reuse_max_batches``: most kept states; ``graph_memory_budget``: bytes they may
       hold on CUDA (default half the device, NOTE [memory budget]).
     - ``cuda_graphs``: record products as CUDA graphs and replay them (default ``True``; CUDA
-      only, operators that support it): on a kept state its second backward (NOTE [CUDA
-      graphs]), without one the whole product per batch signature (NOTE [recorded products]).
-      The recordings hold memory between products (``held_bytes``); ``False`` records nothing.
+      only; NOTE [CUDA graphs], NOTE [recorded products]), held between products (``held_bytes``).
     - ``engine``: ``"auto"``, ``"autograd"``, ``"functional"``, ``"compiled"`` or ``"layers"``
       (with ``layers=``, the dotted path to the model's blocks: NOTE [layer walk]).
-    - ``precision``: ``"fp32"`` (the default: full float32 products, TF32 off; a float16 or
-      bfloat16 model's products run on float32 copies of its parameters, NOTE [half models]),
-      ``"tf32"`` (float32 products with TF32 matrix products and convolutions, a half model's on
-      float32 copies too) or ``"model"`` (products in the model's own dtype: bfloat16 arithmetic
-      for a bfloat16 model; the same as ``"fp32"`` for a float32 or float64 model); ``backend``: the vectors' arithmetic (default the
-      single-device one); ``ranks``: the processes products span (default this one).
+    - ``precision``: ``"fp32"`` (default; a half model's products on float32 copies), ``"tf32"``
+      or ``"model"`` (the model's own dtype), NOTE [half models] in ``operators.precision``;
+      ``backend``: the vectors' arithmetic (default the single-device one); ``ranks``: the
+      processes products span (default this one).
 
     A curvature writes the hooks ``_prepare`` / ``_apply`` (and, for the traced engines,
     ``functional_product`` with ``_engine_batch``; for ``engine="layers"``,
@@ -143,8 +139,7 @@ class DataCurvatureOperator(DataOperatorSetup):
 
     def _chunks(self, raw: Batch) -> list[Batch]:
         batch = to_device(raw, self.device)
-        # a half model's inputs in float32 (NOTE [half models]; sharded ranks cast in their product)
-        if self._upcast is not None:
+        if self._upcast is not None:  # a half model's inputs (NOTE [half models]; sharded: later)
             batch = upcast_batch(batch, self._dtype)
         if self.microbatch_size is None:
             return [batch]
@@ -245,8 +240,7 @@ class DataCurvatureOperator(DataOperatorSetup):
             and self.ranks.records_graphs
             and self._device.type == "cuda"
             and RNG_RESTORABLE
-            # the recordings' stand-in leaves are the user's half tensors (NOTE [half models])
-            and self._upcast is None
+            and self._upcast is None  # stand-ins: the user's half tensors (NOTE [half models])
             and getattr(runner, "recordable", True)
             and (runner.traced or self.supports_cuda_graphs)
         )
