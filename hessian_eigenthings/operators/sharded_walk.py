@@ -166,30 +166,46 @@ class ShardGather:
         """Whole tensors for ``(name, shard)`` pairs (``shard`` None: the parameter itself), all
         in one all-gather: each rank's shards padded to FSDP's chunk of rows and packed. Only
         the last ranks' chunks are short, so rank r's chunk of a tensor lands at rows ``r·c``
-        of its padded whole, and the whole is its first ``d`` rows."""
+        of its padded whole, and the whole is its first ``d`` rows.
+
+        Pieces of one dtype travel as that dtype; pieces of several (a half model's parameter
+        blocks beside float32 directions) travel as bytes, each in its own dtype, and a half
+        block is cast to ``dtype`` once gathered: exact, with the bytes of its own dtype
+        (NOTE [half models] in ``precision``)."""
         if not items:
             return []
         locals_, metas = [], []
         for name, shard in items:
             p = self._now[name]
-            locals_.append((p.to_local() if shard is None else shard).detach())  # type: ignore[attr-defined]
+            local = (p.to_local() if shard is None else shard).detach()  # type: ignore[attr-defined]
+            locals_.append(local)
             _, chunk, width = self._rows(p.shape)
-            metas.append((p.shape, chunk * width, width))
-        # each piece written once into its padded slot of one send buffer (cast to ``dtype``
-        # there: a half model's blocks arrive in float32, NOTE [half models] in ``precision``)
-        flat = locals_[0].new_zeros(sum(size for _, size, _ in metas), dtype=self.dtype)
+            # each piece's slot in bytes, a multiple of 8 so that every slot is aligned
+            size = -(-chunk * width * local.element_size() // 8) * 8
+            metas.append((p.shape, size, chunk * width, width, local.dtype))
+        dtypes = {m[4] for m in metas}
+        wire = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
+        unit = 1 if wire == torch.uint8 else torch.empty((), dtype=wire).element_size()
+        # each piece written once into its padded slot of one send buffer
+        flat = locals_[0].new_zeros(sum(m[1] for m in metas) // unit, dtype=wire)
         offset = 0
-        for local, (_, size, _) in zip(locals_, metas, strict=True):
-            flat[offset : offset + local.numel()] = local.reshape(-1)
+        for local, (_, size, _, _, dtype) in zip(locals_, metas, strict=True):
+            slot = flat[offset // unit : (offset + size) // unit]
+            slot = slot.view(dtype) if wire == torch.uint8 else slot
+            slot[: local.numel()] = local.reshape(-1)
             offset += size
         parts = flat.new_empty(self.world * flat.numel())
         _torch_compat.all_gather_single(parts, flat, group=self.group)
         parts = parts.view(self.world, -1)
         whole, offset = [], 0
-        for shape, size, width in metas:
+        for shape, size, numel, width, dtype in metas:
             rows = shape[0] if len(shape) else 1
-            block = parts[:, offset : offset + size].reshape(-1, width)[:rows]
-            whole.append(block.reshape(shape))
+            slots = parts[:, offset // unit : (offset + size) // unit]
+            slots = slots.view(dtype) if wire == torch.uint8 else slots
+            block = slots[:, :numel].reshape(-1, width)[:rows].reshape(shape)
+            if self.dtype is not None and block.is_floating_point() and block.dtype != self.dtype:
+                block = block.to(self.dtype)
+            whole.append(block)
             offset += size
         return whole
 

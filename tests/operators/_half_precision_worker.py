@@ -76,11 +76,14 @@ def main(out_dir: str) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.bfloat16)
         single = copy.deepcopy(model)
+        model32 = copy.deepcopy(model).float()  # the same blocks, gathered in float32
         union = [b for r in range(WORLD) for b in batches(r)]
         fully_shard = _torch_compat.fully_shard()
         fully_shard(model[0])
         fully_shard(model[2])
         fully_shard(model)
+        for m in (model32[0], model32[2], model32):
+            fully_shard(m)
         mine = batches(RANK)
         loss = supervised_loss(CRITERION)
         ref_h = HessianOperator(single, union, loss)
@@ -110,11 +113,33 @@ def main(out_dir: str) -> None:
                 ref_h,
             ),
         }
+        ops["walk_hessian_fp32_model"] = (
+            HessianOperator(
+                model32,
+                [(x.float(), y) for x, y in mine],
+                loss,
+                ranks=Sharded(model32),
+                engine="layers",
+                layers="",
+            ),
+            ref_h,
+        )
+        # the bytes the blocks travel in (a half model's blocks are cast after the all-gather)
+        sent: list[int] = []
+        all_gather = _torch_compat.all_gather_single
+
+        def counted(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+            sent.append(inp.numel() * inp.element_size())
+            return all_gather(out, inp, group=group)
+
+        _torch_compat.all_gather_single = counted  # type: ignore[assignment]
         for name, (op, ref) in ops.items():
             before = shards(model)
             want = piece((ref @ V).T, ref)
+            sent.clear()
             got = (op @ piece(V.T, ref).T.contiguous()).T
             result[name] = {
+                "sent": sum(sent),
                 "dtype": str(op.dtype),
                 "rel": float((got.double() - want.double()).norm() / want.double().norm()),
                 "shards_unchanged": unchanged(before, shards(model)),
