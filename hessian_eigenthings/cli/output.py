@@ -4,12 +4,13 @@ they are written: the JSON document and its number formatting."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Destination", "floats", "json_default"]
+__all__ = ["Destination", "floats", "json_default", "one_line_warning"]
 
 
 def floats(t: torch.Tensor) -> list[float]:
@@ -37,3 +38,16 @@ def json_default(obj: Any) -> Any:
     if isinstance(obj, (torch.dtype, torch.device)):
         return str(obj)
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """``warning: <message>`` on one line: the source line Python prints would be the command's
+    own ``sys.exit(main())``, which says nothing to its user."""
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)

@@ -1,11 +1,12 @@
 """The figures the command writes: ``spectrum.png`` (the density with the computed
-eigenvalues marked, and those by index) and ``landscape.png``. matplotlib is imported only
-here, when a figure is drawn."""
+eigenvalues marked, and those by index), ``landscape.png``, and the ``influence`` subcommand's
+``influence.png``. matplotlib is imported only here, when a figure is drawn."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,7 +14,10 @@ from hessian_eigenthings import _plot_style as style
 from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityResult, TraceResult
 from hessian_eigenthings.landscape import LandscapeResult
 
-__all__ = ["WHICH_WORDS", "landscape_figure", "save", "spectrum_figure"]
+if TYPE_CHECKING:
+    from hessian_eigenthings.influence import TopInfluences
+
+__all__ = ["WHICH_WORDS", "influence_figure", "landscape_figure", "save", "spectrum_figure"]
 
 WHICH_WORDS = {  # (heading, legend, eigenvectors): what --which selects, in each place's words
     "LA": ("top {k} eigenvalues, largest first", "top eigenvalues", "top"),
@@ -111,6 +115,76 @@ def landscape_figure(land: LandscapeResult) -> Any:
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     land.plot(ax)
+    return fig
+
+
+def influence_figure(
+    scores: torch.Tensor,
+    top: TopInfluences,
+    query_texts: Sequence[str],
+    groups: Sequence[str],
+    title: str,
+    notes: str,
+) -> Any:
+    """The scores ``(n_query, n_train)`` as a heat map, each row divided by its largest
+    magnitude (queries' scores differ in scale by orders of magnitude), with each query's
+    top-k helpful (most negative) and harmful (most positive) training examples marked;
+    ``groups``: a label per training example, consecutive equal labels form a block on the
+    axis (the built-in sentences' animals)."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window
+    import matplotlib.pyplot as plt
+
+    S = scores.detach().to("cpu", torch.float64)
+    n_query, n_train = S.shape
+    scale = S.abs().amax(dim=1, keepdim=True)
+    shown = (S / torch.where(scale > 0, scale, torch.ones_like(scale))).numpy()
+    fig, ax = plt.subplots(figsize=(11, 1.9 + 0.42 * n_query), layout="constrained")
+    image = ax.imshow(
+        shown, aspect="auto", cmap="RdBu_r", vmin=-1.0, vmax=1.0, interpolation="nearest"
+    )
+    bar = fig.colorbar(image, ax=ax, pad=0.01)
+    bar.set_label("score / largest |score| of the query", fontsize=8)
+    neg, pos = top.negative_indices.cpu(), top.positive_indices.cpu()
+    rows = torch.arange(n_query).unsqueeze(1)
+    k = neg.shape[1]
+    ax.scatter(
+        neg.flatten().numpy(),
+        rows.expand_as(neg).flatten().numpy(),
+        marker="o",
+        s=22,
+        facecolors="none",
+        edgecolors="black",
+        linewidths=1.0,
+    )
+    ax.scatter(
+        pos.flatten().numpy(),
+        rows.expand_as(pos).flatten().numpy(),
+        marker="x",
+        s=22,
+        color="black",
+        linewidths=1.0,
+    )
+    ax.set_yticks(range(n_query))
+    ax.set_yticklabels([f"{i}: {textwrap.shorten(t, 34)}" for i, t in enumerate(query_texts)])
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_xlabel("training example (index as printed)")
+    # blocks of equal consecutive labels: a line between blocks, the label over each block
+    starts = [i for i in range(n_train) if i == 0 or groups[i] != groups[i - 1]]
+    for i in starts[1:]:
+        ax.axvline(i - 0.5, color=style.REFERENCE, lw=0.8)
+    top_axis = ax.secondary_xaxis("top")
+    ends = [*starts[1:], n_train]
+    top_axis.set_xticks([(a + b - 1) / 2 for a, b in zip(starts, ends, strict=True)])
+    top_axis.set_xticklabels([groups[a] for a in starts], fontsize=8)
+    top_axis.tick_params(length=0)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
+    # the markers' legend in words, beside the notes: a legend box collides with the titles
+    marks = f"○ top {k} helpful (most negative)   × top {k} harmful (most positive)"
+    fig.supxlabel(textwrap.fill(f"{marks}   ·   {notes}", 170), fontsize=7)
     return fig
 
 

@@ -26,7 +26,7 @@ from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityRe
 from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.cli import plots
 from hessian_eigenthings.cli.builders import build_operator
-from hessian_eigenthings.cli.output import Destination, floats, json_default
+from hessian_eigenthings.cli.output import Destination, floats, json_default, one_line_warning
 from hessian_eigenthings.cli.parser import DTYPES, build_parser, check_args
 from hessian_eigenthings.cli.problems import (
     CLIError,
@@ -521,21 +521,15 @@ def _write(
     return written
 
 
-def _one_line_warning(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    file: Any = None,
-    line: str | None = None,
-) -> None:
-    """``warning: <message>`` on one line: the source line Python prints would be the command's
-    own ``sys.exit(main())``, which says nothing to its user."""
-    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hessian-eigenthings`` and ``python -m hessian_eigenthings``."""
+    """Entry point of ``hessian-eigenthings`` and ``python -m hessian_eigenthings``; a first
+    argument ``influence`` runs that subcommand (``cli.influence``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["influence"]:
+        # imported when asked for: the spectrum command's start-up stays as it was
+        from hessian_eigenthings.cli import influence
+
+        return influence.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -543,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the run's warnings as one line each; catch_warnings gives an in-process caller its own
     # showwarning (and filters, untouched here) back on the way out
     with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warning
+        warnings.showwarning = one_line_warning
         try:
             if args.threads is not None:
                 torch.set_num_threads(args.threads)
