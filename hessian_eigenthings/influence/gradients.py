@@ -39,7 +39,7 @@ sums over every use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -127,6 +127,35 @@ class PerExampleGradients:
                 self.vmap_works = True
                 return rows
         return self._looped(batch, B)
+
+    def dots(self, batch: Batch, Q: torch.Tensor) -> torch.Tensor:
+        """``Q @ gradients(batch).T``, ``(k, B)``, parameter by parameter in the layout's order
+        (NOTE [scores layer by layer]): with the hooked linear layers (once checked), each
+        layer's per-example gradients are contracted with its columns of ``Q`` as the backward
+        reaches it, so a batch's rows ``(B, n)`` are never all held."""
+        plain = _as_plain(batch)
+        B = batch_size(plain)
+        if B and self.sharded is None and self.linear is not None and self.linear_checked:
+            parts: dict[int, torch.Tensor] = {}
+            views = self.layout.split_rows(Q)
+
+            def use(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
+                for j, grad in _slot_gradients(slot, a3, g3):
+                    parts[j] = _dot(views[j], grad.to(Q.dtype))
+
+            try:
+                linear_backward(self.model, self.loss, self.linear, plain, B, use)
+            except _NotLinear:
+                self.linear = None
+            else:
+                return _summed(parts, Q, B)
+        rows = self(plain)
+        views, row_views = self.layout.split_rows(Q), self.layout.split_rows(rows)
+        parts = {
+            j: _dot(v, r.to(Q.dtype)) for j, (v, r) in enumerate(zip(views, row_views, strict=True))
+        }
+        del rows, row_views
+        return _summed(parts, Q, B)
 
     def _hooked(self, batch: Batch, B: int) -> torch.Tensor | None:
         """NOTE [per-example gradients of linear layers]; None when this model cannot (then
@@ -385,16 +414,48 @@ def _linear_gradients(
     views = layout.split_rows(rows)
 
     def use(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
-        if slot.weight is not None:
-            if slot.conv1d:
-                views[slot.weight].copy_(torch.bmm(a3.transpose(1, 2), g3))  # (B, in, out)
-            else:
-                views[slot.weight].copy_(torch.bmm(g3.transpose(1, 2), a3))  # (B, out, in)
-        if slot.bias is not None:
-            views[slot.bias].copy_(g3.sum(1))
+        for j, grad in _slot_gradients(slot, a3, g3):
+            views[j].copy_(grad)
 
     linear_backward(model, loss, slots, batch, B, use, meet)
     return rows
+
+
+def _slot_gradients(
+    slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(layout index, (B, *shape))`` per-example gradients of a layer's weight and bias from
+    its inputs ``a3`` and output gradients ``g3``, both ``(B, positions, ·)``."""
+    if slot.weight is not None:
+        if slot.conv1d:
+            yield slot.weight, torch.bmm(a3.transpose(1, 2), g3)  # (B, in, out)
+        else:
+            yield slot.weight, torch.bmm(g3.transpose(1, 2), a3)  # (B, out, in)
+    if slot.bias is not None:
+        yield slot.bias, g3.sum(1)
+
+
+# NOTE [scores layer by layer]: a training batch's pairwise scores ``Q Gᵀ`` are a sum over
+# parameters of ``Q_j G_jᵀ``. Made as the backward reaches each layer, they never need the
+# batch's rows ``G (B, n)`` (2.7 GB for 8 GPT-2 sequences in float32), only one layer's per-example
+# gradients at a time (Kronfluence scores so too). Each parameter's part is one product of
+# contiguous operands, and the parts are summed in the layout's order, so that a batch's scores
+# are the same bits whichever way they were made (the first batch, which checks the hooks, and
+# sharded ranks make rows): a resumed run equals an unbroken one.
+def _dot(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``(k, B)`` dots of a parameter's query columns ``q (k, *shape)``, a view of the queries'
+    rows (read in place: a row-major operand with its own stride), with its per-example
+    gradients ``g (B, *shape)``, made contiguous (NOTE [scores layer by layer])."""
+    k, B = q.shape[0], g.shape[0]
+    return q.reshape(k, -1) @ g.reshape(B, -1).contiguous().T
+
+
+def _summed(parts: dict[int, torch.Tensor], Q: torch.Tensor, B: int) -> torch.Tensor:
+    """The parts summed in the layout's order (parameters the backward did not reach: zero)."""
+    out = torch.zeros(Q.shape[0], B, dtype=Q.dtype, device=Q.device)
+    for j in sorted(parts):
+        out += parts[j]
+    return out
 
 
 def position_scores(

@@ -555,8 +555,10 @@ class Influence:
             for i, batch in self._checked_batches(train_data, "train_data", last=True):
                 if i < done:
                     continue
-                G = self.gradients(batch).to(Q.dtype)
-                blocks.append(-(scorer(G) if scorer is not None else Q @ G.T))
+                if scorer is not None:
+                    blocks.append(-scorer(self.gradients(batch).to(Q.dtype)))
+                else:  # NOTE [scores layer by layer]: no rows of the batch held at once
+                    blocks.append(-self._grads.dots(batch, Q))
                 bar.update(1)
                 if path is not None and (i + 1 - done) % checkpoint_every == 0:
                     so_far = torch.cat(blocks, dim=1)
