@@ -187,13 +187,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": {},
     }
     runs = args.runs.split(",")
+
+    def run(name: str, precision: str) -> None:
+        report["runs"][name] = one_run(args, model, batch, precision, device)
+        print(json.dumps({name: report["runs"][name]}), flush=True)  # kept if a later run is cut
+
     if "fp32" in runs:
-        report["runs"]["fp32"] = one_run(args, model, batch, "fp32", device)
+        run("fp32", "fp32")
     model = model.to(torch.bfloat16)  # the same weights, rounded to bfloat16
     if "bf16_default" in runs:
-        report["runs"]["bf16_default"] = one_run(args, model, batch, "fp32", device)
+        run("bf16_default", "fp32")
     if "bf16_model" in runs:
-        report["runs"]["bf16_model"] = one_run(args, model, batch, "model", device)
+        run("bf16_model", "model")
     got = report["runs"]
     diffs: dict[str, Any] = {}
     for name in ("bf16_default", "bf16_model"):
