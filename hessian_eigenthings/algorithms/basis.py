@@ -236,8 +236,14 @@ class StreamedBasis(KrylovBasis):
             self._put(c, row, X[:, cols])
 
     def to_cpu(self, rows: slice) -> torch.Tensor:
+        """The rows as one new host tensor, each panel's columns copied once into it (a
+        checkpoint's copy: at 8 B parameters a row is 32 GB, so no second transient copy)."""
         self._sync()
-        return torch.cat([panel[rows] for panel in self.panels], dim=1).to("cpu", copy=True)
+        picked = [panel[rows] for panel in self.panels]
+        out = torch.empty(picked[0].shape[0], self.n, dtype=self.dtype)
+        for P, cols in zip(picked, self.columns, strict=True):
+            out[:, cols] = P
+        return out
 
     def inner(self, lo: int, hi: int, W: torch.Tensor, backend: LinAlgBackend) -> torch.Tensor:
         H = torch.zeros(hi - lo, W.shape[0], dtype=W.dtype, device=self.device)
