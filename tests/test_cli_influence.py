@@ -256,3 +256,22 @@ def test_flag_only_invocation_still_runs(
     assert json.loads((tmp_path / "results.json").read_text())["eigenvalues"]["method"] == (
         "lanczos"
     )
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``hessian-eigenthings influence | head -1``: no BrokenPipeError traceback, status 1."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hessian_eigenthings", "influence", *SMALL, "--no-plot"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as head does
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 1, err
+    assert first and "Traceback" not in err and "BrokenPipeError" not in err, err
