@@ -165,7 +165,9 @@ def _conv_patches(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 
 #: the row and column blocks of :func:`gram_add_`; moments narrower than two blocks are one product
-GRAM_BLOCK = 768
+#: (512: on an H100 in float32, 4096 rows, the split took 0.63-0.72 of the full product's time at
+#: widths 2304-4096 and 0.56 at 14336, ahead of 768 and 1024; ``benchmarks/gram_blocks.py``)
+GRAM_BLOCK = 512
 
 
 def gram_add_(out: torch.Tensor, X: torch.Tensor, alpha: float, block: int | None = None) -> bool:
@@ -174,8 +176,8 @@ def gram_add_(out: torch.Tensor, X: torch.Tensor, alpha: float, block: int | Non
 
     NOTE [upper block triangle of a moment]: a factor ``Σ aaᵀ`` is symmetric, so its blocks below
     the diagonal repeat those above. A product per block row, ``X[:, i:i+b]ᵀ X[:, i:]``, makes
-    ``(B+1)/2B`` of the full product's flops for ``B`` blocks (62.5% at GPT-2's 3072, 58% at
-    4096, 53% at Llama's 14336), in ``B`` launches with no copy of ``X``; the lower blocks are
+    about ``(B+1)/2B`` of the full product's flops for ``B`` blocks (58% at GPT-2's 3072 in blocks
+    of 512, 56% at 4096, 52% at Llama's 14336), in ``B`` launches with no copy of ``X``; the lower blocks are
     filled once, by :meth:`WeightedSum.mean` (:func:`mirror_upper_`), not per batch. The entries
     are the full product's dot products; only cuBLAS's summation order within a block may differ."""
     step = GRAM_BLOCK if block is None else block
