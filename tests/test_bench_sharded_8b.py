@@ -21,11 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_sharded as bs  # noqa: E402
+from hessian_eigenthings import _torch_compat  # noqa: E402
 from tests.launch import launch  # noqa: E402
 
 pytest.importorskip("transformers")
 # each launch starts the script on gloo ranks (10-40 s on a busy 2-core machine): marked slow
-no_gloo = not (dist.is_available() and dist.is_gloo_available())
+# the launches shard with FSDP2, which runs on the CPU from torch 2.6
+no_gloo = not (
+    dist.is_available() and dist.is_gloo_available() and _torch_compat.fsdp2_runs_on_cpu()
+)
 SCRIPT = str(ROOT / "benchmarks" / "bench_sharded.py")
 # 2 sequences of 8 tokens: one a rank
 TINY = ["--workload", "tiny_llama", "--meta", "--batch", "2", "--seq", "8"]
@@ -87,7 +91,7 @@ def test_rows_drawn_piecewise_equal_the_whole_draw(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo")
+@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo, FSDP2 on the CPU")
 def test_meta_build_equals_the_eager_build_on_one_and_two_ranks(
     unbroken: tuple[Path, dict[str, Any]], tmp_path: Path, float64: None
 ) -> None:
@@ -159,7 +163,7 @@ def test_finished_rows_of_other_arguments_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo")
+@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo, FSDP2 on the CPU")
 def test_stopped_and_resumed_run_equals_the_unbroken_one(
     unbroken: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -196,7 +200,7 @@ def test_stopped_and_resumed_run_equals_the_unbroken_one(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo")
+@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo, FSDP2 on the CPU")
 def test_top_hessian_and_slq_write_their_rows_and_figure(
     unbroken: tuple[Path, dict[str, Any]], float64: None
 ) -> None:
@@ -231,7 +235,7 @@ def test_top_hessian_and_slq_write_their_rows_and_figure(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo")
+@pytest.mark.skipif(no_gloo, reason="needs torch.distributed, gloo, FSDP2 on the CPU")
 def test_docs_8b_recipe_runs_on_two_cpu_ranks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from hessian_eigenthings import _torch_compat
 from tests.launch import launch_ranks
 
 HERE = Path(__file__).parent
 
 pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed, gloo"
+    not (dist.is_available() and dist.is_gloo_available() and _torch_compat.fsdp2_runs_on_cpu()),
+    reason="needs torch.distributed, gloo, and FSDP2 on the CPU (torch >= 2.6)",
 )
 
 
