@@ -26,7 +26,6 @@ import math
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from hessian_eigenthings.cli.influence_problem import (
     InfluenceProblem,
     builtin_influence_problem,
 )
-from hessian_eigenthings.cli.output import floats, json_default, one_line_warning
+from hessian_eigenthings.cli.output import floats, guarded_run, json_default
 from hessian_eigenthings.cli.problems import CLIError
 from hessian_eigenthings.cli.run import resolve_device
 
@@ -423,18 +422,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    threads = torch.get_num_threads()
-    with warnings.catch_warnings():
-        warnings.showwarning = one_line_warning
-        try:
-            torch.set_num_threads(args.threads)
-            run(args)
-        except CLIError as exc:
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print(f"{PROG}: interrupted", file=sys.stderr)
-            return 130
-        finally:
-            torch.set_num_threads(threads)  # an in-process caller keeps its own setting
-    return 0
+    return guarded_run(PROG, args.threads, lambda: run(args), CLIError)

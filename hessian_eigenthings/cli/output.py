@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Destination", "floats", "json_default", "one_line_warning"]
+__all__ = ["Destination", "floats", "guarded_run", "json_default", "one_line_warning"]
 
 
 def floats(t: torch.Tensor) -> list[float]:
@@ -51,3 +53,30 @@ def one_line_warning(
     """``warning: <message>`` on one line: the source line Python prints would be the command's
     own ``sys.exit(main())``, which says nothing to its user."""
     print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
+
+
+def guarded_run(
+    prog: str, threads: int | None, work: Callable[[], object], expected: type[Exception]
+) -> int:
+    """A command's body as its exit status: ``work()`` with each warning on one line, ``threads``
+    torch threads (``None``: as they are), and the caller's warning printer and thread count back
+    after; ``expected`` (the command's own error) one ``prog: error:`` line, status 2; an
+    interrupt one line, status 130."""
+    before = torch.get_num_threads()
+    # catch_warnings gives an in-process caller its own showwarning (and filters, untouched
+    # here) back on the way out
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line_warning
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            work()
+        except expected as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            torch.set_num_threads(before)  # an in-process caller keeps its own setting
+    return 0

@@ -10,7 +10,6 @@ import itertools
 import json
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from hessian_eigenthings.algorithms.result import EigenResult, SpectralDensityRe
 from hessian_eigenthings.batching import batch_size
 from hessian_eigenthings.cli import plots
 from hessian_eigenthings.cli.builders import build_operator
-from hessian_eigenthings.cli.output import Destination, floats, json_default, one_line_warning
+from hessian_eigenthings.cli.output import Destination, floats, guarded_run, json_default
 from hessian_eigenthings.cli.parser import DTYPES, build_parser, check_args
 from hessian_eigenthings.cli.problems import (
     CLIError,
@@ -533,21 +532,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    threads = torch.get_num_threads()
-    # the run's warnings as one line each; catch_warnings gives an in-process caller its own
-    # showwarning (and filters, untouched here) back on the way out
-    with warnings.catch_warnings():
-        warnings.showwarning = one_line_warning
-        try:
-            if args.threads is not None:
-                torch.set_num_threads(args.threads)
-            run(args)
-        except CLIError as exc:
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print(f"{parser.prog}: interrupted", file=sys.stderr)
-            return 130
-        finally:
-            torch.set_num_threads(threads)  # an in-process caller keeps its own setting
-    return 0
+    return guarded_run(parser.prog, args.threads, lambda: run(args), CLIError)
