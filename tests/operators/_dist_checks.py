@@ -11,7 +11,10 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from hessian_eigenthings import _torch_compat
 
 
 def run_checks_and_exit(
@@ -45,3 +48,18 @@ def run_checks_and_exit(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_sharded_worker(checks: dict[str, Callable[[], dict[str, Any]]], rank: int) -> None:
+    """A worker whose checks shard with FSDP2: warnings as errors (pytest's
+    ``filterwarnings=error``), a 60 s gloo timeout instead of a hang, every check run, or none
+    (a ``skip``) where FSDP2 does not run on the CPU; results to ``sys.argv[1]``."""
+    import datetime
+    import warnings
+
+    warnings.simplefilter("error")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    if not _torch_compat.fsdp2_runs_on_cpu():
+        results["skip"] = f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"
+    run_checks_and_exit(checks, checks if "skip" not in results else (), sys.argv[1], rank, results)

@@ -11,15 +11,12 @@ exception it raised. The models, data and comparisons are ``_dist_kfac_worker``'
 
 from __future__ import annotations
 
-import datetime
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _dist_checks import run_checks_and_exit  # this folder: the workers run as scripts
+from _dist_checks import run_sharded_worker  # this folder: the workers run as scripts
 from _dist_kfac_worker import (
     CE,
     RANK,
@@ -36,7 +33,6 @@ from _dist_kfac_worker import (
 from torch import nn
 
 import hessian_eigenthings.operators.distributed as hd
-from hessian_eigenthings import _torch_compat
 from hessian_eigenthings.loss_fns import supervised_forward
 from hessian_eigenthings.operators import EKFACOperator, KFACOperator, KFOCOperator
 
@@ -259,15 +255,7 @@ def kfoc() -> dict[str, Any]:
 
 
 def main() -> None:
-    out_dir = sys.argv[1]
-    # like pytest's filterwarnings=error: a warning in our code fails its check
-    warnings.simplefilter("error")
-    # a hang becomes an error after 60 s instead of blocking CI
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    if not _torch_compat.fsdp2_runs_on_cpu():
-        results["skip"] = f"FSDP2 runs on CPU from torch 2.6 (this is torch {torch.__version__})"
-    run_checks_and_exit(CHECKS, CHECKS if "skip" not in results else (), out_dir, RANK, results)
+    run_sharded_worker(CHECKS, RANK)
 
 
 if __name__ == "__main__":
