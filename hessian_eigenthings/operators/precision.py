@@ -60,7 +60,10 @@ __all__ = [
 #   float32 value): the product is that of the bf16 model's loss, rounded as float32 rounds.
 # The sharded ranks (FSDP2, `Sharded(model)`) never hold a float32 copy of the whole model: the
 # layer walk and the gathered functional product cast each block to float32 as it is gathered
-# (`ShardGather`, NOTE [sharded layer walk]) and the rank's buffers for the walk.
+# (`ShardGather`, NOTE [sharded layer walk]) and the rank's buffers for the walk; the walk's
+# recording forward runs in float32 the same way, block by block, so the layers' arguments the
+# model computes (a Llama's rotary cos/sin, its attention mask) are float32 too (NOTE
+# [recording in the product's dtype] in `sharded_walk`).
 # Cost: memory for a float32 copy of the parameters (4 bytes per parameter beside the model's 2,
 # held between products) and activations in float32 (twice those of the half model); time of
 # float32 arithmetic (on GPUs without TF32, about 2-4x a bfloat16 matmul; `precision="tf32"`

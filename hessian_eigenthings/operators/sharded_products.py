@@ -22,7 +22,7 @@ from hessian_eigenthings import _torch_compat
 from hessian_eigenthings._checks import InternalError
 from hessian_eigenthings.batching import Batch
 from hessian_eigenthings.operators.autodiff import scalar_loss
-from hessian_eigenthings.operators.engines.layers import LayerWalkRunner, WalkState
+from hessian_eigenthings.operators.engines.layers import LayerWalkRunner
 from hessian_eigenthings.operators.engines.runner import ProductCounts
 from hessian_eigenthings.operators.engines.tracing import PureProduct
 from hessian_eigenthings.operators.hessian import LossFn
@@ -59,29 +59,22 @@ class ShardedWalk(ShardedProduct):
     ) -> tuple[list[torch.Tensor], float]:
         failure: BaseException | None = None
         state = None
+        dtype = self.shards.dtype
         try:
             self.shards.reshard()
-            state = self.walk.prepare(chunk)  # an ordinary FSDP forward, without a graph
+            if dtype is None:
+                state = self.walk.prepare(chunk)  # an ordinary FSDP forward, without a graph
+            else:
+                # NOTE [recording in the product's dtype]: the layers' arguments in float32 too
+                with self.shards.recording():
+                    state = self.walk.prepare(upcast_batch(chunk, dtype))
         except Exception as exc:
             failure = exc
         total = float(self.agreement.agree(failure, weight, what="a product")[:, 0].sum())
         if state is None:
             raise InternalError("state is not None")
-        if self.shards.dtype is not None:
-            upcast_calls(state, self.shards.dtype)
         with self.shards.walking(weight / total):
             return [t for t in self.walk.apply(state, vecs, False)], total  # type: ignore[misc]
-
-
-def upcast_calls(state: WalkState, dtype: torch.dtype) -> None:
-    """A half model's batch and its layers' recorded arguments, captured by FSDP's forward in the
-    model's dtype, cast to ``dtype`` for the walk (NOTE [half models] in ``precision``): the walk
-    computes in ``dtype``; arguments the model derived from its parameters in the forward keep
-    the rounding of the model's dtype."""
-    state.batch = upcast_batch(state.batch, dtype)
-    for call in state.calls:
-        call.args = upcast_batch(call.args, dtype)
-        call.kwargs = upcast_batch(call.kwargs, dtype)
 
 
 # NOTE [gathered functional product]

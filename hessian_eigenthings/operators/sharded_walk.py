@@ -25,7 +25,8 @@ from hessian_eigenthings import _torch_compat
 # hooks around each fully_shard'ed module's forward, outside autograd, so no
 # function transform sees through them. The walk gathers instead:
 # - the batch's layer calls are recorded by one ordinary FSDP forward (no
-#   graph): every rank runs its own batch, of any size;
+#   graph; a half model's in float32, NOTE [recording in the product's
+#   dtype]): every rank runs its own batch, of any size;
 # - during the walk FSDP's forward hooks are set aside (the modules are then
 #   plain modules whose registered parameters are the sharded DTensors, which
 #   the walk replaces by whole tensors for each call), and each stage's
@@ -42,6 +43,26 @@ from hessian_eigenthings import _torch_compat
 # forward and the backward walk; one for a layer whose graph is kept, NOTE
 # [kept layer graphs]) and one reduce-scatter, as many as an FSDP training
 # step has per layer.
+
+# NOTE [recording in the product's dtype]
+# The walk records each layer's call (its arguments besides the hidden state, NOTE [layer
+# walk]) in one forward without a graph. Some of those arguments are computed by the model
+# outside the layers: a Llama's rotary (cos, sin) and its attention mask, from the embeddings'
+# dtype. Recorded by FSDP's own forward of a bfloat16 model they would carry bfloat16 rounding
+# (~4e-3 relative, ~1e-2 in the Hessian) into every float32 product. So when the walk computes
+# in another dtype than the model (a half model's float32, NOTE [half models] in `precision`),
+# the recording forward runs in that dtype too, the way the single-process default runs it:
+# the batch's half inputs cast, FSDP's hooks set aside, each fully_shard'ed module's own
+# parameters (those of its subtree not under a nested fully_shard'ed module) gathered whole
+# and cast by the walk's `gather` just before its call and put back as shards right after it,
+# the rank's half buffers upcast. Memory per rank is FSDP's: the root's own parameters (the
+# outside of the layers) and one layer whole at a time, in float32. The collectives are
+# FSDP's too: one all-gather per fully_shard'ed module's call, in the same order on every
+# rank. The gathered blocks stand in as parameters that require grad as the model's do, so
+# the walk's check that no recorded argument depends on the parameters still sees through
+# them. The root's own parameters stay whole until the recording ends, as FSDP keeps them
+# after its forward. In the model's own dtype (precision="model", a float32 model) the recording is
+# FSDP's own forward.
 
 
 def chunk_rows(rows: int, world: int) -> list[int]:
@@ -86,6 +107,34 @@ def check_every_parameter(model: nn.Module, names: Sequence[str]) -> None:
         )
 
 
+def _owned_slots(
+    model: nn.Module, fsdp_cls: type, named: dict[str, torch.Tensor]
+) -> dict[int, tuple[list[str], list[tuple[dict[str, Any], str, str]]]]:
+    """For each fully_shard'ed module (by id): the names (in ``named``) of its own parameters,
+    those of its subtree not under a nested fully_shard'ed module, and their slots ``(the
+    module's _parameters, slot name, parameter name)``; a parameter held in two slots is
+    gathered once."""
+    name_of = {id(p): n for n, p in named.items()}
+    out: dict[int, tuple[list[str], list[tuple[dict[str, Any], str, str]]]] = {}
+    for unit in model.modules():
+        if not isinstance(unit, fsdp_cls):
+            continue
+        names: list[str] = []
+        slots: list[tuple[dict[str, Any], str, str]] = []
+        stack = [unit]
+        while stack:
+            m = stack.pop()
+            for slot, p in m._parameters.items():
+                if p is None or id(p) not in name_of:
+                    continue
+                if name_of[id(p)] not in names:
+                    names.append(name_of[id(p)])
+                slots.append((m._parameters, slot, name_of[id(p)]))
+            stack.extend(c for c in m.children() if not isinstance(c, fsdp_cls))
+        out[id(unit)] = (names, slots)
+    return out
+
+
 class ShardGather:
     """The gathering and reducing of NOTE [sharded layer walk] for one FSDP2 model: ``gather`` and
     ``finish`` are a :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk`'s arguments
@@ -125,6 +174,67 @@ class ShardGather:
             with without_fsdp_hooks(self.model, self.fsdp_cls), self.upcast_buffers():
                 yield
         finally:
+            self._now = {}
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """The model's forward in ``dtype`` for the walk's recording (NOTE [recording in the
+        product's dtype]): FSDP's hooks set aside, each fully_shard'ed module's own parameters
+        gathered whole for its call and put back after it, the rank's half buffers upcast. The
+        user's model is as found after (also when the forward raises)."""
+        self.reshard()
+        self._now = dict(self.model.named_parameters())
+        owners = _owned_slots(self.model, self.fsdp_cls, self._now)
+        #: by module: the parameters its call swapped out (its slots, the user's parameter)
+        swapped: dict[int, list[tuple[dict[str, Any], str, torch.Tensor]]] = {}
+        depth: dict[int, int] = {}
+        units = [m for m in self.model.modules() if isinstance(m, self.fsdp_cls)]
+        inner = {id(m) for u in units for m in u.modules() if m is not u}
+        roots = {id(u) for u in units if id(u) not in inner}
+
+        def gather(module: nn.Module, args: Any) -> None:
+            depth[id(module)] = depth.get(id(module), 0) + 1
+            names, slots = owners[id(module)]
+            if id(module) in swapped or not names:  # a call inside its own call, or the root's
+                return
+            # whole, and requiring grad as the user's parameter does (NOTE above); one tensor
+            # for a parameter held in two slots
+            whole = {
+                n: nn.Parameter(t, requires_grad=self._now[n].requires_grad)
+                for n, t in zip(names, self.gather([(n, None) for n in names]), strict=True)
+            }
+            out = swapped.setdefault(id(module), [])
+            for params, slot, name in slots:
+                out.append((params, slot, params[slot]))
+                params[slot] = whole[name]
+
+        def release(module: nn.Module, args: Any, out: Any) -> None:
+            depth[id(module)] -= 1
+            # the root's own parameters stay whole until the recording ends, as FSDP keeps
+            # them after its forward (a loss may read them after the model's call)
+            if depth[id(module)] == 0 and id(module) not in roots:
+                for params, slot, p in reversed(swapped.pop(id(module), [])):
+                    params[slot] = p
+
+        try:
+            with without_fsdp_hooks(self.model, self.fsdp_cls), self.upcast_buffers():
+                handles = [
+                    h
+                    for m in units
+                    for h in (
+                        m.register_forward_pre_hook(gather, prepend=True),
+                        m.register_forward_hook(release),
+                    )
+                ]
+                try:
+                    yield
+                finally:
+                    for h in handles:
+                        h.remove()
+        finally:
+            for left in reversed(list(swapped.values())):  # a call that raised
+                for params, slot, p in reversed(left):
+                    params[slot] = p
             self._now = {}
 
     @contextlib.contextmanager
