@@ -396,7 +396,7 @@ class DataOperatorSetup(CurvatureOperator):
         #: the float32 copies a half model's products run on (NOTE [half models]); ranks that
         #: gather the parameters (FSDP2) cast each gathered block instead
         self._upcast: Upcast | None = None
-        if self._dtype != self.param_dtype and not getattr(self.ranks, "gathers_parameters", False):
+        if self._dtype != self.param_dtype and not self.ranks.gathers_parameters:
             self._upcast = Upcast(self.guard.modules, self.params, self._dtype)
         self.guard.upcast = self._upcast
         self._states = StateCache(

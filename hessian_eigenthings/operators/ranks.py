@@ -276,6 +276,9 @@ class Ranks:
     module_blocks: ModuleBlocks | None = None
     #: where a Kronecker operator's factors live (one process: all of them here)
     factor_placement: FactorPlacement = "replicated"
+    #: the ranks gather the parameters block by block (FSDP2) and cast a half model's blocks as
+    #: they are gathered: the operator swaps no float32 copy into the modules (NOTE [half models])
+    gathers_parameters = False
 
     # -- construction ---------------------------------------------------------------
     def constructed(self, op: Any, failure: BaseException | None) -> None:
