@@ -10,10 +10,9 @@ reference is one process fitted on the union of the shards, computed on each ran
 from __future__ import annotations
 
 import datetime
-import json
+import functools
 import os
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from hessian_eigenthings import influence
 from hessian_eigenthings.operators.distributed import Replicated
+from tests.operators._dist_checks import run_checks_and_exit
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -75,17 +75,12 @@ def check(curvature: str, damping: float | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    results: dict[str, Any] = {}
-    for curvature, damping in [("ekfac", None), ("kfac", None), ("ggn", 1e-2)]:
-        try:
-            results[curvature] = check(curvature, damping)
-        except Exception as exc:  # reported to the test, which names it
-            results[curvature] = {"error": repr(exc), "traceback": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    checks = {
+        curvature: functools.partial(check, curvature, damping)
+        for curvature, damping in [("ekfac", None), ("kfac", None), ("ggn", 1e-2)]
+    }
+    run_checks_and_exit(checks, checks, sys.argv[1], RANK)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,6 @@ def main(out_dir: str) -> None:
     finally:
         with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
             json.dump(result, f)
-        dist.destroy_process_group()
 
 
 # -- a tiny bf16 Llama: block arguments the model computes (rotary cos/sin, the attention mask) --
@@ -376,7 +375,6 @@ def main_llama(out_dir: str) -> None:
     finally:
         with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
             json.dump(result, f)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -384,3 +382,8 @@ if __name__ == "__main__":
         main_llama(sys.argv[1])
     else:
         main(sys.argv[1])
+    # NOTE [worker exits without the gloo teardown] (_dist_checks.py): the results are on disk
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
