@@ -116,5 +116,9 @@ def launch_ranks(
 ) -> list[dict[str, Any]]:
     """``script out`` on ``world`` ranks (:func:`launch`); what each rank wrote
     (``out/rank{r}.json``)."""
-    launch(world, out, [str(script), str(out)], deadline)
+    try:
+        launch(world, out, [str(script), str(out)], deadline)
+    except AssertionError as exc:  # say whether the failing rank got as far as its results
+        wrote = [r for r in range(world) if (out / f"rank{r}.json").exists()]
+        raise AssertionError(f"{exc}\n(ranks that wrote their results: {wrote})") from None
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
