@@ -222,6 +222,13 @@ def fit(
     [influence on sharded ranks] in ``influence.sharded``). ``layout`` is then the whole
     parameters' and ``operator`` the FSDP operator (sharded vectors, ``global_layout``).
 
+    NOTE [EK-FAC keeps its eigenbases only]: once fitted, EK-FAC's blocks are its eigenbases
+    and corrected eigenvalues; KFAC's factors ``G`` and ``A`` that gave the eigenbases are used
+    by nothing that scores, so ``fit`` releases them
+    (:meth:`~hessian_eigenthings.operators.EKFACOperator.release_factors`: 1.3 GB for GPT-2 in
+    float32, as much as the eigenbases), as Kronfluence keeps only eigenbases for scoring.
+    ``operator.factors`` is then refused in one line; build an ``EKFACOperator`` to read them.
+
     NOTE [tied heads]: a parameter used by two modules (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) has one gradient summing both uses, while a Kronecker block sees
     one layer's use. Kronfluence tracks ``lm_head`` as a Linear and ignores the embedding use
@@ -302,6 +309,8 @@ def fit(
         if damping is None:
             # the mean eigenvalue of the whole operator (sharded: op.size is this rank's piece)
             damping = 0.1 * float(op.trace()) / getattr(op, "global_size", op.size)
+        if isinstance(op, EKFACOperator):  # NOTE [EK-FAC keeps its eigenbases only]
+            op.release_factors()
     else:
         if fisher_type is not None:
             raise ValueError(

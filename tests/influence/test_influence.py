@@ -251,6 +251,9 @@ def test_ekfac_scores_equal_dense_operator_influence_tiny_lm(fisher_type: str) -
         fisher_type=fisher_type,  # type: ignore[arg-type]
     )
     assert isinstance(fitted.operator, influence.scores.EKFACOperator)
+    # NOTE [EK-FAC keeps its eigenbases only]: KFAC's factors released, refused in one line
+    with pytest.raises(ValueError, match="released by release_factors"):
+        fitted.operator.factors  # noqa: B018 -- the read is the test
     # NOTE [tied heads]: the tied embedding/head is left out and named
     assert "transformer.wte.weight" not in fitted.layout.names
     assert any(e.startswith("transformer.wte.weight (tied") for e in fitted.excluded_parameters)

@@ -5,6 +5,9 @@ weight, a joined bias, a bias alone); and the KFAC family rebuilt from its own f
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -244,6 +247,42 @@ def test_ekfac_is_a_kronecker_operator_of_its_eigenbases() -> None:
     b, i, j = op.eigh().locate(-1)
     v = op.eigenvector(b, i, j)
     torch.testing.assert_close(op @ v, op.eigh().eigenvalues[-1] * v)
+
+
+def test_ekfac_released_factors_change_no_number_and_are_freed() -> None:
+    model, data = _model_and_data()
+    op = EKFACOperator(model, data, supervised_forward, cross_entropy_loss_of_output())
+    V = torch.randn(op.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    before = (
+        op @ V,
+        op.inverse(0.1) @ V,
+        op.to_dense(),
+        op.trace(),
+        op.logdet(0.1),
+        op.eigh().eigenvalues,
+        KroneckerOperator(op.layout, op.eigh().blocks) @ V,
+    )
+    # every G and A but a bias's constant [[1]], which the operator keeps for any bias alone
+    held = [weakref.ref(t) for b in op.factors for t in (b.G, b.A) if t.numel() > 1]
+    assert len(held) == 6
+    op.release_factors()
+    op.release_factors()  # idempotent
+    gc.collect()
+    assert all(r() is None for r in held), "KFAC's G and A are still referenced"
+    after = (
+        op @ V,
+        op.inverse(0.1) @ V,
+        op.to_dense(),
+        op.trace(),
+        op.logdet(0.1),
+        op.eigh().eigenvalues,
+        KroneckerOperator(op.layout, op.eigh().blocks) @ V,
+    )
+    for x, y in zip(before, after, strict=True):
+        assert torch.equal(x, y)
+    for read in (lambda: op.factors, lambda: op.owned_factors):
+        with pytest.raises(ValueError, match=r"released by release_factors\(\)"):
+            read()
 
 
 def test_ekfac_block_of_a_layer_outside_the_forward_is_zero() -> None:
