@@ -172,6 +172,25 @@ def reduce_scatter_single(output: Any, tensor: Any, group: Any = None) -> None:
     scatter(output, tensor, group=group)
 
 
+def all_gather_single_async(output: Any, tensor: Any, group: Any = None) -> Any:
+    """:func:`all_gather_single` issued without waiting: the collective's work, whose ``wait()``
+    returns once ``output`` holds every rank's ``tensor`` (on CUDA: once the current stream waits
+    for it). Every torch from 2.4 takes ``async_op`` under either name."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=True)
+
+
+def reduce_scatter_single_async(output: Any, tensor: Any, group: Any = None) -> Any:
+    """:func:`reduce_scatter_single` issued without waiting: the collective's work, whose
+    ``wait()`` returns once ``output`` holds this rank's chunk of the sum."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, tensor, group=group, async_op=True)
+
+
 def fully_shard() -> Any:
     """FSDP2's ``fully_shard``: public in ``torch.distributed.fsdp`` from torch 2.6,
     under ``torch.distributed._composable.fsdp`` on 2.4 and 2.5."""

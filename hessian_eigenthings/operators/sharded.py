@@ -230,7 +230,7 @@ class Sharded(Replicated):
             make = getattr(op, "layer_walk_runner", None)
             if make is None:
                 raise TypeError(f"{type(op).__name__} has no layer walk")
-            walk = make(gather=shards.gather, finish=shards.finish, agree=shards.agree)
+            walk = make(gather=shards.gather_async, finish=shards.finish_async, agree=shards.agree)
             self.product = ShardedWalk(walk, shards, self.agreement)
         elif op.engine == "functional":
             self.product = ShardedFunctional(

@@ -3,15 +3,17 @@
 :class:`ShardGather` lets :class:`~hessian_eigenthings.operators.engines.layers.LayerWalk` run with each
 stage's parameters and direction gathered whole just before the stage and its block of the
 product reduced over the ranks and cut back to this rank's shard just after: exact products on
-sharded parameters and sharded vectors, no rank ever holding more than one layer (and the
-parameters outside the layers) whole.
+sharded parameters and sharded vectors, no rank ever holding more than two layers (the one that
+computes and the next one, whose gather is in flight: NOTE [prefetched gathers]) and the parameters
+outside the layers whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hessian_eigenthings import _torch_compat
+from hessian_eigenthings._checks import InternalError
 
 # NOTE [sharded layer walk]
 # FSDP2 holds each parameter as a DTensor sharded on dim 0 and gathers it in
@@ -30,19 +33,53 @@ from hessian_eigenthings import _torch_compat
 # - during the walk FSDP's forward hooks are set aside (the modules are then
 #   plain modules whose registered parameters are the sharded DTensors, which
 #   the walk replaces by whole tensors for each call), and each stage's
-#   parameters and direction are gathered whole right before the stage, in one
-#   all-gather (each rank's shards padded to FSDP's chunk of rows and packed);
+#   parameters and direction are gathered whole in one all-gather (each rank's
+#   shards padded to FSDP's chunk of rows and packed), issued while the stage
+#   before it computes (NOTE [prefetched gathers]);
 # - a stage's blocks of H_r v (rank r's batch, mean loss over its b_r samples)
 #   are scaled by b_r / B (B = Σ_r b_r) and summed over the ranks by one
 #   reduce-scatter that hands each rank its rows (FSDP2's `torch.chunk` split
 #   of dim 0): the batch-size-weighted product of the union of the batches.
 # Every rank walks the stages in one order, so the collectives match. Memory
 # per rank: the boundary activations of its own batch (values and tangents),
-# one layer and the outside parameters whole, one layer's block of the
-# product whole. Communication per vector and layer: two all-gathers (the
-# forward and the backward walk; one for a layer whose graph is kept, NOTE
-# [kept layer graphs]) and one reduce-scatter, as many as an FSDP training
-# step has per layer.
+# one layer (two while the next one arrives, NOTE [prefetched gathers]) and
+# the outside parameters whole, one layer's block of the product whole.
+# Communication per vector and layer: two all-gathers (the forward and the
+# backward walk; one for a layer whose graph is kept, NOTE [kept layer
+# graphs]) and one reduce-scatter, as many as an FSDP training step has per
+# layer.
+
+# NOTE [prefetched gathers]
+# A collective waited where it is issued leaves the GPU idle while it runs: per
+# layer and vector, two all-gathers and a reduce-scatter with no compute beside
+# them. So the walk (LayerWalk.hvp, .sandwich) names the stages it will take,
+# in its order: the outside, the layers forward, then the layers the backward
+# walk gathers again (for a Hessian product, those whose graphs are not kept
+# and the first kept one while it is checked once, NOTE [kept layer graphs];
+# the ranks agreed how many to keep before the forward walk, so the plan is
+# known by then). When a stage starts, its gather's handle is waited and the
+# next planned stage's all-gather issued (`ShardGather.gather_async`: the same
+# packing, collective and unpacking as `gather`, so the same bits) before the
+# stage computes; a stage's reduce-scatter (`finish_async`) is left in flight
+# until the next stage's is issued or the walk ends, and its blocks are read
+# only after. In flight at any time: one all-gather and one reduce-scatter.
+# Memory per rank: the outside parameters whole (as before), the layer that
+# computes and the one arriving (FSDP2's own prefetch holds as much), the last
+# layer's packed blocks of the product until its reduce-scatter is waited, and
+# the kept layer graphs with the layers they hold (within keep_bytes). A layer
+# is released before the next one arrives (the GGN's backward walk drops each
+# layer's pullback before it takes the next layer).
+# Order: collectives pair up by the order each rank issues them (NCCL runs one
+# stream per communicator; gloo matches by a counter). Every rank plans the
+# same stages (the plan depends on the layer count and on agreed numbers
+# only) and issues them in plan order, interleaved alike with the
+# reduce-scatters and agreements. Where the walk leaves its plan (a kept layer
+# refused mid-walk, NOTE [kept layer graphs]), it does so on every rank alike:
+# the gather in flight is waited and dropped, the rest of the walk gathers
+# each stage where it starts. On an exception what is in flight is dropped
+# unwaited: waiting could hang on a rank that never issued it. `prefetch =
+# False` on the LayerWalk waits each collective where it is issued (the same
+# bits; for timing both).
 
 # NOTE [recording in the product's dtype]
 # The walk records each layer's call (its arguments besides the hidden state, NOTE [layer
@@ -133,6 +170,39 @@ def _owned_slots(
             stack.extend(c for c in m.children() if not isinstance(c, fsdp_cls))
         out[id(unit)] = (names, slots)
     return out
+
+
+class Pending:
+    """A collective in flight (NOTE [prefetched gathers]): ``wait()`` waits for it, once, and
+    returns its tensors; ``keep``: what must stay alive until then (a send buffer)."""
+
+    def __init__(
+        self, work: Any, result: Callable[[], list[torch.Tensor]], keep: Any = None
+    ) -> None:
+        self._work: Any = work
+        self._result: Callable[[], list[torch.Tensor]] | None = result
+        self._keep = keep
+
+    def wait(self) -> list[torch.Tensor]:
+        work, result = self._work, self._result
+        if result is None:
+            raise InternalError("a collective in flight is waited once")
+        # the buffers go with the handle's references (what the result views stays alive)
+        self._work = self._result = self._keep = None
+        if work is not None:
+            work.wait()
+        return result()
+
+
+@dataclass
+class _Packed:
+    """One all-gather's send buffer and how to cut what it receives (``ShardGather._pack``):
+    each piece's (shape, slot bytes, numbers in its chunk, numbers a row, dtype)."""
+
+    flat: torch.Tensor
+    metas: list[tuple[torch.Size, int, int, int, torch.dtype]]
+    wire: torch.dtype
+    unit: int
 
 
 class ShardGather:
@@ -284,6 +354,25 @@ class ShardGather:
         (NOTE [half models] in ``precision``)."""
         if not items:
             return []
+        packed = self._pack(items)
+        parts = packed.flat.new_empty(self.world * packed.flat.numel())
+        _torch_compat.all_gather_single(parts, packed.flat, group=self.group)
+        return self._unpack(packed, parts)
+
+    def gather_async(self, items: list[tuple[str, torch.Tensor | None]]) -> Pending:
+        """:meth:`gather` issued without waiting (NOTE [prefetched gathers]): the same all-gather
+        of the same packed shards, read now; ``wait()`` returns what :meth:`gather` returns, bit
+        for bit (the same unpacking)."""
+        if not items:
+            return Pending(None, list)
+        packed = self._pack(items)
+        parts = packed.flat.new_empty(self.world * packed.flat.numel())
+        work = _torch_compat.all_gather_single_async(parts, packed.flat, group=self.group)
+        return Pending(work, lambda: self._unpack(packed, parts))
+
+    def _pack(self, items: list[tuple[str, torch.Tensor | None]]) -> _Packed:
+        """This rank's pieces of ``items``, each written once into its padded slot of one send
+        buffer (the layout :meth:`gather` describes)."""
         locals_, metas = [], []
         for name, shard in items:
             p = self._now[name]
@@ -296,7 +385,6 @@ class ShardGather:
         dtypes = {m[4] for m in metas}
         wire = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
         unit = 1 if wire == torch.uint8 else torch.empty((), dtype=wire).element_size()
-        # each piece written once into its padded slot of one send buffer
         flat = locals_[0].new_zeros(sum(m[1] for m in metas) // unit, dtype=wire)
         offset = 0
         for local, (_, size, _, _, dtype) in zip(locals_, metas, strict=True):
@@ -304,11 +392,14 @@ class ShardGather:
             slot = slot.view(dtype) if wire == torch.uint8 else slot
             slot[: local.numel()] = local.reshape(-1)
             offset += size
-        parts = flat.new_empty(self.world * flat.numel())
-        _torch_compat.all_gather_single(parts, flat, group=self.group)
+        return _Packed(flat, metas, wire, unit)
+
+    def _unpack(self, packed: _Packed, parts: torch.Tensor) -> list[torch.Tensor]:
+        """The whole tensors out of every rank's send buffer, ``parts`` (rank by rank)."""
+        unit, wire = packed.unit, packed.wire
         parts = parts.view(self.world, -1)
         whole, offset = [], 0
-        for shape, size, numel, width, dtype in metas:
+        for shape, size, numel, width, dtype in packed.metas:
             rows = shape[0] if len(shape) else 1
             slots = parts[:, offset // unit : (offset + size) // unit]
             slots = slots.view(dtype) if wire == torch.uint8 else slots
@@ -325,6 +416,28 @@ class ShardGather:
         blocks packed rank by rank, so that rank r receives its rows of every block."""
         if not items:
             return []
+        packed, mine, out = self._pack_blocks(items)
+        _torch_compat.reduce_scatter_single(mine, packed.view(-1), group=self.group)
+        return out
+
+    def finish_async(
+        self, items: list[tuple[str, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], Pending]:
+        """:meth:`finish` issued without waiting (NOTE [prefetched gathers]): this rank's rows of
+        each block, written once the handle is waited, and the handle (whose ``wait()`` returns
+        them)."""
+        if not items:
+            return [], Pending(None, list)
+        packed, mine, out = self._pack_blocks(items)
+        work = _torch_compat.reduce_scatter_single_async(mine, packed.view(-1), group=self.group)
+        # the send buffer stays referenced until the reduce-scatter is waited
+        return out, Pending(work, lambda: out, keep=packed)
+
+    def _pack_blocks(
+        self, items: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The send buffer of :meth:`finish`, its receive buffer, and this rank's rows of each
+        block as views of the receive buffer."""
         metas = []
         for _, block in items:
             rows, chunk, width = self._rows(block.shape)
@@ -342,9 +455,8 @@ class ShardGather:
                 torch.mul(values[full * size :], self._scale, out=slots[full, :rest])
             offset += size
         mine = packed.new_empty(packed.shape[1])
-        _torch_compat.reduce_scatter_single(mine, packed.view(-1), group=self.group)
         out, offset = [], 0
         for held, size, width, shape in metas:
             out.append(mine[offset : offset + held * width].view(held, *shape[1:]))
             offset += size
-        return out
+        return packed, mine, out

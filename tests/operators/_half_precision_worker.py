@@ -131,12 +131,18 @@ def main(out_dir: str) -> None:
         # the bytes the blocks travel in (a half model's blocks are cast after the all-gather)
         sent: list[int] = []
         all_gather = _torch_compat.all_gather_single
+        all_gather_async = _torch_compat.all_gather_single_async  # the walk's (prefetched) gathers
 
         def counted(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
             sent.append(inp.numel() * inp.element_size())
             return all_gather(out, inp, group=group)
 
+        def counted_async(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+            sent.append(inp.numel() * inp.element_size())
+            return all_gather_async(out, inp, group=group)
+
         _torch_compat.all_gather_single = counted  # type: ignore[assignment]
+        _torch_compat.all_gather_single_async = counted_async  # type: ignore[assignment]
         for name, (op, ref) in ops.items():
             before = shards(model)
             want = piece((ref @ V).T, ref)

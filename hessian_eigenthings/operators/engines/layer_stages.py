@@ -12,9 +12,10 @@ the stages into products.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -74,12 +75,32 @@ class _Stop(Exception):
         self.h = h
 
 
+class Pending(Protocol):
+    """A collective in flight: ``wait()`` waits for it (once) and returns its tensors."""
+
+    def wait(self) -> list[torch.Tensor]: ...
+
+
 #: ``agree(x, "min" | "max")``: ``x`` reduced over the ranks that walk together
 Agree = Callable[[float, str], float]
-#: ``gather([(name, shard or None), ...]) -> whole tensors`` and ``finish([(name, block), ...])
-#: -> the product's blocks``, one call per stage (NOTE [sharded layer walk])
-Gather = Callable[[list[tuple[str, "torch.Tensor | None"]]], list[torch.Tensor]]
-Finish = Callable[[list[tuple[str, torch.Tensor]]], list[torch.Tensor]]
+#: what a stage gathers: ``(name, shard of a direction)``, or ``(name, None)`` for a parameter
+Items = list[tuple[str, "torch.Tensor | None"]]
+#: ``gather(items)``: the whole tensors' all-gather, issued (``wait()`` returns them);
+#: ``finish([(name, block), ...])``: the product's blocks (written once the handle is waited) and
+#: the reduce-scatter's handle; one call each per stage (NOTE [sharded layer walk], NOTE
+#: [prefetched gathers] in ``sharded_walk``)
+Gather = Callable[[Items], Pending]
+Finish = Callable[[list[tuple[str, torch.Tensor]]], tuple[list[torch.Tensor], Pending]]
+#: a stage the walk takes: its index (``None``: the parameters outside the layers) and the
+#: direction whose blocks it gathers
+Visit = tuple["int | None", dict[str, torch.Tensor]]
+
+
+def _same(a: Items, b: Items) -> bool:
+    """Whether two gathers take the same pieces (the very same direction tensors)."""
+    return len(a) == len(b) and all(
+        na == nb and ta is tb for (na, ta), (nb, tb) in zip(a, b, strict=True)
+    )
 
 
 class WalkStages:
@@ -116,6 +137,13 @@ class WalkStages:
         self.params: dict[str, torch.Tensor] = {}
         self._const_out: dict[str, torch.Tensor] = {}
         self._const_in: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        #: whether the next stage's gather is issued as a stage starts and a stage's
+        #: reduce-scatter left in flight until the next one's (NOTE [prefetched gathers] in
+        #: ``sharded_walk``); off: each collective waited where it is issued
+        self.prefetch = True
+        self._plan: deque[Items] = deque()  # the gathers of the stages planned, not yet issued
+        self._ahead: tuple[Items, Pending] | None = None  # the next stage's gather, in flight
+        self._reducing: Pending | None = None  # the last stage's reduce-scatter, in flight
 
     def begin(self) -> None:
         """Read the parameters at a product's start; the trainable ones not selected, detached,
@@ -198,27 +226,96 @@ class WalkStages:
             return call_with_values(self.call, self._outside_values(theta), (state.batch,))
 
     # -- stage values ---------------------------------------------------------------
+    def _items(
+        self, i: int | None, v: dict[str, torch.Tensor]
+    ) -> tuple[list[tuple[str, str]], list[tuple[str, str]], Items]:
+        """Stage ``i``'s (local name, name) pairs, those of them moving along ``v``, and what it
+        gathers: its parameters, then its blocks of ``v``."""
+        pairs = [(n, n) for n in self.outside] if i is None else list(self.local[i].items())
+        moving = [(loc, n) for loc, n in pairs if n in v]
+        items: Items = [(n, None) for _, n in pairs]
+        items += [(n, v[n]) for _, n in moving]
+        return pairs, moving, items
+
+    @contextlib.contextmanager
+    def visiting(self, visits: Iterable[Visit]) -> Iterator[None]:
+        """One product's walk, which takes the stages ``visits`` in this order (more may be
+        planned as the walk learns them): with ``prefetch``, each one's gather is issued as the
+        one before it starts (NOTE [prefetched gathers] in ``sharded_walk``). A gather planned
+        but not taken is waited at the end; on an exception what is in flight is dropped."""
+        self._plan.clear()
+        self.plan(visits)
+        try:
+            yield
+            self.settle()
+        finally:
+            self._plan.clear()
+            self._ahead = self._reducing = None
+
+    def plan(self, visits: Iterable[Visit]) -> None:
+        """The stages the walk takes after those planned so far, in order."""
+        if self.gather is not None and self.prefetch:
+            self._plan.extend(self._items(i, v)[2] for i, v in visits)
+
+    def settle(self) -> None:
+        """Every collective in flight waited: the blocks ``done`` returned are written."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # planned, never taken: every rank issued it, so it completes
+            ahead[1].wait()
+        reducing, self._reducing = self._reducing, None
+        if reducing is not None:
+            reducing.wait()
+
+    def _take(self, items: Items) -> list[torch.Tensor]:
+        """The whole tensors of ``items``: from the gather issued ahead when it is this one, else
+        gathered now; then the next planned stage's gather issued (NOTE [prefetched gathers])."""
+        if self.gather is None:
+            raise LayerWalkError("a walk without gather reads its parameters whole")
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and _same(ahead[0], items):
+            whole = ahead[1].wait()
+        else:
+            if ahead is not None or (self._plan and not _same(self._plan[0], items)):
+                # the walk took another stage than planned, alike on every rank (its choices
+                # are agreed): the gather in flight completes and is dropped, the plan with it
+                if ahead is not None:
+                    ahead[1].wait()
+                self._plan.clear()
+            elif self._plan:
+                self._plan.popleft()
+            whole = self.gather(items).wait()
+        if self.prefetch and self._plan:
+            nxt = self._plan.popleft()
+            self._ahead = (nxt, self.gather(nxt))
+        return whole
+
     def stage(
         self, i: int | None, v: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Stage ``i``'s parameters and direction (those in ``v``) by local name (``None``: the
         parameters outside the layers, by full name), gathered whole in one ``gather``."""
-        pairs = [(n, n) for n in self.outside] if i is None else list(self.local[i].items())
-        moving = [(loc, n) for loc, n in pairs if n in v]
-        items: list[tuple[str, torch.Tensor | None]] = [(n, None) for _, n in pairs]
-        items += [(n, v[n]) for _, n in moving]
+        pairs, moving, items = self._items(i, v)
         if self.gather is None:
             whole = [self.params[n].detach() if t is None else t for n, t in items]
         else:
-            whole = self.gather(items)
+            whole = self._take(items)
         theta = {loc: t for (loc, _), t in zip(pairs, whole, strict=False)}
         return theta, {loc: t for (loc, _), t in zip(moving, whole[len(pairs) :], strict=True)}
 
     def done(self, blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The result's blocks as the product returns them (one ``finish`` per stage)."""
+        """The result's blocks as the product returns them (one ``finish`` per stage); with
+        ``prefetch`` written once the next stage's ``done`` or ``settle`` returned."""
         if self.finish is None or not blocks:
             return blocks
-        return dict(zip(blocks, self.finish(list(blocks.items())), strict=True))
+        reducing, self._reducing = self._reducing, None
+        if reducing is not None:  # one reduce-scatter in flight at a time
+            reducing.wait()
+        out, pending = self.finish(list(blocks.items()))
+        if self.prefetch:
+            self._reducing = pending
+        else:
+            pending.wait()
+        return dict(zip(blocks, out, strict=True))
 
     def layer_blocks(self, i: int, g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Layer ``i``'s blocks of the product (``g`` by local name), as the product returns them."""

@@ -121,12 +121,14 @@ class LayerWalk:
         keep_bytes: int | None = None,
         agree: Agree | None = None,
     ) -> None:
-        """``gather([(name, shard), ...])``: for each, the whole parameter ``name`` (``shard``
-        None) or the whole direction from this process's ``shard`` of it; ``finish([(name,
-        block), ...])``: what the product returns for each parameter's block of the result. One
-        call per stage; both are the identity on one device; a sharded model gathers stage by
-        stage and reduces each block to its shard (NOTE [sharded layer walk] in
-        ``sharded_walk``). ``keep_bytes``: room for layers' graphs kept from the forward walk to the
+        """``gather([(name, shard), ...])``: issues, and returns the handle of, the gather of
+        each whole parameter ``name`` (``shard`` None) or whole direction from this process's
+        ``shard`` of it (its ``wait()`` returns them); ``finish([(name, block), ...])``: what the
+        product returns for each parameter's block of the result, and the handle to wait before
+        they are read. One call each per stage; both are the identity on one device (``None``); a
+        sharded model gathers stage by stage and reduces each block to its shard (NOTE [sharded
+        layer walk] in ``sharded_walk``), the next stage's gather in flight while a stage
+        computes unless ``prefetch`` is set False (NOTE [prefetched gathers]). ``keep_bytes``: room for layers' graphs kept from the forward walk to the
         backward walk of a Hessian product (NOTE [kept layer graphs]; None: on CUDA, what is
         free beyond the walk's working set and a tenth of the device, none on the CPU; on the CPU
         a number counts layers). ``agree(x, "min" | "max")``:
@@ -150,6 +152,18 @@ class LayerWalk:
         self._sizes: dict[Any, tuple[int | None, int | None]] = {}
         #: the batch signatures whose structure was checked (NOTE [what the walk checks])
         self._checked: set[Any] = set()
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether a sharded walk gathers each stage while the one before it computes and leaves
+        a stage's reduce-scatter in flight until the next one's (NOTE [prefetched gathers] in
+        ``sharded_walk``; default True). False: each collective waited where it is issued. The
+        products are the same bits either way."""
+        return self.stages.prefetch
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self.stages.prefetch = bool(on)
 
     def capture(self, batch: Batch) -> WalkState:
         """Run the loss once without a graph, recording each layer's call; check the stack (NOTE
@@ -238,62 +252,80 @@ class LayerWalk:
         like = next(iter(v.values()))
         start = _torch_compat.cuda_allocated(like.device) if like.device.type == "cuda" else 0
         st.begin()
-        out_theta, out_v = st.stage(None, v)
-        result: dict[str, torch.Tensor] = {}
+        layers = range(len(self.layers))
+        with st.visiting([(None, v), *((i, v) for i in layers)]):
+            out_theta, out_v = st.stage(None, v)
+            result: dict[str, torch.Tensor] = {}
 
-        # 1. forward walk
-        sizes_key = batch_signature(state.batch)
-        working, size = self._sizes.get(sizes_key, (None, None))
-        keep = keep_room(
-            0 if self.keep_refused is not None else self.keep_bytes,
-            like,
-            working,
-            size,
-            layers=len(self.layers),
-            agree=self._agree,
-        )
-        hs, hds, pulls = self._forward_walk(
-            state, v, out_theta, out_v, keep_tangents=True, keep=keep
-        )
-        self.layer_graph_bytes, self.kept_layers = keep.size, keep.count
-        # 2. tail
-        grad_tail = torch.func.grad(lambda x, th: st.tail(state, x, th).reshape(()), argnums=(0, 1))
-        (a, _), (ad, g_tail) = _jvp(grad_tail, (hs[-1], out_theta), (hds[-1], out_v))
-        for n, t in g_tail.items():
-            result[n] = t
-        # 3. backward walk
-        for i in reversed(range(len(self.layers))):
-            kept, pulls[i] = pulls[i], None
-            if kept is not None:  # NOTE [kept layer graphs]
-                ad_new, g, a_new = kept((ad, a))
-                del kept
-                if not self._keep_checked:
-                    ref = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
-                    if not self._kept_agrees((a_new, ad_new, g), ref):
-                        pulls = [None] * len(pulls)
-                        a_new, ad_new, g = ref
-            else:
-                a_new, ad_new, g = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
-            result.update(st.layer_blocks(i, g))
-            a, ad = a_new, ad_new
-            hs[i + 1] = hds[i + 1] = None  # type: ignore[call-overload]  # freed as the walk goes
-        # 4. head
-        if st.outside:
+            # 1. forward walk
+            sizes_key = batch_signature(state.batch)
+            working, size = self._sizes.get(sizes_key, (None, None))
+            keep = keep_room(
+                0 if self.keep_refused is not None else self.keep_bytes,
+                like,
+                working,
+                size,
+                layers=len(self.layers),
+                agree=self._agree,
+            )
+            st.plan((i, v) for i in self._gathered_back(keep))
+            hs, hds, pulls = self._forward_walk(
+                state, v, out_theta, out_v, keep_tangents=True, keep=keep
+            )
+            self.layer_graph_bytes, self.kept_layers = keep.size, keep.count
+            # 2. tail
+            grad_tail = torch.func.grad(
+                lambda x, th: st.tail(state, x, th).reshape(()), argnums=(0, 1)
+            )
+            (a, _), (ad, g_tail) = _jvp(grad_tail, (hs[-1], out_theta), (hds[-1], out_v))
+            for n, t in g_tail.items():
+                result[n] = t
+            # 3. backward walk
+            for i in reversed(layers):
+                kept, pulls[i] = pulls[i], None
+                if kept is not None:  # NOTE [kept layer graphs]
+                    ad_new, g, a_new = kept((ad, a))
+                    del kept
+                    if not self._keep_checked:
+                        ref = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
+                        if not self._kept_agrees((a_new, ad_new, g), ref):
+                            pulls = [None] * len(pulls)
+                            a_new, ad_new, g = ref
+                else:
+                    a_new, ad_new, g = self._pullback_tangent(state, i, v, hs[i], hds[i], a, ad)
+                result.update(st.layer_blocks(i, g))
+                a, ad = a_new, ad_new
+                hs[i + 1] = hds[i + 1] = None  # type: ignore[call-overload]  # freed as the walk goes
+            # 4. head
+            if st.outside:
 
-            def pull_head(th: dict[str, torch.Tensor], cot: torch.Tensor) -> Any:
-                _, fn = _vjp(lambda t: st.head(state, t), th)
-                return fn(cot)[0]
+                def pull_head(th: dict[str, torch.Tensor], cot: torch.Tensor) -> Any:
+                    _, fn = _vjp(lambda t: st.head(state, t), th)
+                    return fn(cot)[0]
 
-            _, g_head = _jvp(pull_head, (out_theta, a), (out_v, ad))
-            for n, t in g_head.items():
-                result[n] = result[n] + t
-        result.update(st.done({n: result[n] for n in st.outside}))
+                _, g_head = _jvp(pull_head, (out_theta, a), (out_v, ad))
+                for n, t in g_head.items():
+                    result[n] = result[n] + t
+            result.update(st.done({n: result[n] for n in st.outside}))
+            st.settle()
         if like.device.type == "cuda" and keep.count == 0:  # NOTE [kept layer graphs]
             working = torch.cuda.max_memory_allocated(like.device) - start
         self._sizes[sizes_key] = (working, keep.size)
         # detached: a hook or closure may read a trainable parameter that is not selected (a
         # constant of the product, NOTE [what the walk checks]) and leave a graph to it
         return {n: result[n].detach() for n in self.names}
+
+    def _gathered_back(self, keep: Keep) -> list[int]:
+        """The layers the backward walk of a Hessian product gathers again, in its order: those
+        whose graphs are not kept, and the first kept one while it is checked once (NOTE [kept
+        layer graphs]). Known beforehand where the ranks agreed how many to keep (``keep.limit``);
+        else every layer is planned, and those kept leave the plan (NOTE [prefetched gathers])."""
+        layers = len(self.layers)
+        if keep.limit is None:
+            return list(reversed(range(layers)))
+        kept = min(keep.limit, layers)
+        back = list(reversed(range(kept, layers)))
+        return [*back, kept - 1] if kept and not self._keep_checked else back
 
     def _kept_agrees(self, kept: Sequence[Any], ref: Sequence[Any]) -> bool:
         """The walk's first kept layer against the recomputed one (NOTE [kept layer graphs]): if
@@ -341,23 +373,30 @@ class LayerWalk:
         _torch_compat.load_forward_ad_decompositions()
         st = self.stages
         st.begin()
-        out_theta, out_v = st.stage(None, v)
-        hs, (hd,), _ = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
-        out, pull_tail = _vjp(lambda x, th: st.tail(state, x, th), hs[-1], out_theta)
-        jv = _jvp(lambda x, th: st.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
-        a, g_tail = pull_tail(output_product(out.detach(), jv))
-        result = dict(g_tail)
-        for i in reversed(range(len(self.layers))):
-            theta, _ = st.stage(i, {})
-            _, pull = _vjp(lambda y, t, _i=i: st.layer(state, _i, y, t), hs[i], theta)
-            a, g = pull(a)
-            del theta
-            result.update(st.layer_blocks(i, g))
-        if st.outside:
-            _, pull_head = _vjp(lambda t: st.head(state, t), out_theta)
-            for n, t in pull_head(a)[0].items():
-                result[n] = result[n] + t
-        result.update(st.done({n: result[n] for n in st.outside}))
+        layers = range(len(self.layers))
+        back: dict[str, torch.Tensor] = {}  # the backward walk gathers parameters only
+        visits = [(None, v), *((i, v) for i in layers), *((i, back) for i in reversed(layers))]
+        with st.visiting(visits):
+            out_theta, out_v = st.stage(None, v)
+            hs, (hd,), _ = self._forward_walk(state, v, out_theta, out_v, keep_tangents=False)
+            out, pull_tail = _vjp(lambda x, th: st.tail(state, x, th), hs[-1], out_theta)
+            jv = _jvp(lambda x, th: st.tail(state, x, th), (hs[-1], out_theta), (hd, out_v))[1]
+            a, g_tail = pull_tail(output_product(out.detach(), jv))
+            result = dict(g_tail)
+            for i in reversed(layers):
+                theta, _ = st.stage(i, back)
+                _, pull = _vjp(lambda y, t, _i=i: st.layer(state, _i, y, t), hs[i], theta)
+                a, g = pull(a)
+                # the pullback holds the layer's parameters: freed before the next layer's
+                # arrive (NOTE [prefetched gathers])
+                del theta, pull
+                result.update(st.layer_blocks(i, g))
+            if st.outside:
+                _, pull_head = _vjp(lambda t: st.head(state, t), out_theta)
+                for n, t in pull_head(a)[0].items():
+                    result[n] = result[n] + t
+            result.update(st.done({n: result[n] for n in st.outside}))
+            st.settle()
         # detached: a hook or closure may read a trainable parameter that is not selected (a
         # constant of the product, NOTE [what the walk checks]) and leave a graph to it
         return {n: result[n].detach() for n in self.names}
