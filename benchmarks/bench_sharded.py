@@ -28,6 +28,8 @@ Sections (``--sections``, comma list):
 
 - ``products``: ``FSDPHessianOperator(engine="layers")`` and ``FSDPGGNOperator`` products on each
   rank's shard of the batch: median time, per-GPU peak (max over ranks, parameters included);
+  ``--prefetch both`` times each also without the walk's prefetched gathers (NOTE [prefetched
+  gathers]; rows ``fsdp_<op>_no_prefetch``, with whether the products are the same bits);
 - ``train``: an FSDP2 training step (forward + backward) on the same shards, and each product's
   ratio to it;
 - ``reference``: the single-GPU default product on the whole batch on every rank (the model
@@ -888,18 +890,35 @@ def sharded_sections(
             for name in wanted:
                 op = made[name]()
                 assert op.size == v_local.numel(), (op.size, v_local.numel())
+                # NOTE [prefetched gathers]: --prefetch both times the walk without it as well
+                modes = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
                 if "products" in sections:
-                    fresh_peak(device)
-                    times, hv = timed(lambda op=op: op @ v_local, device, args.warmup, args.repeats)
-                    products[name] = hv.cpu()
-                    row = {
-                        "s": ranks.max(statistics.median(times)),
-                        "times_s": times,
-                        **peaks(ranks),
-                    }
-                    if "train_step_s" in out:
-                        row["over_train_step"] = row["s"] / out["train_step_s"]
-                    out[f"fsdp_{name}"] = row
+                    for prefetch in modes:
+                        op.ranks.product.walk.walk.prefetch = prefetch
+                        fresh_peak(device)
+                        times, hv = timed(
+                            lambda op=op: op @ v_local, device, args.warmup, args.repeats
+                        )
+                        row = {
+                            "s": ranks.max(statistics.median(times)),
+                            "times_s": times,
+                            "prefetch": prefetch,
+                            **peaks(ranks),
+                        }
+                        if "train_step_s" in out:
+                            row["over_train_step"] = row["s"] / out["train_step_s"]
+                        if prefetch == modes[0]:
+                            products[name] = hv.cpu()
+                            out[f"fsdp_{name}"] = row
+                        else:
+                            differ = not torch.equal(hv.cpu(), products[name])
+                            row["same_bits"] = not ranks.any(differ)
+                            out[f"fsdp_{name}_no_prefetch"] = row
+                            log(
+                                f"FSDP {name} walk without prefetching {row['s']:.3f} s ({row.get('over_train_step', 0):.2f} steps), peak {row['peak_gib']} GiB, same bits {row['same_bits']}"
+                            )
+                    op.ranks.product.walk.walk.prefetch = modes[0]
+                    row = out[f"fsdp_{name}"]
                     if args.profile:
                         profile(
                             lambda op=op: op @ v_local,
@@ -1130,6 +1149,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--profile", action="store_true", help="profile one sharded product of each op")
+    ap.add_argument(
+        "--prefetch",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the sharded walk's prefetched gathers (both: the products section times each)",
+    )
     ap.add_argument("--ncv", type=int, default=None, help="lanczos basis size (default: lanczos's)")
     ap.add_argument(
         "--meta",
