@@ -40,7 +40,7 @@ sums over every use.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -50,7 +50,13 @@ from hessian_eigenthings.batching import Batch, batch_size, map_tensors
 from hessian_eigenthings.operators.factor_pass import is_hf_conv1d
 from hessian_eigenthings.param_utils import ParamLayout
 
-__all__ = ["PerExampleGradients", "ShardedPasses", "position_scores", "refuse_unhooked"]
+__all__ = [
+    "Layer",
+    "PerExampleGradients",
+    "ShardedPasses",
+    "position_scores",
+    "refuse_unhooked",
+]
 
 PerExampleLoss = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -156,6 +162,80 @@ class PerExampleGradients:
         }
         del rows, row_views
         return _summed(parts, Q, B)
+
+    def by_layer(self, batch: Batch, use: Callable[[Layer], None]) -> bool:
+        """One forward and backward of ``batch`` calling ``use(layer)`` for each hooked layer as
+        the backward reaches it (NOTE [per-example gradients of linear layers]; no rows made),
+        and True; False, with nothing called, where the hooked layers do not apply: not checked
+        yet (:meth:`check_hooks`), a model that needs vmap, an empty batch, sharded ranks (whose
+        passes meet: the caller makes rows, as :meth:`dots` does there)."""
+        plain = _as_plain(batch)
+        B = batch_size(plain)
+        if not B or self.sharded is not None or self.linear is None or not self.linear_checked:
+            return False
+
+        def relay(slot: _LinearSlot, a3: torch.Tensor, g3: torch.Tensor) -> None:
+            use(Layer(slot.weight, slot.bias, slot.conv1d, a3, g3))
+
+        try:
+            linear_backward(self.model, self.loss, self.linear, plain, B, relay)
+        except _NotLinear:  # raised before the backward: ``use`` was not called
+            self.linear = None
+            return False
+        return True
+
+    def check_hooks(self, batch: Batch) -> bool:
+        """Whether the hooked layers give this model's per-example gradients, checked once (on
+        up to two examples of ``batch``; False for good if not, and on sharded ranks, which check
+        their own way) without rows: each example's hooked gradients are compared parameter by
+        parameter, as the backward reaches each layer, with the gradient of that example's loss
+        alone (memory of one example's gradient, as a training step's ``.grad``), with the
+        tolerance of the check the rows pass (NOTE [per-example gradients of linear layers])."""
+        if self.sharded is not None or self.linear is None:
+            return False
+        if self.linear_checked:
+            return True
+        plain = _as_plain(batch)
+        n = min(batch_size(plain), 2)
+        if n == 0:
+            return False
+        pair = map_tensors(plain, lambda t: t[:n])
+        dtype = self.layout.dtype
+        error = torch.zeros((), dtype=dtype, device=self.layout.device)
+        scale = torch.zeros((), dtype=dtype, device=self.layout.device)
+        for i in range(n):
+            reference = self._example_gradient(map_tensors(pair, _row(i)))
+            reached: set[int] = set()
+
+            def compare(
+                slot: _LinearSlot,
+                a3: torch.Tensor,
+                g3: torch.Tensor,
+                i: int = i,
+                reference: list[torch.Tensor] = reference,
+                reached: set[int] = reached,
+            ) -> None:
+                nonlocal error
+                for j, grad in _slot_gradients(slot, a3[i : i + 1], g3[i : i + 1]):
+                    error = error + (grad[0].to(dtype) - reference[j]).square().sum()
+                    reached.add(j)
+
+            try:
+                linear_backward(self.model, self.loss, self.linear, pair, n, compare)
+            except _NotLinear:
+                self.linear = None
+                return False
+            for j, ref in enumerate(reference):
+                scale = scale + ref.square().sum()
+                if j not in reached:  # its hooked gradient is zero
+                    error = error + ref.square().sum()
+        eps = torch.finfo(dtype).eps
+        relative = error.sqrt() / scale.sqrt().clamp_min(torch.finfo(dtype).tiny)
+        if float(relative) > max(1e-3, 64 * eps):
+            self.linear = None  # the examples meet in the forward: vmap for good
+            return False
+        self.linear_checked = True
+        return True
 
     def _hooked(self, batch: Batch, B: int) -> torch.Tensor | None:
         """NOTE [per-example gradients of linear layers]; None when this model cannot (then
@@ -281,24 +361,25 @@ class PerExampleGradients:
     def _looped(self, batch: Batch, B: int) -> torch.Tensor:
         out = torch.empty(B, self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
         for i in range(B):
-            single = map_tensors(batch, _row(i))
-            leaves = {n: p.detach().requires_grad_(True) for n, p in self._params.items()}
-
-            def run(s: Batch = single) -> torch.Tensor:
-                return self.loss(self.model, s)
-
-            with torch.enable_grad():
-                value = _call_with(self.model, leaves, run)
-                grads = torch.autograd.grad(
-                    value.reshape(()), list(leaves.values()), allow_unused=True
-                )
-            out[i] = torch.cat(
-                [
-                    (torch.zeros_like(p) if g is None else g).reshape(-1)
-                    for g, p in zip(grads, leaves.values(), strict=True)
-                ]
-            ).to(out.dtype)
+            grads = self._example_gradient(map_tensors(batch, _row(i)))
+            out[i] = torch.cat([g.reshape(-1) for g in grads]).to(out.dtype)
         return out
+
+    def _example_gradient(self, single: Batch) -> list[torch.Tensor]:
+        """The gradient of one example's loss, parameter by parameter in the layout's order (a
+        parameter the loss does not reach: zeros)."""
+        leaves = {n: p.detach().requires_grad_(True) for n, p in self._params.items()}
+
+        def run() -> torch.Tensor:
+            return self.loss(self.model, single)
+
+        with torch.enable_grad():
+            value = _call_with(self.model, leaves, run)
+            grads = torch.autograd.grad(value.reshape(()), list(leaves.values()), allow_unused=True)
+        return [
+            (torch.zeros_like(p) if g is None else g).to(self.layout.dtype)
+            for g, p in zip(grads, leaves.values(), strict=True)
+        ]
 
 
 def _row(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -345,6 +426,26 @@ class _LinearSlot:
         self.conv1d = conv1d  # weight stored (in, out)
         self.weight: int | None = None  # index in the layout
         self.bias: int | None = None
+
+
+class Layer(NamedTuple):
+    """One hooked layer as the backward reaches it (:meth:`PerExampleGradients.by_layer`)."""
+
+    weight: int | None  # the weight's index in the layout (None: not scored)
+    bias: int | None  # the bias's index in the layout (None: not scored, or none)
+    conv1d: bool  # the weight is stored (in, out), HuggingFace's Conv1D; else (out, in)
+    a: torch.Tensor  # (B, positions, in) the layer's inputs
+    g: torch.Tensor  # (B, positions, out) the summed loss's gradients at its outputs
+
+    def gradients(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(layout index, (B, *shape))`` per-example gradients of the weight and the bias."""
+        if self.weight is not None:
+            if self.conv1d:
+                yield self.weight, torch.bmm(self.a.transpose(1, 2), self.g)  # (B, in, out)
+            else:
+                yield self.weight, torch.bmm(self.g.transpose(1, 2), self.a)  # (B, out, in)
+        if self.bias is not None:
+            yield self.bias, self.g.sum(1)
 
 
 def _linear_slots(
@@ -426,13 +527,7 @@ def _slot_gradients(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """``(layout index, (B, *shape))`` per-example gradients of a layer's weight and bias from
     its inputs ``a3`` and output gradients ``g3``, both ``(B, positions, ·)``."""
-    if slot.weight is not None:
-        if slot.conv1d:
-            yield slot.weight, torch.bmm(a3.transpose(1, 2), g3)  # (B, in, out)
-        else:
-            yield slot.weight, torch.bmm(g3.transpose(1, 2), a3)  # (B, out, in)
-    if slot.bias is not None:
-        yield slot.bias, g3.sum(1)
+    return Layer(slot.weight, slot.bias, slot.conv1d, a3, g3).gradients()
 
 
 # NOTE [scores layer by layer]: a training batch's pairwise scores ``Q Gᵀ`` are a sum over
