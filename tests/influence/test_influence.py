@@ -8,7 +8,7 @@ output Hessian from ``torch.autograd.functional.hessian``, ``G = (1/N) Î£_n J_ná
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hessian_eigenthings import influence
-from tests.influence.tiny import tiny_gpt2
+from tests.influence.tiny import Interrupted, tiny_gpt2
 
 DAMPING = 1e-2
 
@@ -373,22 +373,6 @@ def test_top_k_against_a_sort_with_text() -> None:
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
-class _Interrupted:
-    """The batches, and a KeyboardInterrupt before batch ``stop`` of a pass that reaches it."""
-
-    def __init__(self, batches: list[Any], stop: int) -> None:
-        self.batches, self.stop = batches, stop
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, b in enumerate(self.batches):
-            if i == self.stop:
-                raise KeyboardInterrupt
-            yield b
-
-
 def test_checkpoint_resume_equals_unbroken_run_bit_for_bit(tmp_path: Path) -> None:
     model, train, query = _mlp()
     task = influence.supervised_task(nn.CrossEntropyLoss())
@@ -396,7 +380,7 @@ def test_checkpoint_resume_equals_unbroken_run_bit_for_bit(tmp_path: Path) -> No
     unbroken = fitted.pairwise_scores(query, train, progress=False)
     path = tmp_path / "scores.pt"
     with pytest.raises(KeyboardInterrupt):
-        fitted.pairwise_scores(query, _Interrupted(train, 2), checkpoint=path, progress=False)
+        fitted.pairwise_scores(query, Interrupted(train, 2), checkpoint=path, progress=False)
     assert path.exists()
     # other queries: the file is refused, naming why
     with pytest.raises(ValueError, match=r"other arguments.*queries"):

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from hessian_eigenthings import influence
 from hessian_eigenthings.influence.gradients import PerExampleGradients
-from tests.influence.tiny import tiny_gpt2
+from tests.influence.tiny import Interrupted, tiny_gpt2
 
 DAMPING = 1e-2
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -321,22 +321,6 @@ def test_no_tensor_as_large_as_a_row_of_gradients(model_name: str) -> None:
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
-class _Interrupted:
-    """The batches, and a KeyboardInterrupt before batch ``stop`` of a pass that reaches it."""
-
-    def __init__(self, batches: list[Any], stop: int) -> None:
-        self.batches, self.stop = batches, stop
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, b in enumerate(self.batches):
-            if i == self.stop:
-                raise KeyboardInterrupt
-            yield b
-
-
 def test_checkpoint_of_low_rank_scores_resumes_bit_for_bit(tmp_path: Path) -> None:
     model = tiny_gpt2()
     train, query = _lm_data()
@@ -345,7 +329,7 @@ def test_checkpoint_of_low_rank_scores_resumes_bit_for_bit(tmp_path: Path) -> No
     path = tmp_path / "scores.pt"
     with pytest.raises(KeyboardInterrupt):
         fitted.pairwise_scores(
-            query, _Interrupted(train, 2), rank=2, checkpoint=path, progress=False
+            query, Interrupted(train, 2), rank=2, checkpoint=path, progress=False
         )
     assert path.exists()
     with pytest.raises(ValueError, match=r"other arguments.*rank"):  # another rank: refused

@@ -1,6 +1,10 @@
-"""The tests' tiny causal LM: a one-layer GPT-2 from a config, float64, eval mode."""
+"""The tests' tiny causal LM (a one-layer GPT-2 from a config, float64, eval mode) and batches
+that stop a pass part way (``Interrupted``, for the checkpoint tests)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from torch import nn
@@ -22,3 +26,19 @@ def tiny_gpt2(vocab: int = 11, seed: int = 1) -> nn.Module:
     )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config).double().eval()  # type: ignore[no-any-return]
+
+
+class Interrupted:
+    """The batches, and a KeyboardInterrupt before batch ``stop`` of a pass that reaches it."""
+
+    def __init__(self, batches: list[Any], stop: int) -> None:
+        self.batches, self.stop = batches, stop
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, b in enumerate(self.batches):
+            if i == self.stop:
+                raise KeyboardInterrupt
+            yield b

@@ -253,15 +253,19 @@ def test_ekfac_released_factors_change_no_number_and_are_freed() -> None:
     model, data = _model_and_data()
     op = EKFACOperator(model, data, supervised_forward, cross_entropy_loss_of_output())
     V = torch.randn(op.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    before = (
-        op @ V,
-        op.inverse(0.1) @ V,
-        op.to_dense(),
-        op.trace(),
-        op.logdet(0.1),
-        op.eigh().eigenvalues,
-        KroneckerOperator(op.layout, op.eigh().blocks) @ V,
-    )
+
+    def numbers() -> tuple[torch.Tensor, ...]:
+        return (
+            op @ V,
+            op.inverse(0.1) @ V,
+            op.to_dense(),
+            op.trace(),
+            op.logdet(0.1),
+            op.eigh().eigenvalues,
+            KroneckerOperator(op.layout, op.eigh().blocks) @ V,
+        )
+
+    before = numbers()
     # every G and A but a bias's constant [[1]], which the operator keeps for any bias alone
     held = [weakref.ref(t) for b in op.factors for t in (b.G, b.A) if t.numel() > 1]
     assert len(held) == 6
@@ -269,15 +273,7 @@ def test_ekfac_released_factors_change_no_number_and_are_freed() -> None:
     op.release_factors()  # idempotent
     gc.collect()
     assert all(r() is None for r in held), "KFAC's G and A are still referenced"
-    after = (
-        op @ V,
-        op.inverse(0.1) @ V,
-        op.to_dense(),
-        op.trace(),
-        op.logdet(0.1),
-        op.eigh().eigenvalues,
-        KroneckerOperator(op.layout, op.eigh().blocks) @ V,
-    )
+    after = numbers()
     for x, y in zip(before, after, strict=True):
         assert torch.equal(x, y)
     for read in (lambda: op.factors, lambda: op.owned_factors):
