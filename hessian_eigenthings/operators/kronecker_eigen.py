@@ -74,6 +74,16 @@ def refuse_not_finite(who: str, factors: Sequence[tuple[str, str, torch.Tensor]]
         raise ValueError(not_finite_message(who, factor, module, (), len(bad) - 1))
 
 
+# NOTE [factors decomposed in float64]: a float32 factor's eigenvectors from a float32 ``eigh``
+# are accurate to about ``eps·‖G‖ / gap`` and orthogonal to about ``n·eps``: for the clustered
+# small eigenvalues of a layer's input covariance that error is large, and a damped inverse
+# (``1/λ`` in those directions) multiplies it. Measured on a two-layer GPT-2 of width 768
+# (random weights, 16 sequences × 64 tokens, EK-FAC with empirical labels, damping 1e-3): float32
+# influence scores 9.1% from float64 with float32 ``eigh``, 0.19% with float64 ``eigh`` of the
+# same float32 factors (Kronfluence decomposes in float64 too: 0.12%). So a factor narrower
+# than float64 is decomposed in float64 and its eigenvalues and eigenvectors are stored in the
+# factor's dtype: the products keep the factor's dtype and memory; the decomposition costs
+# float64 arithmetic once per factor (``n³``, cached).
 #: ``id(factor) -> (factor, version, eigh(factor))``
 _Decomposed = dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
 
@@ -169,11 +179,15 @@ class FactorDecompositions:
     def _decompose(
         self, M: torch.Tensor, which: str, block: Slot
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``torch.linalg.eigh(M)``; a factor holding NaN or inf is refused naming its block
-        (where the decomposition fails on it; where it returns NaN instead, :meth:`eigen`
-        refuses the eigenvalues)."""
+        """``torch.linalg.eigh(M)``, computed in float64 for a narrower factor and returned in
+        the factor's dtype (NOTE [factors decomposed in float64]); a factor holding NaN or inf
+        is refused naming its block (where the decomposition fails on it; where it returns NaN
+        instead, :meth:`eigen` refuses the eigenvalues)."""
         try:
-            return torch.linalg.eigh(M)
+            if M.dtype == torch.float64 or not M.is_floating_point():
+                return torch.linalg.eigh(M)
+            lam, U = torch.linalg.eigh(M.to(torch.float64))
+            return lam.to(M.dtype), U.to(M.dtype)
         except RuntimeError:  # torch.linalg.LinAlgError: "ill-conditioned or too many repeated"
             if bool(M.isfinite().all()):
                 raise
