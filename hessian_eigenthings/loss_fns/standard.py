@@ -442,6 +442,10 @@ class CrossEntropyOutputLoss:
     of samples ``output.shape[0]`` (a sequence's token losses summed, averaged over sequences).
     """
 
+    #: the output dimension of its classes (its batch-wide columns run along it; NOTE [columns
+    #: row by row] in ``loss_fns.output_curvature``)
+    column_dim = 1
+
     def __init__(
         self,
         *,
@@ -666,6 +670,10 @@ class CrossEntropyOutputLoss:
 class MSEOutputLoss:
     """``F.mse_loss(output, batch[1])`` with ``∇² = 2 I / numel`` (mean) or ``2 I`` (sum)."""
 
+    #: the output dimension of its units (its batch-wide columns run along it; NOTE [columns
+    #: row by row] in ``loss_fns.output_curvature``)
+    column_dim = -1
+
     def __init__(self, *, reduction: Reduction = "mean") -> None:
         _check_reduction(reduction)
         self.reduction: Reduction = reduction
@@ -737,6 +745,10 @@ class MSEOutputLoss:
 class BCEWithLogitsOutputLoss:
     """``F.binary_cross_entropy_with_logits(output, batch[1])`` with ``∇² = σ(f)(1 - σ(f))``
     per element (divided by the element count for ``"mean"``)."""
+
+    #: the output dimension of its units (its batch-wide columns run along it; NOTE [columns
+    #: row by row] in ``loss_fns.output_curvature``)
+    column_dim = -1
 
     def __init__(self, *, reduction: Reduction = "mean") -> None:
         _check_reduction(reduction)

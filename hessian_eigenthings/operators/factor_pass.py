@@ -489,14 +489,15 @@ class FactorPass:
         self._empty = EmptyBatches(who)
         #: checks the model output of each batch before its columns are made (KFOC's terms)
         self.check_output: Callable[[torch.Tensor], None] | None = None
-        #: whether the backwards per batch were counted (NOTE [type-2 on a large vocabulary])
-        self._cost_told = False
+        #: the most columns per batch whose backwards were counted (NOTE [type-2 on a large
+        #: vocabulary]): a pass with more columns (row by row) is counted again
+        self._cost_told = 0
         self._exact_columns = isinstance(self.curvature, ExactLossHessian)
 
     def _tell_cost(self, k: int) -> None:
         """Warn once when ``k`` columns make more than :data:`BACKWARDS_WARNING` backwards per
         batch (NOTE [type-2 on a large vocabulary])."""
-        self._cost_told = True
+        self._cost_told = k
         passes = -(-k // self.options.column_chunk)
         if passes <= BACKWARDS_WARNING:
             return
@@ -555,18 +556,24 @@ class FactorPass:
             return g.flatten(3).transpose(2, 3)
         return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
 
-    def _columns(self, output: torch.Tensor, batch: Batch, position: int) -> tuple[int, Columns]:
+    def _columns(
+        self, output: torch.Tensor, batch: Batch, position: int, per_row: bool
+    ) -> tuple[int, Columns]:
         if self.check_output is not None:
             self.check_output(output)
         # the key of the GGN's draws at this position: one seed, one set of targets
         key = self._keys(position, self.rank, output.device) if self.curvature.keyed else None
         state = self.curvature.prepare(output, batch, key)
+        if per_row:  # NOTE [columns row by row] in loss_fns.output_curvature
+            return self.curvature.row_columns(state, self.factor_dtype)
         return self.curvature.columns(state, self.factor_dtype)
 
-    def run(self, visit: Visit, on_input: OnInput | None) -> float:
+    def run(self, visit: Visit, on_input: OnInput | None, *, per_row: bool = False) -> float:
         """One pass: for each batch, ``on_input(module, x, weight)`` in the forward (``x`` the
         module's raw input; without it, the inputs are kept as ``a``) and
         ``visit(module, a_or_empty, g, weight)`` after the backward. Returns the total weight.
+        ``per_row``: the output curvature's columns split row by row, for per-sample moments
+        (NOTE [columns row by row] in ``loss_fns.output_curvature``).
         Raises :class:`Retry` when ``on_input`` was given and a forward changed a module's output
         in place (the caller starts again; later passes copy the outputs)."""
         total = 0.0
@@ -582,7 +589,7 @@ class FactorPass:
                 batch = to_device(raw, self.device)
                 size = float(batch_size(batch))
                 output, inputs, outputs = self._forward(batch, on_input, size)
-                self._backward(output, batch, position, inputs, outputs, visit, size)
+                self._backward(output, batch, position, inputs, outputs, visit, size, per_row)
                 total += size
                 del output, inputs, outputs  # the batch's activations go before the next forward
         self._empty.say(skipped, seen)
@@ -603,9 +610,10 @@ class FactorPass:
         outputs: dict[str, torch.Tensor],
         visit: Visit,
         size: float,
+        per_row: bool = False,
     ) -> None:
-        k, columns = self._columns(output, batch, position)
-        if not self._cost_told:
+        k, columns = self._columns(output, batch, position, per_row)
+        if k > self._cost_told:
             self._tell_cost(k)
         modules = [module for module in self.modules if module.name in outputs]
         targets = [outputs[module.name] for module in modules]

@@ -430,7 +430,11 @@ class EKFACOperator(_KFACFactors):
     chooses the factors whose eigenbases are used). NOTE [EKFAC per sample]: a per-position
     moment would not be the second moment of any gradient; per sample, the corrected eigenvalues
     are exactly the diagonal of the GGN block in KFAC's eigenbasis (and EKFAC equals KFAC where
-    KFAC is exact). Costs a second pass over the data. ``factors`` are KFAC's; the operator's
+    KFAC is exact). For an output with several rows per sample (a sequence's positions) the
+    type-2 columns of that pass are split row by row, one per class and row, so that no term
+    joins two rows of a sample (NOTE [columns row by row] in ``loss_fns.output_curvature``):
+    ``T`` times the first pass's backwards for ``T`` rows; Monte-Carlo draws and the empirical
+    Fisher need no split. Costs a second pass over the data. ``factors`` are KFAC's; the operator's
     blocks are in their eigenbases with the corrected eigenvalues, fixed at construction: a
     change in place to ``factors`` does not change the operator (its eigenbases were taken from
     them then), a change to ``corrected_eigenvalues`` or to ``eigh()``'s eigenvectors (the
@@ -513,7 +517,8 @@ class EKFACOperator(_KFACFactors):
                     value = self._rotated_moment(g_rot, a_rot)
                 sums[i].add(value, size)
 
-        total = self._pass.run(visit, None)
+        # per-sample moments: the columns row by row (NOTE [columns row by row])
+        total = self._pass.run(visit, None, per_row=True)
         # a block whose module never ran is zero (its KFAC block is)
         return self._means(
             [

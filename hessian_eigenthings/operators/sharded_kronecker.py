@@ -215,10 +215,18 @@ class _AgreedColumns(OutputCurvature):
             return _Prepared(None, exc)
 
     def columns(self, state: _Prepared, dtype: torch.dtype) -> tuple[int, Any]:
+        return self._agreed(state, lambda inner: self.curvature.columns(inner, dtype))
+
+    def row_columns(self, state: _Prepared, dtype: torch.dtype) -> tuple[int, Any]:
+        return self._agreed(state, lambda inner: self.curvature.row_columns(inner, dtype))
+
+    def _agreed(
+        self, state: _Prepared, make: Callable[[Any], tuple[int, Any]]
+    ) -> tuple[int, Any]:
         failure, result = state.failure, None
         if failure is None:
             try:
-                result = self.curvature.columns(state.state, dtype)
+                result = make(state.state)
             except Exception as exc:
                 failure = exc
         table = self.agreement.agree(
