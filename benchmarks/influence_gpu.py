@@ -88,9 +88,13 @@ def kronfluence_task(tracked: list[str]) -> Any:
             if not sample:
                 return summed_loss(logits, batch["input_ids"])
             with torch.no_grad():  # one label per token from the model's distribution
-                probs = logits.detach().float().softmax(-1).reshape(-1, logits.shape[-1])
-                drawn = torch.multinomial(probs, 1).view(batch["input_ids"].shape)
-            return summed_loss(logits, drawn)
+                # summed_loss pairs position t's logits with label t + 1: draw that label from
+                # position t's distribution (the draw at the last position is never read)
+                probs = logits[:, :-1].detach().float().softmax(-1)
+                drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1)
+                labels = batch["input_ids"].clone()
+                labels[:, 1:] = drawn.view(probs.shape[:2])
+            return summed_loss(logits, labels)
 
         def compute_measurement(self, batch: Any, model: nn.Module) -> torch.Tensor:
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
