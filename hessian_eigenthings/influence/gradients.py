@@ -90,9 +90,7 @@ class PerExampleGradients:
         loss: PerExampleLoss,
         sharded: ShardedPasses | None = None,
     ) -> None:
-        self.model = model
-        self.layout = layout
-        self.loss = loss
+        self.model, self.layout, self.loss = model, layout, loss
         params = dict(model.named_parameters())
         missing = [n for n in layout.names if n not in params]
         if missing:

@@ -19,7 +19,7 @@ gradients are then streamed batch by batch, one batched backward per batch
 (``influence.gradients``), each block of scores a product ``(n_query, n) @ (n, B)``. With
 ``rank=`` on the Kronecker routes neither side forms whole rows: each query slice is
 preconditioned and factored layer by layer, and each training batch scored against the factors
-from the layers' inputs and output gradients (NOTE [low-rank queries layer by layer]).
+from the layers' inputs and output gradients (NOTE [low-rank queries layer by layer] in ``influence.low_rank``).
 Self-influence preconditions every training gradient (a block solve per batch on the exact
 routes: slow on large data).
 """
@@ -31,7 +31,6 @@ import hashlib
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -54,10 +53,15 @@ from hessian_eigenthings.batching import (
     no_batch_message,
 )
 from hessian_eigenthings.influence.gradients import (
-    Layer,
     PerExampleGradients,
     position_scores,
     refuse_unhooked,
+)
+from hessian_eigenthings.influence.low_rank import (
+    LowRank,
+    QueryFactors,
+    example_slice,
+    streams_queries,
 )
 from hessian_eigenthings.influence.sharded import (
     ShardedScoring,
@@ -401,6 +405,7 @@ class Influence:
         self._sharded = sharded
         self._grads = PerExampleGradients(model, self.layout, task.per_example_loss, sharded)
         self._inverse: CurvatureOperator | None = None
+        self._batches = _CheckedBatches(model, task, sharded)
 
     def __repr__(self) -> str:
         return (
@@ -437,41 +442,25 @@ class Influence:
             return self.gradients(batch)
         out = torch.empty(B, self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
         for s in range(0, B, at_once):
-            out[s : s + at_once] = self.gradients(map_tensors(batch, _rows(s, s + at_once)))
+            out[s : s + at_once] = self.gradients(map_tensors(batch, example_slice(s, s + at_once)))
         return out
 
     def _kronecker_precondition(self, G: torch.Tensor, rows: int = 4) -> torch.Tensor:
         """``G`` overwritten by ``(C + λI)⁻¹ G`` a few rows at a time (the Kronecker inverse
         acts on each row alone): memory of ``G`` plus a few rows, not of two copies of it."""
-        if self._inverse is None:  # sharded ranks: whole rows, from the replicated factors
+        inverse = self._kronecker_inverse()
+        for s in range(0, G.shape[0], rows):
+            G[s : s + rows] = (inverse @ G[s : s + rows].T).T
+        return G
+
+    def _kronecker_inverse(self) -> CurvatureOperator:
+        """``(C + λI)⁻¹`` of a Kronecker route, made once (sharded ranks: over whole rows, from
+        the replicated factors)."""
+        if self._inverse is None:
             self._inverse = whole_kronecker(self.operator).inverse(self.damping)  # type: ignore[attr-defined]
         if self._inverse is None:
             raise InternalError("the inverse of a Kronecker operator is None")
-        for s in range(0, G.shape[0], rows):
-            G[s : s + rows] = (self._inverse @ G[s : s + rows].T).T
-        return G
-
-    def _checked_batches(
-        self, data: Iterable[Batch], what: str, *, last: bool = False
-    ) -> Iterator[tuple[int, Batch]]:
-        """``(i, batch)`` of ``data``, each checked; on sharded ranks read in step (``last``:
-        the end of this loop is the call's last agreement)."""
-
-        def start() -> Iterator[Batch]:
-            _first_batch(data, what)  # an iterable of batches, not one batch; not empty
-            _refuse_training_mode(self.model)
-            return iter(data)
-
-        def check(i: int, batch: Batch) -> None:
-            self.task.check_batch(self.model, batch, f"{what} batch {i}")
-
-        if self._sharded is not None:
-            same = what == "query_data"
-            yield from self._sharded.batches(start, what, check, same=same, last=last)
-            return
-        for i, batch in enumerate(start()):
-            check(i, batch)
-            yield i, batch
+        return self._inverse
 
     def query_gradients(
         self, query_data: Iterable[Batch], *, examples_at_once: int | None = None
@@ -491,7 +480,7 @@ class Influence:
             examples_at_once = self._sharded.smallest(lambda: at_once, "query_data") or None
         rows = [
             self._sliced_gradients(b, examples_at_once)
-            for _, b in self._checked_batches(query_data, "query_data", last=last)
+            for _, b in self._batches(query_data, "query_data", last=last)
         ]
         G = rows[0] if len(rows) == 1 else torch.cat(rows)
         del rows
@@ -550,41 +539,30 @@ class Influence:
         # before the queries' work: an empty set says so now
         at_once = max(1, _first_size(train_data, self._sharded))
         Q: torch.Tensor | None = None
-        scorer: _LowRank | None = None
-        if rank is not None and self._streams_queries():
+        scorer: LowRank | None = None
+        if rank is not None and streams_queries(self.curvature, self.operator, self._sharded):
             # NOTE [low-rank queries layer by layer]: never the whole rows (n_query, n)
             scorer = self._low_rank_queries(query_data, at_once, rank)
         else:
             Q = self._query_gradients(query_data, at_once, last=False)
             if rank is not None:
-                scorer = _LowRank.of_rows(Q, self.layout, rank)
+                scorer = LowRank.of_rows(Q, self.layout, rank)
                 Q = None  # the factors replace the rows
-        path = checkpoint_path(checkpoint)
-        # hashed only for a checkpoint: it reads every byte of the queries on the host
-        queries = None
-        if path is not None:
-            queries = scorer.fingerprint() if scorer is not None else _fingerprint(_held(Q))
-        config = {
-            "curvature": self.curvature,
-            "damping": self.damping,
-            "rank": rank,
-            "n_query": scorer.n_query if scorer is not None else int(_held(Q).shape[0]),
-            "parameters": list(self.layout.names),
-            "queries": queries,
-        }
-        gen = torch.Generator()  # the checkpoint format's; nothing here is random
-        blocks: list[torch.Tensor] = []
-        done = 0
-        if path is not None and path.exists():
-            state = load_checkpoint(path, "influence.pairwise_scores", config, gen)
-            done = int(state["batches"])
-            blocks = [state["scores"]]
+        saved = _ScoresCheckpoint(
+            checkpoint,
+            lambda: scorer.fingerprint() if scorer is not None else _fingerprint(_held(Q)),
+            curvature=self.curvature,
+            damping=self.damping,
+            rank=rank,
+            n_query=scorer.n_query if scorer is not None else int(_held(Q).shape[0]),
+            parameters=list(self.layout.names),
+        )
+        done, blocks = saved.resume()
         if self._sharded is not None:  # the ranks skip the same batches: FSDP's collectives
             self._sharded.same(done, "the training batches their checkpoints hold")
-        total = _length(train_data)
-        with progress_bar(total, "influence scores", progress) as bar:
+        with progress_bar(_length(train_data), "influence scores", progress) as bar:
             bar.update(done)
-            for i, batch in self._checked_batches(train_data, "train_data", last=True):
+            for i, batch in self._batches(train_data, "train_data", last=True):
                 if i < done:
                     continue
                 if scorer is not None:  # NOTE [low-rank queries layer by layer]
@@ -592,112 +570,26 @@ class Influence:
                 else:  # NOTE [scores layer by layer]: no rows of the batch held at once
                     blocks.append(-self._grads.dots(batch, _held(Q)))
                 bar.update(1)
-                if path is not None and (i + 1 - done) % checkpoint_every == 0:
-                    so_far = torch.cat(blocks, dim=1)
-                    blocks = [so_far]
-                    save_checkpoint(
-                        path,
-                        "influence.pairwise_scores",
-                        config,
-                        {"batches": i + 1, "scores": so_far.clone()},
-                        gen,
-                    )
-        scores = torch.cat(blocks, dim=1)
-        if path is not None:
-            remove_checkpoint(path)
-        return scores
-
-    def _streams_queries(self) -> bool:
-        """Whether low-rank queries are made slice by slice (NOTE [low-rank queries layer by
-        layer]): the Kronecker routes, whose inverse acts on each row alone, and with no
-        collective (not with each module's factors on one rank, whose inverse the ranks apply
-        together to the same rows)."""
-        if self.curvature not in ("ekfac", "kfac"):
-            return False
-        ranks = getattr(self.operator, "ranks", None)
-        return self._sharded is not None or ranks is None or ranks.module_blocks is None
+                if saved.path is not None and (i + 1 - done) % checkpoint_every == 0:
+                    blocks = [saved.save(i + 1, blocks)]
+        return saved.done(blocks)
 
     def _low_rank_queries(
         self, query_data: Iterable[Batch], examples_at_once: int, rank: int
-    ) -> _LowRank:
-        """The preconditioned query gradients as rank-``rank`` factors, made slice by slice of
-        ``examples_at_once`` queries, each slice layer by layer where the hooks apply, else from
-        its rows (NOTE [low-rank queries layer by layer])."""
+    ) -> LowRank:
+        """The preconditioned query gradients as rank-``rank`` factors, slice by slice of
+        ``examples_at_once`` queries (NOTE [low-rank queries layer by layer] in
+        ``influence.low_rank``)."""
         step: int | None = examples_at_once
+        layers: QueryFactors | None = None
         if self._sharded is not None:  # the same slices on every rank, as _query_gradients
             step = self._sharded.smallest(lambda: examples_at_once, "query_data") or None
-        blocks = self._layer_blocks() if self._sharded is None else None
-        pieces: list[list[_Part]] = []
-        for _, batch in self._checked_batches(query_data, "query_data", last=False):
-            B = batch_size(batch)
-            at_once = B if step is None else step
-            for s in range(0, B, at_once):
-                piece = batch if at_once >= B else map_tensors(batch, _rows(s, s + at_once))
-                parts = None
-                if blocks is not None and self._grads.check_hooks(piece):
-                    parts = self._layer_factors(piece, blocks, rank)
-                if parts is None:  # from the slice's rows (sharded ranks, vmap, a failed check)
-                    rows = self._kronecker_precondition(self.gradients(piece))
-                    parts = [_factor(view, rank) for view in self.layout.split_rows(rows)]
-                    del rows
-                pieces.append(parts)
-        return _LowRank.joined(self.layout, pieces, rank)
-
-    def _layer_blocks(self) -> dict[int, _InverseBlock] | None:
-        """Each scored parameter's block of the damped inverse in its eigenbasis (the operator's
-        own blocks: a bias alone or joined to its weight, ``separate_bias``), by layout index;
-        None where a block is not one hooked layer's weight and bias."""
-        if self._inverse is None:  # the rows' inverse: the same refusal of a singular operator
-            self._inverse = whole_kronecker(self.operator).inverse(self.damping)  # type: ignore[attr-defined]
-        index = {name: i for i, name in enumerate(self.layout.names)}
-        shapes = self.layout.shapes
-        out: dict[int, _InverseBlock] = {}
-        for b in self.operator.eigh().blocks:  # type: ignore[attr-defined]
-            if any(name not in index for name in b.names):
-                return None
-            ids = [index[name] for name in b.names]
-            weight: int | None = ids[0]
-            bias: int | None = ids[1] if len(ids) == 2 else None
-            if len(ids) == 1 and len(shapes[ids[0]]) == 1 and not b.transposed:
-                weight, bias = None, ids[0]  # a bias alone
-            if weight is not None and len(shapes[weight]) != 2:
-                return None  # a convolution's weight: no hooked layer
-            # 1 / (D + λ) as the rows' inverse (eigh's D carries the operator's own damping)
-            scale = (b.eigenvalues + self.damping).reciprocal()
-            block = _InverseBlock(
-                weight, bias, b.transposed, b.G_eigenvectors, b.A_eigenvectors, scale
-            )
-            for i in (weight, bias):
-                if i is not None:
-                    out[i] = block
-        return out
-
-    def _layer_factors(
-        self, piece: Batch, blocks: dict[int, _InverseBlock], rank: int
-    ) -> list[_Part] | None:
-        """The slice's preconditioned gradients as factors, each layer's block preconditioned
-        and factored as the backward reaches it (NOTE [low-rank queries layer by layer]); None
-        where the hooked layers do not apply."""
-        dtype = self.layout.dtype
-        found: dict[int, _Part] = {}
-
-        def use(layer: Layer) -> None:
-            grads = {j: g.to(dtype) for j, g in layer.gradients()}
-            for block in {id(blocks[j]): blocks[j] for j in grads}.values():
-                if any(i is not None and i not in grads for i in (block.weight, block.bias)):
-                    raise InternalError("a Kronecker block over one hooked layer's parameters")
-                for j, part in block.factored(grads, dtype, rank):
-                    found[j] = part
-
-        if not self._grads.by_layer(piece, use):
-            return None
-        k = batch_size(piece)
-        return [
-            found[j]
-            if j in found  # a layer the backward did not reach: zero, as its rows
-            else _factor(torch.zeros(k, *shape, dtype=dtype, device=self.layout.device), rank)
-            for j, shape in enumerate(self.layout.shapes)
-        ]
+        else:
+            self._kronecker_inverse()  # the rows' inverse: the same refusal of a singular one
+            layers = QueryFactors(self.operator, self.layout, self.damping, self._grads)
+        batches = (b for _, b in self._batches(query_data, "query_data", last=False))
+        rows = lambda piece: self._kronecker_precondition(self.gradients(piece))  # noqa: E731
+        return QueryFactors.joined(self.layout, batches, step, rank, layers, rows)
 
     def self_influence(
         self, train_data: Iterable[Batch], *, progress: bool | None = None
@@ -716,7 +608,7 @@ class Influence:
             _span(self._sharded, "influence.self_influence"),
             progress_bar(_length(train_data), "self-influence", progress) as bar,
         ):
-            for _, batch in self._checked_batches(train_data, "train_data", last=True):
+            for _, batch in self._batches(train_data, "train_data", last=True):
                 G = self.gradients(batch)
                 out.append(-(self.precondition(G) * G).sum(1))
                 bar.update(1)
@@ -746,7 +638,7 @@ class Influence:
         Q = self._query_gradients(query_data, at_once, last=False)
         out: list[torch.Tensor] = []
         with progress_bar(_length(train_data), "influence token scores", progress) as bar:
-            for i, batch in self._checked_batches(train_data, "train_data", last=True):
+            for i, batch in self._batches(train_data, "train_data", last=True):
                 if not self._grads.linear_checked:
                     self.gradients(batch)  # the first batch's check of the hooked path
                 scores = position_scores(self._grads, batch, Q)
@@ -765,6 +657,70 @@ class Influence:
                 out.append(-scores)
                 bar.update(1)
         return torch.cat(out, dim=1)
+
+
+class _ScoresCheckpoint:
+    """The file ``pairwise_scores`` saves its scores so far to (``checkpoint``; None: no file),
+    refused when written by another call (``config``). ``queries``: the queries' fingerprint,
+    hashed only for a file (it reads every byte of the queries on the host)."""
+
+    def __init__(
+        self, checkpoint: str | os.PathLike[str] | None, queries: Callable[[], str], **config: Any
+    ) -> None:
+        self.path = checkpoint_path(checkpoint)
+        self.config = {**config, "queries": queries() if self.path is not None else None}
+        self.gen = torch.Generator()  # the checkpoint format's; nothing here is random
+
+    def resume(self) -> tuple[int, list[torch.Tensor]]:
+        """The training batches done and their scores (none without a file)."""
+        if self.path is None or not self.path.exists():
+            return 0, []
+        state = load_checkpoint(self.path, "influence.pairwise_scores", self.config, self.gen)
+        return int(state["batches"]), [state["scores"]]
+
+    def save(self, batches: int, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The scores so far as one block, saved."""
+        so_far = torch.cat(blocks, dim=1)
+        state = {"batches": batches, "scores": so_far.clone()}
+        if self.path is not None:
+            save_checkpoint(self.path, "influence.pairwise_scores", self.config, state, self.gen)
+        return so_far
+
+    def done(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """All the scores; the file removed."""
+        scores = torch.cat(blocks, dim=1)
+        if self.path is not None:
+            remove_checkpoint(self.path)
+        return scores
+
+
+class _CheckedBatches:
+    """``(i, batch)`` of a user's data, each checked by the task; on sharded ranks read in step
+    (``last``: the end of the caller's loop is its last agreement)."""
+
+    def __init__(
+        self, model: nn.Module, task: InfluenceTask, sharded: ShardedScoring | None
+    ) -> None:
+        self.model, self.task, self.sharded = model, task, sharded
+
+    def __call__(
+        self, data: Iterable[Batch], what: str, *, last: bool = False
+    ) -> Iterator[tuple[int, Batch]]:
+        def start() -> Iterator[Batch]:
+            _first_batch(data, what)  # an iterable of batches, not one batch; not empty
+            _refuse_training_mode(self.model)
+            return iter(data)
+
+        def check(i: int, batch: Batch) -> None:
+            self.task.check_batch(self.model, batch, f"{what} batch {i}")
+
+        if self.sharded is not None:
+            same = what == "query_data"
+            yield from self.sharded.batches(start, what, check, same=same, last=last)
+            return
+        for i, batch in enumerate(start()):
+            check(i, batch)
+            yield i, batch
 
 
 def _span(sharded: ShardedScoring | None, what: str) -> contextlib.AbstractContextManager[None]:
@@ -789,13 +745,6 @@ def _length(data: Iterable[Batch]) -> int | None:
         return None
 
 
-def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t[start:stop]
-
-    return rows
-
-
 def _fingerprint(Q: torch.Tensor, rows_per_read: int = 4) -> str:
     """A hash of the preconditioned query gradients' bytes (in their own dtype, with it and the
     shape): a checkpoint belongs to one set. Read a few rows at a time (host memory of a few
@@ -812,218 +761,3 @@ def _held(Q: torch.Tensor | None) -> torch.Tensor:
     if Q is None:
         raise InternalError("the queries' rows are held when no factors are")
     return Q
-
-
-# NOTE [low-rank queries layer by layer]: with ``rank=`` each preconditioned query gradient's
-# weight matrices are kept as rank-``r`` factors ``left (m, r) = U·S`` and ``right (q, r) = V``
-# of the weight as stored (HuggingFace's Conv1D ``(in, out)``), biases and other vectors whole
-# (Kronfluence's low-rank queries); a bias joined to its weight in the curvature's block
-# (``separate_bias=False``) is preconditioned with it and kept whole all the same.
-#
-# Queries. On the Kronecker routes the whole rows ``(n_query, n)`` are never formed (at
-# Llama-3.2-1B's shape, 973 M scored parameters, they are 62 GB for 16 float32 queries).
-# ``(C + λI)⁻¹`` is block-diagonal, one block per layer's weight and bias (joined, or the bias
-# alone: the operator's own blocks), so a slice of as many queries as the first training batch
-# goes through one forward and backward whose hooks precondition each layer's per-example block
-# in the damped inverse's eigenbasis (``U_G ((U_Gᵀ X U_A) / (D + λ)) U_Aᵀ``, the rows' inverse)
-# and factor it by SVD as the backward reaches it. Memory: a few copies of the slice's largest
-# layer block (8 × 8192 × 2048, 0.5 GB at that shape) plus the factors (``16·32·Σ(m + q)``
-# floats at rank 32: 1.4 GB). The hooks are checked once, also without rows (each of two
-# examples' hooked gradients against its own gradient, parameter by parameter).
-#
-# Training batches. No per-example gradient is formed either (31 GB of rows for a batch of 8 at
-# that shape): a layer's example gradient is ``Σ_t g_t a_tᵀ`` (inputs ``a_t``, output gradients
-# ``g_t``: NOTE [per-example gradients of linear layers]), so for a Linear's factors
-#
-#     ⟨left·rightᵀ, Σ_t g_t a_tᵀ⟩ = Σ_t Σ_r (left_rᵀ g_t)(right_rᵀ a_t)
-#
-# (a Conv1D's swap roles): two products of the layer's activations with the factors, ``(B·T, m)
-# @ (m, k·r)``, in slices of the queries no larger than the activations, multiplied and summed
-# over positions and ranks; a bias's part is ``Σ_t g_t`` against its whole query rows. The parts
-# are summed in the layout's order, so a resumed run equals an unbroken one bit for bit.
-#
-# Elsewhere the same factors and scores come from rows, the same truncation to rounding: a model
-# whose layers have no hooks (vmap) or whose hooks fail the check, and sharded ranks (whose
-# passes meet in FSDP's collectives: as before there), make each query slice's rows,
-# precondition and factor them, and score each training batch from its rows. The exact routes
-# solve for every query at once (one block solve), and the Kronecker routes with each module's
-# factors on one rank apply their inverse collectively to the same rows on every rank: their
-# queries are whole rows, as before, then factored; their training batches are scored by layer.
-_Part = tuple[str, Any]  # ("dense", (k, size)) or ("factored", (left (k, m, r), right (k, q, r)))
-
-
-def _factor(view: torch.Tensor, rank: int) -> _Part:
-    """A parameter's query rows ``view (k, *shape)`` as kept: a matrix (a tensor of more than
-    two dimensions flattened to ``(shape[0], rest)``) as its top-``rank`` singular triplets
-    ``left = U·S``, ``right = V``; a vector whole."""
-    k, shape = view.shape[0], view.shape[1:]
-    if len(shape) < 2:
-        return ("dense", view.reshape(k, shape.numel()).clone())  # no -1: k may be 0
-    M = view.reshape(k, shape[0], shape[1:].numel())
-    U, S, Vh = torch.linalg.svd(M, full_matrices=False)
-    r = min(rank, S.shape[-1])
-    left = U[..., :r] * S[:, None, :r]  # (k, m, r)
-    right = Vh[:, :r, :].transpose(1, 2)  # (k, q, r)
-    return ("factored", (left.contiguous(), right.contiguous()))
-
-
-@dataclass(eq=False)
-class _InverseBlock:
-    """One block of ``(C + λI)⁻¹`` in its eigenbasis, ``U_G ((U_Gᵀ X U_A) ⊙ scale) U_Aᵀ`` on the
-    block's matrix ``X (m, q)``: a weight's (``transposed``: stored ``(in, out)``, read as its
-    transpose) and a bias as a last column, or a bias alone ``(m, 1)``."""
-
-    weight: int | None  # layout indices
-    bias: int | None
-    transposed: bool
-    U_G: torch.Tensor  # (m, m)
-    U_A: torch.Tensor  # (q, q)
-    scale: torch.Tensor  # (m, q): 1 / (D + λ)
-
-    def factored(
-        self, grads: dict[int, torch.Tensor], dtype: torch.dtype, rank: int
-    ) -> Iterator[tuple[int, _Part]]:
-        """``(layout index, part)`` of the block's preconditioned per-example gradients
-        ``grads`` (by layout index, ``(k, *shape)``), read and written back as the rows' inverse
-        reads them (``kronecker_blocks.gather`` / ``scatter``)."""
-        columns = []
-        if self.weight is not None:
-            w = grads[self.weight]
-            columns.append(w.transpose(1, 2) if self.transposed else w)
-        if self.bias is not None:
-            columns.append(grads[self.bias].unsqueeze(-1))
-        d = columns[0].shape[-1] if self.weight is not None else 0  # the weight's columns
-        X = (columns[0] if len(columns) == 1 else torch.cat(columns, dim=-1)).to(self.U_G.dtype)
-        del columns
-        # U_Gᵀ X U_A and back, each factor on the right of a (k·rows, ·) fold: a factor on the
-        # left of a batch (U_Gᵀ @ X) is broadcast to (k, m, m) first
-        Z = (X.transpose(1, 2) @ self.U_G).transpose(1, 2) @ self.U_A
-        del X
-        Z.mul_(self.scale)
-        Y = ((Z.transpose(1, 2) @ self.U_G.T).transpose(1, 2) @ self.U_A.T).to(dtype)
-        del Z
-        if self.weight is not None:
-            W = Y[..., :d]
-            yield self.weight, _factor(W.transpose(1, 2) if self.transposed else W, rank)
-        if self.bias is not None:
-            yield self.bias, ("dense", Y[..., -1].clone())
-
-
-def _digest(tensors: Iterable[torch.Tensor]) -> str:
-    """A hash of tensors' dtypes, shapes and bytes (read one tensor at a time on the host)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(
-            t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        )
-    return digest.hexdigest()
-
-
-def _factored_dots(
-    g: torch.Tensor, a: torch.Tensor, g_side: torch.Tensor, a_side: torch.Tensor
-) -> torch.Tensor:
-    """``(k, B)``: ``Σ_t Σ_r (g_side[j, :, r]ᵀ g[b, t])(a_side[j, :, r]ᵀ a[b, t])`` for output
-    gradients ``g (B, T, m)``, inputs ``a (B, T, d)`` and factors ``(k, m, r)``, ``(k, d, r)``
-    (NOTE [low-rank queries layer by layer]), in slices of the queries whose products are no
-    larger than the activations."""
-    B, T, m = g.shape
-    d = a.shape[-1]
-    k, _, r = g_side.shape
-    gf, af = g.reshape(B * T, m), a.reshape(B * T, d)
-    step = max(1, max(gf.numel(), af.numel()) // max(1, B * T * r))
-    out = torch.empty(k, B, dtype=g.dtype, device=g.device)
-    for s in range(0, k, step):
-        gs, as_ = g_side[s : s + step], a_side[s : s + step]
-        c = gs.shape[0]
-        pg = gf @ gs.permute(1, 0, 2).reshape(m, c * r)  # (B·T, c·r)
-        pa = af @ as_.permute(1, 0, 2).reshape(d, c * r)
-        out[s : s + c] = pg.mul_(pa).reshape(B, T, c, r).sum((1, 3)).T
-    return out
-
-
-class _LowRank:
-    """Scores against preconditioned query gradients kept as rank-``r`` factors per weight
-    matrix: ``Σ_i s_i u_iᵀ G v_i`` for a training gradient's matrix ``G`` (vectors whole; NOTE
-    [low-rank queries layer by layer])."""
-
-    def __init__(self, layout: ParamLayout, parts: list[_Part]) -> None:
-        self.layout = layout
-        self.parts = parts
-
-    @classmethod
-    def of_rows(cls, Q: torch.Tensor, layout: ParamLayout, rank: int) -> _LowRank:
-        """From the whole preconditioned rows ``Q (k, n)``."""
-        return cls(layout, [_factor(view, rank) for view in layout.split_rows(Q)])
-
-    @classmethod
-    def joined(cls, layout: ParamLayout, pieces: list[list[_Part]], rank: int) -> _LowRank:
-        """From the parts of consecutive slices of the queries, joined along the queries."""
-        if not pieces:  # no query: empty factors of the right shapes
-            return cls.of_rows(layout.empty(0), layout, rank)
-        if len(pieces) == 1:
-            return cls(layout, pieces[0])
-        parts: list[_Part] = []
-        for held in zip(*pieces, strict=True):
-            kind = held[0][0]
-            if kind == "dense":
-                parts.append((kind, torch.cat([h for _, h in held])))
-            else:
-                left = torch.cat([h[0] for _, h in held])
-                parts.append((kind, (left, torch.cat([h[1] for _, h in held]))))
-        return cls(layout, parts)
-
-    @property
-    def n_query(self) -> int:
-        kind, held = self.parts[0]
-        return int((held if kind == "dense" else held[0]).shape[0])
-
-    def fingerprint(self) -> str:
-        """A hash of the factors: a checkpoint belongs to one set of queries."""
-        return _digest(
-            t for kind, held in self.parts for t in ((held,) if kind == "dense" else held)
-        )
-
-    def scores(self, grads: PerExampleGradients, batch: Batch) -> torch.Tensor:
-        """``(k, B)`` scores of a training batch, layer by layer as the backward reaches each
-        layer where the hooks apply (no per-example gradient formed), else from its rows; the
-        parameters' parts summed in the layout's order."""
-        found: dict[int, torch.Tensor] = {}
-        if not grads.by_layer(batch, lambda layer: self._layer_dots(layer, found)):
-            return self(grads(batch).to(self.layout.dtype))
-        out = torch.zeros(
-            self.n_query, batch_size(batch), dtype=self.layout.dtype, device=self.layout.device
-        )
-        for j in sorted(found):
-            out += found[j]
-        return out
-
-    def _layer_dots(self, layer: Layer, found: dict[int, torch.Tensor]) -> None:
-        dtype = self.layout.dtype
-        if layer.weight is not None:
-            kind, held = self.parts[layer.weight]
-            if kind != "factored":
-                raise InternalError("a hooked layer's weight is a matrix, kept factored")
-            left, right = held  # the weight as stored: Conv1D's (in, out), Linear's (out, in)
-            g_side, a_side = (right, left) if layer.conv1d else (left, right)
-            found[layer.weight] = _factored_dots(
-                layer.g.to(dtype), layer.a.to(dtype), g_side, a_side
-            )
-        if layer.bias is not None:
-            _, dense = self.parts[layer.bias]
-            found[layer.bias] = dense @ layer.g.sum(1).to(dtype).T
-
-    def __call__(self, G: torch.Tensor) -> torch.Tensor:
-        B = G.shape[0]
-        total: torch.Tensor | None = None
-        for (kind, held), view in zip(self.parts, self.layout.split_rows(G), strict=True):
-            if kind == "dense":
-                term = held @ view.reshape(B, held.shape[1]).T
-            else:
-                left, right = held
-                M = view.reshape(B, left.shape[1], right.shape[1])
-                term = torch.einsum("jmr,bmq,jqr->jb", left, M, right)
-            total = term if total is None else total + term
-        if total is None:
-            raise InternalError("total is not None")
-        return total

@@ -100,7 +100,7 @@ from hessian_eigenthings.operators.kronecker import (
     KroneckerEigenBlock,
     KroneckerOperator,
 )
-from hessian_eigenthings.operators.kronecker_blocks import Eigen, Slot, factor_slot
+from hessian_eigenthings.operators.kronecker_blocks import Eigen, factor_slot
 from hessian_eigenthings.operators.kronecker_eigen import (
     NOT_FINITE_FIX,
     not_finite_message,
@@ -471,23 +471,11 @@ class EKFACOperator(_KFACFactors):
             self.ranks.module_blocks = None
             self._place_factors()
 
-    #: set by :meth:`release_factors`
-    _factors_released = False
-
     @property
     def factors(self) -> tuple[KroneckerBlock, ...]:
         """KFAC's blocks ``G ⊗ A`` (whose eigenbases EKFAC keeps)."""
         self._refuse_by_module("factors", "op.owned_factors gives this rank's modules' blocks")
         return self._public_factors(self._factor_slots())
-
-    def _factor_slots(self) -> list[Slot]:
-        if self._factors_released:
-            raise ValueError(
-                f"{type(self).__name__}: KFAC's factors were released by release_factors() (the "
-                "operator keeps only its eigenbases and corrected eigenvalues); eigh() gives "
-                "those, or build the operator again to read the factors"
-            )
-        return self._kfac_blocks
 
     def release_factors(self) -> None:
         """Free KFAC's ``G`` and ``A``: after construction the operator uses only their
@@ -496,7 +484,11 @@ class EKFACOperator(_KFACFactors):
         after it. Saves ``Σ m² + q²`` numbers (1.3 GB for GPT-2's 48 block layers in float32).
         :func:`hessian_eigenthings.influence.fit` calls it (NOTE [EK-FAC keeps its
         eigenbases only] there). Idempotent."""
-        self._factors_released = True
+        self._factors_released = (
+            "KFAC's factors were released by release_factors() (the operator keeps only its "
+            "eigenbases and corrected eigenvalues); eigh() gives those, or build the operator "
+            "again to read the factors"
+        )
         self._kfac_blocks = self._factor_blocks = []
 
     def _compute_scalings(self, bases: list[Eigen]) -> list[torch.Tensor]:

@@ -219,8 +219,12 @@ class KroneckerOperator(CurvatureOperator):
     #: the blocks holding the factors where they are not the operator's own blocks (EKFAC:
     #: KFAC's, whose eigenbases it keeps)
     _factor_blocks: list[Slot] | None = None
+    #: why the factors are gone, where a subclass freed them (EKFAC's ``release_factors``)
+    _factors_released: str | None = None
 
     def _factor_slots(self) -> list[Slot]:
+        if self._factors_released is not None:
+            raise ValueError(f"{type(self).__name__}: {self._factors_released}")
         return self._blocks if self._factor_blocks is None else self._factor_blocks
 
     def _by_module(self) -> ModuleBlocks | None:
