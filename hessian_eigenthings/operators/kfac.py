@@ -509,8 +509,9 @@ class EKFACOperator(_KFACFactors):
                     value = self._rotated_moment(g_rot, a_rot)
                 sums[i].add(value, size)
 
-        # per-sample moments: the columns row by row (NOTE [columns row by row])
-        total = self._pass.run(visit, None, per_row=True)
+        # per-sample moments: the columns row by row (NOTE [columns row by row]); labels drawn
+        # again (NOTE [fresh draws] in factor_pass)
+        total = self._pass.run(visit, None, per_row=True, fresh_draws=True)
         # a block whose module never ran is zero (its KFAC block is)
         return self._means(
             [
