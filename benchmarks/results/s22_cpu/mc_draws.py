@@ -36,7 +36,7 @@ a = argparse.Namespace(batch=8, damping=1e-3, fisher="mc", device="cpu", queries
 res = {}
 chosen = set(tracked)
 tb = [{"input_ids": train[i : i + 8]} for i in range(0, N, 8)]
-for ft, k in (("empirical", 1),):
+for ft, k in (("mc", 1), ("mc", 8), ("empirical", 1)):
     f = influence.fit(
         copy.deepcopy(model),
         tb,
