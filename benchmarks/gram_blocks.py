@@ -1,5 +1,5 @@
 """``XᵀX`` of a factor pass's activations: the full product against the upper block triangle only
-(``factor_pass.gram_add_``), by block size, on the shapes of GPT-2 and Llama factor modules
+(``factor_sums.gram_add_``), by block size, on the shapes of GPT-2 and Llama factor modules
 (a microbenchmark, not a test). Medians of CUDA-event timings, TF32 off.
 
     python benchmarks/gram_blocks.py --out gram.json
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hessian_eigenthings.operators import factor_pass
+from hessian_eigenthings.operators import factor_sums
 
 
 def timed(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -50,7 +50,7 @@ def main() -> None:
             if block == 0:
                 continue
             ms = timed(
-                lambda X=X, out=out, block=block: factor_pass.gram_add_(out, X, 1.0, block), a.reps
+                lambda X=X, out=out, block=block: factor_sums.gram_add_(out, X, 1.0, block), a.reps
             )
             row[f"block{block}_ms"] = round(ms, 4)
             row[f"block{block}_ratio"] = round(ms / full, 3)

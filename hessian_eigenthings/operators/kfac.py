@@ -90,10 +90,10 @@ from hessian_eigenthings.operators.factor_pass import (
     FactorModule,
     FactorPass,
     Retry,
-    WeightedSum,
     input_moment,
     input_rows,
 )
+from hessian_eigenthings.operators.factor_sums import WeightedSum
 from hessian_eigenthings.operators.kronecker import (
     KroneckerBlock,
     KroneckerEigen,

@@ -1,5 +1,5 @@
 """Moments ``XᵀX`` of the factor pass on their upper block triangle (NOTE [upper block triangle
-of a moment] in ``operators.factor_pass``): equal to the full product, against float64."""
+of a moment] in ``operators.factor_sums``): equal to the full product, against float64."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from hessian_eigenthings.loss_fns import supervised_loss_of_output
-from hessian_eigenthings.operators import EKFACOperator, KFACOperator, factor_pass
-from hessian_eigenthings.operators.factor_pass import WeightedSum, gram_add_, mirror_upper_
+from hessian_eigenthings.operators import EKFACOperator, KFACOperator, factor_sums
+from hessian_eigenthings.operators.factor_sums import WeightedSum, gram_add_, mirror_upper_
 
 
 @pytest.mark.parametrize(("d", "block"), [(7, 3), (9, 3), (10, 4), (5, 3), (5, 8), (12, 12)])
@@ -31,7 +31,7 @@ def test_gram_add_writes_the_upper_blocks_of_the_full_product(d: int, block: int
 
 
 def test_weighted_sum_of_moments_is_the_weighted_mean(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(factor_pass, "GRAM_BLOCK", 2)
+    monkeypatch.setattr(factor_sums, "GRAM_BLOCK", 2)
     g = torch.Generator().manual_seed(0)
     Xs = [torch.randn(n, 6, generator=g, dtype=torch.float64) for n in (3, 5, 4)]
     weights = [2.0, 0.5, 3.0]
@@ -86,9 +86,9 @@ def test_kronecker_factors_do_not_depend_on_the_blocks(
             separate_bias=separate_bias,
         )
 
-    monkeypatch.setattr(factor_pass, "GRAM_BLOCK", 10**6)
+    monkeypatch.setattr(factor_sums, "GRAM_BLOCK", 10**6)
     whole = build()
-    monkeypatch.setattr(factor_pass, "GRAM_BLOCK", 2)
+    monkeypatch.setattr(factor_sums, "GRAM_BLOCK", 2)
     split = build()
     for a, b in zip(whole.factors, split.factors, strict=True):
         torch.testing.assert_close(a.G, b.G, rtol=1e-13, atol=1e-15)
