@@ -76,7 +76,8 @@ def _check_figures(report: dict[str, Any], world: int, model: nn.Module) -> None
     assert per["scores"] == pytest.approx(scores / N_TRAIN * 1000, rel=1e-12)
     for row in (report["fit"], report["scores_phase"]):
         assert len(row["busy_seconds"]) == world
-        assert all(0 < b <= row["seconds"] for b in row["busy_seconds"])  # inside the barriers
+        # each rank's own clock: positive (not compared with rank 0's phase, another clock)
+        assert all(b > 0 for b in row["busy_seconds"])
         assert row["peak_bytes"] == [None] * world  # no CUDA allocator on the CPU
     assert len(report["host_peak_gib_ranks"]) == world
 

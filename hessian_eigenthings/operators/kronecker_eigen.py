@@ -44,6 +44,39 @@ def at_rounding_level_zeroed(lam: torch.Tensor, n: int, *, squares: bool = False
     return torch.where(noise, torch.zeros_like(lam), lam)
 
 
+def canonical_null_basis(lam: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """``U`` with the columns of its zero eigenvalues ``lam == 0`` (at the rounding level:
+    :func:`at_rounding_level_zeroed`) replaced by a basis of their span that depends on the span
+    alone (NOTE [a canonical basis of the null space]); ``U`` itself when fewer than two."""
+    zero = lam == 0
+    z = int(zero.sum())  # one synchronization per decomposition (cached)
+    if z < 2:
+        return U
+    idx = zero.nonzero().flatten()
+    U0 = U[:, idx].to(torch.float64)
+    weights = torch.arange(1, U.shape[0] + 1, dtype=torch.float64, device=U.device)
+    _, R = torch.linalg.eigh(U0.T @ (weights.unsqueeze(1) * U0))
+    V = U0 @ R
+    top = V.abs().argmax(0)
+    signs = V[top, torch.arange(z, device=U.device)].sign()
+    V = V * torch.where(signs == 0, torch.ones_like(signs), signs)
+    out = U.clone()
+    out[:, idx] = V.to(U.dtype)
+    return out
+
+
+# NOTE [a canonical basis of the null space]: a factor made of fewer rows than its size (few
+# samples, or a layer's inputs confined to a subspace) has a block of zero eigenvalues, whose
+# eigenvectors ``eigh`` returns in an arbitrary basis of their span: another rounding of the
+# same factor (summed in another order, on several ranks) gives another one. KFAC's products do
+# not see it (the block acts as zero there), but EK-FAC's corrected eigenvalues are moments along
+# each eigenvector, so there the operator would depend on that arbitrary choice (seen: scores
+# 1.5-4% apart between one process and one replicated rank with fresh Monte-Carlo draws, NOTE
+# [fresh draws]). The span is what rounding keeps (the gap to the smallest kept eigenvalue is
+# far above it), so the basis is rebuilt from the span alone: the eigenvectors of ``diag(1, 2,
+# ..., m)`` compressed onto it, each with its largest entry positive.
+
+
 #: the fix that :func:`not_finite_message` ends with (a factor pass may name the culprit instead)
 NOT_FINITE_FIX = "check the data and the parameters for NaN/inf"
 
@@ -149,7 +182,8 @@ class FactorDecompositions:
                 else:
                     lam, U = self._decompose(M, which, block)
                     made.append((which, block, lam))
-                    fresh[key] = (M, version, (at_rounding_level_zeroed(lam, M.shape[0]), U))
+                    zeroed = at_rounding_level_zeroed(lam, M.shape[0])
+                    fresh[key] = (M, version, (zeroed, canonical_null_basis(zeroed, U)))
             return fresh[key][2]
 
         result = []

@@ -61,3 +61,23 @@ def test_fresh_draws_are_a_function_of_the_seed() -> None:
     for a, b in zip(*same, strict=True):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, c) for a, c in zip(same[0], other, strict=True))
+
+
+def test_the_null_space_basis_depends_on_the_span_alone() -> None:
+    """NOTE [a canonical basis of the null space]: any basis of a factor's zero eigenspace, as
+    another rounding's eigh may return, becomes the same one."""
+    from hessian_eigenthings.operators.kronecker_eigen import canonical_null_basis
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(3, 8, dtype=F64, generator=g)
+    lam, U = torch.linalg.eigh(X.T @ X)  # rank 3: five zero eigenvalues
+    lam = torch.where(lam.abs() <= 1e-10 * float(lam.max()), torch.zeros_like(lam), lam)
+    assert int((lam == 0).sum()) == 5
+    R, _ = torch.linalg.qr(torch.randn(5, 5, dtype=F64, generator=g))
+    other = U.clone()
+    other[:, :5] = U[:, :5] @ R  # the same span, another basis
+    a, b = canonical_null_basis(lam, U), canonical_null_basis(lam, other)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a[:, 5:], U[:, 5:], rtol=0, atol=0)  # the kept ones untouched
+    torch.testing.assert_close(a.T @ a, torch.eye(8, dtype=F64), rtol=0, atol=1e-12)
+    assert not torch.allclose(U[:, :5], other[:, :5])
