@@ -227,9 +227,8 @@ class PerExampleGradients:
                 scale = scale + ref.square().sum()
                 if j not in reached:  # its hooked gradient is zero
                     error = error + ref.square().sum()
-        eps = torch.finfo(dtype).eps
         relative = error.sqrt() / scale.sqrt().clamp_min(torch.finfo(dtype).tiny)
-        if float(relative) > max(1e-3, 64 * eps):
+        if not _hooks_agree(float(relative), dtype):
             self.linear = None  # the examples meet in the forward: vmap for good
             return False
         self.linear_checked = True
@@ -249,9 +248,8 @@ class PerExampleGradients:
         if not self.linear_checked:
             n = min(B, 2)
             reference = self._looped(map_tensors(batch, lambda t: t[:n]), n)
-            eps = torch.finfo(rows.dtype).eps
             scale = reference.norm().clamp_min(torch.finfo(rows.dtype).tiny)
-            if float((rows[:n] - reference).norm() / scale) > max(1e-3, 64 * eps):
+            if not _hooks_agree(float((rows[:n] - reference).norm() / scale), rows.dtype):
                 self.linear = None  # the examples meet in the forward: vmap for good
                 return None
             self.linear_checked = True
@@ -273,11 +271,10 @@ class PerExampleGradients:
                 reference = torch.stack(
                     [self._gathered_gradient(sharded, map_tensors(batch, _row(i))) for i in picks]
                 )
-                eps = torch.finfo(rows.dtype).eps
                 scale = reference.norm().clamp_min(torch.finfo(rows.dtype).tiny)
                 error = float((rows[picks] - reference).norm() / scale)
                 failure = None
-                if error > max(1e-3, 64 * eps):
+                if not _hooks_agree(error, rows.dtype):
                     failure = ValueError(
                         "per-example gradients from the layers' hooks differ from gradients of "
                         f"examples taken alone (relative {error:.2g}): the examples of a batch "
@@ -378,6 +375,13 @@ class PerExampleGradients:
             (torch.zeros_like(p) if g is None else g).to(self.layout.dtype)
             for g, p in zip(grads, leaves.values(), strict=True)
         ]
+
+
+def _hooks_agree(relative: float, dtype: torch.dtype) -> bool:
+    """Whether hooked per-example gradients ``relative`` from those of examples taken alone are
+    the same gradients (rounding of a few products): the one tolerance of the three checks of
+    the hooks (NOTE [per-example gradients of linear layers])."""
+    return relative <= max(1e-3, 64 * torch.finfo(dtype).eps)
 
 
 def _row(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
