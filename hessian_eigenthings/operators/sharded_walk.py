@@ -352,12 +352,7 @@ class ShardGather:
         blocks beside float32 directions) travel as bytes, each in its own dtype, and a half
         block is cast to ``dtype`` once gathered: exact, with the bytes of its own dtype
         (NOTE [half models] in ``precision``)."""
-        if not items:
-            return []
-        packed = self._pack(items)
-        parts = packed.flat.new_empty(self.world * packed.flat.numel())
-        _torch_compat.all_gather_single(parts, packed.flat, group=self.group)
-        return self._unpack(packed, parts)
+        return self.gather_async(items).wait()
 
     def gather_async(self, items: list[tuple[str, torch.Tensor | None]]) -> Pending:
         """:meth:`gather` issued without waiting (NOTE [prefetched gathers]): the same all-gather
@@ -414,11 +409,7 @@ class ShardGather:
         """This rank's rows of ``Σ_r scale_r · block_r`` for each ``(name, block)``, in one
         reduce-scatter: each block padded to ``W`` chunks of ``c`` rows, the ranks' chunks of all
         blocks packed rank by rank, so that rank r receives its rows of every block."""
-        if not items:
-            return []
-        packed, mine, out = self._pack_blocks(items)
-        _torch_compat.reduce_scatter_single(mine, packed.view(-1), group=self.group)
-        return out
+        return self.finish_async(items)[1].wait()
 
     def finish_async(
         self, items: list[tuple[str, torch.Tensor]]
