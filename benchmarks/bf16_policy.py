@@ -107,7 +107,15 @@ def one_run(
     op = make_operator(args, model, batch, precision)
     sync(device)
     t0 = time.perf_counter()
-    res = lanczos(op, k=args.k, tol=args.tol, seed=0, max_iter=args.max_iter)
+    res = lanczos(
+        op,
+        k=args.k,
+        tol=args.tol,
+        seed=0,
+        max_iter=args.max_iter,
+        ncv=args.ncv,
+        basis_device=args.basis_device,
+    )
     sync(device)
     lanczos_s = time.perf_counter() - t0
     products = op.num_matvecs
@@ -164,6 +172,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument(
         "--max-iter", type=int, default=60, help="cap on Lanczos products (keeps the 1B run short)"
+    )
+    ap.add_argument("--ncv", type=int, default=None, help="Lanczos basis size (None: its default)")
+    ap.add_argument(
+        "--basis-device",
+        default=None,
+        help="where the Krylov basis lives (cpu: host memory; None: the operator's device)",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,10 @@
 """Where hessian_eigenthings.influence spends its time and memory at LM scale (a profile, not a test).
 
 Runs ``benchmarks/influence_gpu.py``'s setting for our tool only and reports, per phase, the
-wall seconds (synchronized) and the CUDA allocator's peak: the factor pass, the eigenbases, the
-EK-FAC correction pass, the per-example gradients (queries and training), the preconditioning.
+wall seconds (synchronized) and the CUDA allocator's peak: the factor passes (KFAC's and the
+EK-FAC correction's), the eigenbases and float64 ``eigh`` alone, the query rows (their
+per-example gradients and preconditioning), the training batches scored layer by layer. A
+nested phase counts inside its outer one too; peaks are kept for the outermost phases.
 
     python benchmarks/influence_phases.py --n-train 200
 """
@@ -79,8 +81,15 @@ def main() -> None:
     grads_module.PerExampleGradients.__call__ = phase(  # type: ignore[method-assign]
         "per-example gradients", grads_module.PerExampleGradients.__call__
     )
-    scores_module.Influence.precondition = phase(  # type: ignore[method-assign]
-        "precondition", scores_module.Influence.precondition
+    decompositions._decompose = phase("eigh", decompositions._decompose)  # type: ignore[method-assign]
+    grads_module.PerExampleGradients.dots = phase(  # type: ignore[method-assign]
+        "scores by layer", grads_module.PerExampleGradients.dots
+    )
+    scores_module.Influence._query_gradients = phase(  # type: ignore[method-assign]
+        "query rows", scores_module.Influence._query_gradients
+    )
+    scores_module.Influence._kronecker_precondition = phase(  # type: ignore[method-assign]
+        "precondition", scores_module.Influence._kronecker_precondition
     )
     dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -441,8 +441,8 @@ class Influence:
         if at_once is None or at_once >= B:
             return self.gradients(batch)
         out = torch.empty(B, self.layout.size, dtype=self.layout.dtype, device=self.layout.device)
-        for s in range(0, B, at_once):
-            out[s : s + at_once] = self.gradients(map_tensors(batch, example_slice(s, s + at_once)))
+        for s in range(0, B, at_once):  # NOTE [rows written in place]
+            self._grads(map_tensors(batch, example_slice(s, s + at_once)), out[s : s + at_once])
         return out
 
     def _kronecker_precondition(self, G: torch.Tensor, rows: int = 4) -> torch.Tensor:

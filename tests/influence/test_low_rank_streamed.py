@@ -161,8 +161,10 @@ def _no_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     made: list[int] = []
     call = PerExampleGradients.__call__
 
-    def counted(self: PerExampleGradients, batch: Any) -> torch.Tensor:
-        rows = call(self, batch)
+    def counted(
+        self: PerExampleGradients, batch: Any, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = call(self, batch, out)
         made.append(rows.shape[0])
         return rows
 

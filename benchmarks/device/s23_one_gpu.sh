@@ -1,0 +1,23 @@
+#!/bin/bash
+# Session 23's one-GPU call (about 8 minutes on an H100):
+#   1. where our influence run goes, phase by phase (float32), ~1.2 min;
+#   2. influence beside Kronfluence 1.0.1, float32 then bfloat16 (issue 40's targets: float32
+#      wall <= 0.70x, peak <= Kronfluence's), ~2.5 + 1.8 min;
+#   3. the bf16 policy on the Llama-3.2-1B shape (issue 39 goal 2), 2 x 1024 tokens, the basis
+#      of 10 vectors on the GPU (5 GB each; ncv 20 would be 99 GB), ~2 min.
+# Carry bench_out (bench_out/whl: deprecation, kronfluence 1.0.1 and einconv wheels).
+# Each part writes its JSON as it ends, so a cut call keeps the rest.
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site bench_out/whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+O=${OUT:-/tmp/out}; mkdir -p $O
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
+python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
+cat $O/gpus.txt
+timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
+for d in fp32 bf16; do
+  timeout $([ $d = fp32 ] && echo 170 || echo 130) python3 benchmarks/influence_gpu.py --dtype $d \
+    --out $O/influence_$d.json 2>&1 | grep -v -i "warn\|GradScaler" | tail -8
+done
+timeout 170 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter 60 --repeats 3 \
+  --out $O/bf16_policy.json 2>&1 | grep -v -i warn | cut -c1-600 | tail -6
