@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 23's one-GPU call (about 8 minutes on an H100):
+# Session 23's one-GPU call (about 9 minutes on an H100):
+#   0. float64 eigh of GPT-2's factors one by one and on 2-8 streams, ~0.5 min;
 #   1. where our influence run goes, phase by phase (float32), ~1.2 min;
 #   2. influence beside Kronfluence 1.0.1, float32 then bfloat16 (issue 40's targets: float32
 #      wall <= 0.70x, peak <= Kronfluence's), ~2.5 + 1.8 min;
@@ -14,10 +15,11 @@ O=${OUT:-/tmp/out}; mkdir -p $O
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
 python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
 cat $O/gpus.txt
+timeout 40 python3 benchmarks/eigh_streams.py --out $O/eigh_streams.json 2>&1 | tail -12
 timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
 for d in fp32 bf16; do
-  timeout $([ $d = fp32 ] && echo 170 || echo 130) python3 benchmarks/influence_gpu.py --dtype $d \
+  timeout $([ $d = fp32 ] && echo 170 || echo 120) python3 benchmarks/influence_gpu.py --dtype $d \
     --out $O/influence_$d.json 2>&1 | grep -v -i "warn\|GradScaler" | tail -8
 done
-timeout 170 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter 60 --repeats 3 \
+timeout 160 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter 60 --repeats 3 \
   --out $O/bf16_policy.json 2>&1 | grep -v -i warn | cut -c1-600 | tail -6
