@@ -19,12 +19,12 @@ import torch
 
 
 def factors(layers: int, device: str) -> list[torch.Tensor]:
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     sizes = [769, 769, 769, 3073, 2304, 768, 3072, 768] * layers
     out = []
     for n in sizes:
-        X = torch.randn(n + 64, n, generator=g, dtype=torch.float64)
-        out.append((X.T @ X / n).to(device=device, dtype=torch.float32))
+        X = torch.randn(n + 64, n, generator=g, dtype=torch.float64, device=device)
+        out.append((X.T @ X / n).to(torch.float32))
     return out
 
 
