@@ -329,3 +329,41 @@ def test_ekfac_block_of_a_layer_outside_the_forward_is_zero() -> None:
     assert torch.all(K[15:] == 0) and torch.all(K[:, 15:] == 0)
     used = EKFACOperator(model, data, supervised_forward, loss, param_filter="used.*")
     torch.testing.assert_close(K[:15, :15], used.to_dense())
+
+
+def test_decompositions_side_by_side_are_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [decompositions side by side]: factors decomposed by several threads (on CUDA each on
+    its own stream; here the CPU's threads) give the same bits as one after another, and a
+    factor holding NaN is refused naming the same block as one after another."""
+    from hessian_eigenthings.operators import kronecker_eigen as ke
+
+    blocks = _factor_blocks(torch.float32)
+    one_by_one = KroneckerOperator(_layout(), blocks).eigh()
+    threads: list[int] = []
+    real = ke.FactorDecompositions.decomposed_in_threads
+
+    def on_cpu(self: ke.FactorDecompositions, wanted: list, at_once: int | None = None) -> dict:  # type: ignore[type-arg]
+        threads.append(len(wanted))
+        return real(self, wanted, 3, streams=False)
+
+    monkeypatch.setattr(ke.FactorDecompositions, "_side_by_side", on_cpu)
+    side_by_side = KroneckerOperator(_layout(), blocks).eigh()
+    # every distinct factor once (the conv's G shared by weight and bias): 2 per block, less 1
+    assert threads == [2 * len(BLOCKS) - 1]
+    for a, b in zip(one_by_one.blocks, side_by_side.blocks, strict=True):
+        assert torch.equal(a.G_eigenvectors, b.G_eigenvectors)
+        assert torch.equal(a.A_eigenvectors, b.A_eigenvectors)
+    assert torch.equal(one_by_one.eigenvalues, side_by_side.eigenvalues)
+
+    bad = _factor_blocks(torch.float32)
+    bad[2].A[0, 0] = float("nan")
+    messages = []
+    for patched in (False, True):
+        if not patched:
+            monkeypatch.undo()
+        else:
+            monkeypatch.setattr(ke.FactorDecompositions, "_side_by_side", on_cpu)
+        with pytest.raises(ValueError, match="NaN") as err:
+            KroneckerOperator(_layout(), bad).eigh()
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
