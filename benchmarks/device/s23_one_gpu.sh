@@ -16,6 +16,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.t
 python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
 cat $O/gpus.txt
 timeout 40 python3 benchmarks/eigh_streams.py --out $O/eigh_streams.json 2>&1 | tail -12
+# the side-by-side decompositions stay on (the default, 4) only where they were faster and equal
+python3 -c "import json,sys; j=json.load(open('$O/eigh_streams.json')); \
+sys.exit(0 if j['float64_streams_4_bitwise_equal'] and j['float64_streams_4_s'] < j['float64_one_by_one_s'] else 1)" \
+  || { echo "DECOMPOSE_AT_ONCE set to 1 for this call"; \
+       sed -i 's/^DECOMPOSE_AT_ONCE = 4/DECOMPOSE_AT_ONCE = 1/' hessian_eigenthings/operators/kronecker_eigen.py; }
 timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
 for d in fp32 bf16; do
   timeout $([ $d = fp32 ] && echo 170 || echo 120) python3 benchmarks/influence_gpu.py --dtype $d \
