@@ -21,7 +21,7 @@ python3 -c "import json,sys; j=json.load(open('$O/eigh_streams.json')); \
 sys.exit(0 if j['float64_streams_4_bitwise_equal'] and j['float64_streams_4_s'] < j['float64_one_by_one_s'] else 1)" \
   || { echo "DECOMPOSE_AT_ONCE set to 1 for this call"; \
        sed -i 's/^DECOMPOSE_AT_ONCE = 4/DECOMPOSE_AT_ONCE = 1/' hessian_eigenthings/operators/kronecker_eigen.py; }
-timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
+[ -n "${SKIP_PHASES:-}" ] || timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
 for d in fp32 bf16; do
   timeout $([ $d = fp32 ] && echo 170 || echo 120) python3 benchmarks/influence_gpu.py --dtype $d \
     --out $O/influence_$d.json 2>&1 | grep -v -i "warn\|GradScaler" | tail -8
