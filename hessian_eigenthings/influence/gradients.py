@@ -108,19 +108,10 @@ class PerExampleGradients:
             refuse_unhooked(model, layout.names)
 
     def __call__(self, batch: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows ``(B, n)``; written into ``out`` (``(B, n)``, the layout's dtype and device)
-        when given, which the hooked layers fill in place (NOTE [rows written in place])."""
+        """The rows ``(B, n)``, into ``out`` when given (NOTE [rows written in place])."""
         batch = _as_plain(batch)
         B = batch_size(batch)
-        if out is not None and (
-            tuple(out.shape) != (B, self.layout.size)
-            or out.dtype != self.layout.dtype
-            or out.device != self.layout.device
-        ):
-            raise InternalError(
-                f"out must be ({B}, {self.layout.size}) {self.layout.dtype} on "
-                f"{self.layout.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
-            )
+        _check_out(out, B, self.layout)
         if B == 0:
             empty = torch.zeros(0, self.layout.size, dtype=self.layout.dtype)
             return _into(out, empty.to(self.layout.device))
@@ -249,8 +240,7 @@ class PerExampleGradients:
         return True
 
     def _hooked(self, batch: Batch, B: int, out: torch.Tensor | None) -> torch.Tensor | None:
-        """NOTE [per-example gradients of linear layers]; None when this model cannot (then
-        never again)."""
+        """NOTE [per-example gradients of linear layers]; None when this model cannot (for good)."""
         slots = self.linear
         if slots is None:
             raise RuntimeError("unreachable: _hooked without linear layers")
@@ -549,6 +539,16 @@ def _linear_gradients(
 # activations (2.7 GB for a slice of 8): the query phase's peak. The hooked layers write each
 # slice's per-example gradients into its rows of the whole buffer instead; the other routes
 # (vmap, one example at a time, sharded ranks) make their rows and copy them in.
+def _check_out(out: torch.Tensor | None, B: int, layout: ParamLayout) -> None:
+    if out is None:
+        return
+    if (tuple(out.shape), out.dtype, out.device) != ((B, layout.size), layout.dtype, layout.device):
+        raise InternalError(
+            f"out must be ({B}, {layout.size}) {layout.dtype} on {layout.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+
+
 def _into(out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
     if out is None:
         return rows
