@@ -15,7 +15,7 @@ O=${OUT:-/tmp/out}; mkdir -p $O
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
 python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
 cat $O/gpus.txt
-timeout 45 python3 benchmarks/eigh_streams.py --layers 6 --repeats 1 --out $O/eigh_streams.json 2>&1 | tail -12
+timeout 30 python3 benchmarks/eigh_streams.py --layers 3 --repeats 1 --out $O/eigh_streams.json 2>&1 | tail -12
 # the side-by-side decompositions stay on (the default, 4) only where they were faster and equal
 python3 -c "import json,sys; j=json.load(open('$O/eigh_streams.json')); \
 sys.exit(0 if j['float64_streams_4_bitwise_equal'] and j['float64_streams_4_s'] < j['float64_one_by_one_s'] else 1)" \
@@ -27,6 +27,6 @@ influence() {
     | grep -v -i "warn\|GradScaler" | tail -8
 }
 influence fp32 170
-timeout 160 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter 60 --repeats 3 \
+timeout 125 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter ${POLICY_ITER:-60} --repeats 3 \
   --out $O/bf16_policy.json 2>&1 | grep -v -i warn | cut -c1-600 | tail -6
 influence bf16 120
