@@ -27,6 +27,6 @@ influence() {
     | grep -v -i "warn\|GradScaler" | tail -8
 }
 influence fp32 170
-timeout 125 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter ${POLICY_ITER:-60} --repeats 3 \
+[ -n "${SKIP_POLICY:-}" ] || timeout 125 python3 benchmarks/bf16_policy.py --batch 2 --ncv 10 --max-iter ${POLICY_ITER:-60} --repeats 3 \
   --out $O/bf16_policy.json 2>&1 | grep -v -i warn | cut -c1-600 | tail -6
-influence bf16 120
+[ -n "${SKIP_BF16:-}" ] || influence bf16 120
