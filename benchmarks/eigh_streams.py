@@ -1,6 +1,7 @@
 """float64 ``eigh`` of GPT-2 124M's KFAC factors, one after another against a few at a time on
 their own CUDA streams (threads), and float32 ``eigh`` for scale (issue 40: the eigenbases
-phase). Random symmetric positive definite matrices of the factors' sizes (12 layers: A 769,
+phase; whether decomposing the factors side by side, as the reverted fb23245 did, is worth it).
+Random symmetric positive definite matrices of the factors' sizes (12 layers: A 769,
 769, 769, 3073; G 2304, 768, 3072, 768), medians of ``--repeats`` rounds, results checked equal.
 
     python benchmarks/eigh_streams.py --out eigh.json

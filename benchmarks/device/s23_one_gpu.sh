@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 23's one-GPU call (about 9 minutes on an H100):
-#   0. float64 eigh of GPT-2's factors one by one and on 2-8 streams, ~0.5 min;
+#   0. float64 eigh of GPT-2's factors one by one and on 2-8 streams (the candidate of fb23245,
+#      reverted until measured), ~0.3 min;
 #   1. where our influence run goes, phase by phase (float32), ~1.2 min;
 #   2. influence beside Kronfluence 1.0.1, float32 (bfloat16 last) (issue 40's targets: float32
 #      wall <= 0.70x, peak <= Kronfluence's), ~2.5 + 1.8 min;
@@ -16,11 +17,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.t
 python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
 cat $O/gpus.txt
 timeout 30 python3 benchmarks/eigh_streams.py --layers 3 --repeats 1 --out $O/eigh_streams.json 2>&1 | tail -12
-# the side-by-side decompositions stay on (the default, 4) only where they were faster and equal
-python3 -c "import json,sys; j=json.load(open('$O/eigh_streams.json')); \
-sys.exit(0 if j['float64_streams_4_bitwise_equal'] and j['float64_streams_4_s'] < j['float64_one_by_one_s'] else 1)" \
-  || { echo "DECOMPOSE_AT_ONCE set to 1 for this call"; \
-       sed -i 's/^DECOMPOSE_AT_ONCE = 4/DECOMPOSE_AT_ONCE = 1/' hessian_eigenthings/operators/kronecker_eigen.py; }
 [ -n "${SKIP_PHASES:-}" ] || timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
 influence() {
   timeout $2 python3 benchmarks/influence_gpu.py --dtype $1 --out $O/influence_$1.json 2>&1 \

@@ -11,11 +11,8 @@ counters (NOTE [factors changed in place] in ``kronecker``). The operator's alge
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -123,16 +120,6 @@ def refuse_not_finite(who: str, factors: Sequence[tuple[str, str, torch.Tensor]]
 #: ``id(factor) -> (factor, version, eigh(factor))``
 _Decomposed = dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
 
-# NOTE [decompositions side by side]: one ``eigh`` of a factor of a few thousand rows leaves most
-# of a GPU idle (cuSOLVER's divide and conquer is a chain of small kernels and host round
-# trips), and a model has dozens of factors: GPT-2 124M's 48 block layers have 96, 36 of them of
-# 2304 to 3073 rows. On CUDA, factors are decomposed ``DECOMPOSE_AT_ONCE`` at a time, each
-# thread on a stream of its own (after the stream that made the factors), largest first; the
-# caller's stream then waits for them. Each factor's decomposition is the same computation
-# whichever thread makes it, so the results are the same bits as one after another
-# (``benchmarks/eigh_streams.py`` checks that on the GPU; the tests on the CPU's threads).
-DECOMPOSE_AT_ONCE = 4
-
 
 class FactorDecompositions:
     """``(D (m, q), U_G, U_A)`` of each of ``blocks`` (module docstring), cached; ``who`` names
@@ -185,32 +172,15 @@ class FactorDecompositions:
         fresh: _Decomposed = {}
         made: list[tuple[str, Slot, torch.Tensor]] = []  # eigenvalues computed now
 
-        def cached(M: torch.Tensor) -> tuple[int, tuple[torch.Tensor, int, Any] | None]:
-            version = -1 if M.is_inference() else M._version
-            held = known.get(id(M))
-            if held is not None and held[0] is M and held[1] == version and version >= 0:
-                return version, held
-            return version, None
-
-        wanted: dict[int, tuple[torch.Tensor, str, Slot]] = {}
-        for block in self._blocks:
-            if block.eigen is None and block.G is not None:
-                for M, which in ((block.G, "G"), (self.A(block), "A")):
-                    if cached(M)[1] is None:
-                        wanted.setdefault(id(M), (M, which, block))
-        early = self._side_by_side(list(wanted.values()))
-
         def eig(M: torch.Tensor, which: str, block: Slot) -> tuple[torch.Tensor, torch.Tensor]:
             key = id(M)
             if key not in fresh:
-                version, held = cached(M)
-                if held is not None:
+                version = -1 if M.is_inference() else M._version
+                held = known.get(key)
+                if held is not None and held[0] is M and held[1] == version and version >= 0:
                     fresh[key] = held
                 else:
-                    got = early.pop(key, None)
-                    if isinstance(got, BaseException):
-                        raise got
-                    lam, U = got if got is not None else self._decompose(M, which, block)
+                    lam, U = self._decompose(M, which, block)
                     made.append((which, block, lam))
                     zeroed = at_rounding_level_zeroed(lam, M.shape[0])
                     fresh[key] = (M, version, (zeroed, canonical_null_basis(zeroed, U)))
@@ -239,51 +209,6 @@ class FactorDecompositions:
         self._factor_eigh = fresh
         self._cache, self._stamp = result, stamp
         return result
-
-    def _side_by_side(
-        self, wanted: list[tuple[torch.Tensor, str, Slot]], at_once: int | None = None
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor] | BaseException]:
-        """``id(M) -> eigh(M)`` (or the error it raised) of the CUDA factors ``wanted``, made
-        ``at_once`` at a time (NOTE [decompositions side by side]); empty where they are not on
-        CUDA or fewer than two (then :meth:`eigen` decomposes them one after another)."""
-        at_once = DECOMPOSE_AT_ONCE if at_once is None else at_once
-        on_cuda = all(M.device.type == "cuda" for M, _, _ in wanted)
-        if at_once < 2 or len(wanted) < 2 or not on_cuda:
-            return {}
-        return self.decomposed_in_threads(wanted, at_once, streams=True)
-
-    def decomposed_in_threads(
-        self, wanted: list[tuple[torch.Tensor, str, Slot]], at_once: int, *, streams: bool
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor] | BaseException]:
-        """The decompositions of ``wanted`` by ``at_once`` threads, largest first, each thread
-        on a CUDA stream of its own when ``streams`` (NOTE [decompositions side by side])."""
-        order = sorted(wanted, key=lambda w: -w[0].shape[0])
-        caller = torch.cuda.current_stream(order[0][0].device) if streams else None
-
-        def work(share: list[tuple[torch.Tensor, str, Slot]]) -> list[tuple[int, Any]]:
-            done: list[tuple[int, Any]] = []
-            stream = torch.cuda.Stream(order[0][0].device) if caller is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None and caller is not None:
-                    stream.wait_stream(caller)  # the factors are made on the caller's stream
-                for M, which, block in share:
-                    try:
-                        lam, U = self._decompose(M, which, block)
-                    except Exception as exc:  # raised where eigen() reaches this factor
-                        done.append((id(M), exc))
-                        continue
-                    if caller is not None:  # read on the caller's stream from now on
-                        lam.record_stream(caller)
-                        U.record_stream(caller)
-                    done.append((id(M), (lam, U)))
-            if stream is not None and caller is not None:
-                caller.wait_stream(stream)
-            return done
-
-        shares = [order[w::at_once] for w in range(min(at_once, len(order)))]
-        with ThreadPoolExecutor(len(shares)) as pool:
-            parts = list(pool.map(work, shares))
-        return {key: got for part in parts for key, got in part}
 
     def _decompose(
         self, M: torch.Tensor, which: str, block: Slot
