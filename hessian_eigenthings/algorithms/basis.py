@@ -29,6 +29,7 @@ __all__ = [
     "StreamedBasis",
     "StreamedRuns",
     "as_basis_device",
+    "basis_too_large",
     "new_basis",
     "new_run_bases",
     "panel_width",
@@ -101,6 +102,16 @@ def as_basis_device(device: str | torch.device | None) -> torch.device | None:
         raise ValueError(f"basis_device={device!r} is not a device: {exc}") from exc
 
 
+def basis_too_large(rows: int, n: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The one line for a Krylov basis that does not fit on its device."""
+    size = rows * n * (torch.finfo(dtype).bits // 8) / 1e9
+    return (
+        f"the Krylov basis ({rows} vectors of {n} {str(dtype).removeprefix('torch.')}, "
+        f"{size:.1f} GB) does not fit on {device}: pass basis_device='cpu' (the basis in host "
+        "memory, moved per product) or a smaller ncv"
+    )
+
+
 class KrylovBasis:
     """``rows`` basis vectors of length ``n`` in ``dtype``, on ``device`` (the operator's), in
     one tensor ``V``. The operations are the algorithms' products with the basis."""
@@ -109,7 +120,10 @@ class KrylovBasis:
 
     def __init__(self, rows: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
         self.rows, self.n, self.dtype, self.device = rows, n, dtype, device
-        self.V = torch.empty(rows, n, dtype=dtype, device=device)
+        try:
+            self.V = torch.empty(rows, n, dtype=dtype, device=device)
+        except torch.cuda.OutOfMemoryError as exc:  # say what the basis needs and the way out
+            raise torch.cuda.OutOfMemoryError(basis_too_large(rows, n, dtype, device)) from exc
 
     def host_view(self, backend: LinAlgBackend) -> np.ndarray[Any, Any] | None:
         """The numpy view of ``V`` when steps run in numpy (NOTE [small operators on the host])."""

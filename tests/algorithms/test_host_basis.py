@@ -251,6 +251,31 @@ def test_bad_basis_devices_are_refused() -> None:
         spectral_density(op, num_runs=2, lanczos_steps=5, basis_device="nowhere")
 
 
+def test_a_basis_too_large_for_the_device_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device basis that does not fit (lanczos's defaults on a 1.24 B-parameter model asked an
+    80 GB H100 for 96.7 GiB) is refused in one line naming its size and the way out, still as
+    the allocator's out-of-memory error; the allocation fails as CUDA's would (no CUDA here)."""
+    op = Counting(dense_matrix(spectrum("separated", N, seed=0), seed=1))
+    empty = torch.empty
+
+    def no_room(*size: Any, **kwargs: Any) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
+        if len(shape) == 2 and shape[1] == N and shape[0] >= 10:  # the basis alone
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        return empty(*size, **kwargs)
+
+    monkeypatch.setattr(basis_mod.torch, "empty", no_room)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as err:
+        lanczos(op, k=3, ncv=12)
+    message = str(err.value)
+    assert "Krylov basis (" in message and f"vectors of {N} float64" in message
+    assert "basis_device='cpu'" in message and "smaller ncv" in message
+    monkeypatch.undo()
+    # the one line's size: rows × n × bytes
+    line = basis_mod.basis_too_large(20, 1_235_814_400, torch.float32, torch.device("cuda", 0))
+    assert "(20 vectors of 1235814400 float32, 98.9 GB) does not fit on cuda:0" in line
+
+
 FIELDS = ("eigenvalues", "eigenvectors", "residuals", "converged")
 
 
