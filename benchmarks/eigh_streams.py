@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,10 +87,8 @@ def main() -> None:
         same = all(torch.equal(x, y) for x, y in zip(got, base, strict=True))
         report[f"float64_streams_{w}_s"] = round(s, 3)
         report[f"float64_streams_{w}_bitwise_equal"] = same
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    print(json.dumps(report, indent=2))
+    Path(a.out or os.devnull).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,7 @@
 # Carry bench_out (bench_out/whl: deprecation, kronfluence 1.0.1 and einconv wheels; see
 # s20_influence.sh). Each part prints and writes its JSON as it ends, so a cut call keeps the rest.
 set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site bench_out/whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-O=${OUT:-/tmp/out}; mkdir -p $O
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
-python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
-cat $O/gpus.txt
+source benchmarks/device/common.sh
 for d in fp32 bf16; do
   timeout 170 python3 benchmarks/influence_gpu.py --dtype $d --out $O/influence_$d.json 2>&1 \
     | grep -v -i "warn\|GradScaler" | tail -8

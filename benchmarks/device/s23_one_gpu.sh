@@ -10,12 +10,7 @@
 # Carry bench_out (bench_out/whl: deprecation, kronfluence 1.0.1 and einconv wheels).
 # Each part writes its JSON as it ends, so a cut call keeps the rest.
 set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site bench_out/whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-O=${OUT:-/tmp/out}; mkdir -p $O
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpus.txt
-python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" >> $O/gpus.txt
-cat $O/gpus.txt
+source benchmarks/device/common.sh
 timeout 30 python3 benchmarks/eigh_streams.py --layers 3 --repeats 1 --out $O/eigh_streams.json 2>&1 | tail -12
 [ -n "${SKIP_PHASES:-}" ] || timeout 100 python3 benchmarks/influence_phases.py --out $O/phases_fp32.json 2>&1 | grep -v -i warn | tail -3
 influence() {

@@ -17,12 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hessian_eigenthings import influence
 from hessian_eigenthings.influence.gradients import PerExampleGradients
-from tests.influence.tiny import Interrupted, tiny_gpt2
+from tests.influence.tiny import Allocations, Interrupted, tiny_gpt2
 
 DAMPING = 1e-2
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -276,28 +274,6 @@ def test_exact_route_low_rank_scores_training_batches_by_layer(
 
 
 # -- memory: no whole row formed ------------------------------------------------------------------
-class _Largest(TorchDispatchMode):
-    """The largest memory, in elements, that an operation allocates for a tensor it returns
-    (a view of its inputs' memory, as ``expand``, allocates none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        held = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
-                self.numel = max(self.numel, t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
 def test_no_tensor_as_large_as_a_row_of_gradients(model_name: str) -> None:
     if model_name == "mlp":
@@ -311,10 +287,10 @@ def test_no_tensor_as_large_as_a_row_of_gradients(model_name: str) -> None:
     fitted = influence.fit(model, train, task, damping=DAMPING)
     n = fitted.layout.size
     n_query = sum(len(b[1]) if isinstance(b, tuple) else len(b["input_ids"]) for b in query)
-    with _Largest() as low:
+    with Allocations() as low:
         fitted.pairwise_scores(query, train, rank=2, progress=False)
     # the measure sees whole rows where they are made: the exact scores hold Q (n_query, n)
-    with _Largest() as exact:
+    with Allocations() as exact:
         fitted.pairwise_scores(query, train, progress=False)
     assert exact.numel >= n_query * n
     # no tensor of the low-rank scores as large as one example's whole gradient (n), let alone

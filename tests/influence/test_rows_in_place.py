@@ -4,16 +4,12 @@ rows as the query batch made whole."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hessian_eigenthings import influence
 from hessian_eigenthings._checks import InternalError
-from tests.influence.tiny import tiny_gpt2
+from tests.influence.tiny import Allocations, tiny_gpt2
 
 
 def _data() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
@@ -26,27 +22,6 @@ def _data() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]
     return train, query
 
 
-class _Allocations(TorchDispatchMode):
-    """The sizes, in elements, of the memory each operation allocates for what it returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numels: list[int] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        held = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
-                self.numels.append(t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("route", ["hooked", "vmap"])
 def test_query_slices_are_written_into_the_whole_rows(route: str) -> None:
     model = tiny_gpt2()
@@ -57,7 +32,7 @@ def test_query_slices_are_written_into_the_whole_rows(route: str) -> None:
     if route == "vmap":
         fitted._grads.linear = None  # the rows of vmap, copied into the buffer
     whole = fitted._grads(query[0])
-    with _Allocations() as seen:
+    with Allocations() as seen:
         sliced = fitted._sliced_gradients(query[0], 2)
     # the same rows as the batch made whole (float64; slices sum their tokens alone)
     torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=1e-15)
