@@ -54,6 +54,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.leave_group import leave_group
 from hessian_eigenthings.operators import HessianOperator
 from hessian_eigenthings.operators.distributed import (
     DDPHessianOperator,
@@ -448,8 +449,7 @@ def main() -> None:
         (args.out / "bench_distributed.json").write_text(json.dumps(report, indent=1))
         (args.out / "bench_distributed.md").write_text(markdown(report))
         log(f"wrote {args.out / 'bench_distributed.json'}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def markdown(r: dict[str, Any]) -> str:

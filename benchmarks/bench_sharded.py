@@ -90,6 +90,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hessian_eigenthings as he
+from benchmarks.leave_group import leave_group
 from hessian_eigenthings.loss_fns import supervised_loss_of_output
 from hessian_eigenthings.operators.distributed import (
     DDPGGNOperator,
@@ -1288,8 +1289,7 @@ def main() -> None:
         path.write_text(json.dumps(report, indent=1))
         log(f"wrote {path}")
     if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group()
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hessian_eigenthings as he
 from benchmarks.bench_sharded import WORKLOADS, build
+from benchmarks.leave_group import leave_group
 from hessian_eigenthings import influence
 from hessian_eigenthings.operators.distributed import Replicated
 
@@ -339,12 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     write(report, a.out, group)
     if group.distributed:
-        # NOTE [worker exits without the gloo teardown] (tests/operators/_dist_checks.py): the
-        # JSON is on disk and the barrier shows every rank got here; leave without the teardown
-        dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_group()  # the JSON is on disk
 
 
 def ranks_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
