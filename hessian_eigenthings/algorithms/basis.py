@@ -102,13 +102,16 @@ def as_basis_device(device: str | torch.device | None) -> torch.device | None:
         raise ValueError(f"basis_device={device!r} is not a device: {exc}") from exc
 
 
-def basis_too_large(rows: int, n: int, dtype: torch.dtype, device: torch.device) -> str:
-    """The one line for a Krylov basis that does not fit on its device."""
+def basis_too_large(
+    rows: int, n: int, dtype: torch.dtype, device: torch.device, smaller: str = "a smaller ncv"
+) -> str:
+    """The one line for a Krylov basis that does not fit on its device; ``smaller``: the
+    argument that shrinks it."""
     size = rows * n * (torch.finfo(dtype).bits // 8) / 1e9
     return (
         f"the Krylov basis ({rows} vectors of {n} {str(dtype).removeprefix('torch.')}, "
         f"{size:.1f} GB) does not fit on {device}: pass basis_device='cpu' (the basis in host "
-        "memory, moved per product) or a smaller ncv"
+        f"memory, moved per product) or {smaller}"
     )
 
 
@@ -333,7 +336,13 @@ class RunBases:
         self, r: int, slots: int, n: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.r, self.slots = r, slots
-        self.Vb = torch.empty(r, slots, n, dtype=dtype, device=device)
+        try:
+            self.Vb = torch.empty(r, slots, n, dtype=dtype, device=device)
+        except torch.cuda.OutOfMemoryError as exc:  # as KrylovBasis: the size and the ways out
+            shrink = "fewer num_runs or lanczos_steps, or reorthogonalize=False (two vectors a run)"
+            raise torch.cuda.OutOfMemoryError(
+                basis_too_large(r * slots, n, dtype, device, shrink)
+            ) from exc
 
     def vector(self, j: int) -> torch.Tensor:
         """Vector ``j`` of every run, ``(r, n)`` on the device."""

@@ -24,8 +24,9 @@ def gram_add_(out: torch.Tensor, X: torch.Tensor, alpha: float, block: int | Non
     NOTE [upper block triangle of a moment]: a factor ``Σ aaᵀ`` is symmetric, so its blocks below
     the diagonal repeat those above. A product per block row, ``X[:, i:i+b]ᵀ X[:, i:]``, makes
     about ``(B+1)/2B`` of the full product's flops for ``B`` blocks (58% at GPT-2's 3072 in blocks
-    of 512, 56% at 4096, 52% at Llama's 14336), in ``B`` launches with no copy of ``X``; the lower blocks are
-    filled once, by :meth:`WeightedSum.mean` (:func:`mirror_upper_`), not per batch. The entries
+    of 512, 56% at 4096, 52% at Llama's 14336), in ``B`` launches with no copy of ``X``; the
+    lower blocks are filled once, by :meth:`WeightedSum.mean` (:func:`mirror_upper_`), not per
+    batch. The entries
     are the full product's dot products; only cuBLAS's summation order within a block may differ."""
     step = GRAM_BLOCK if block is None else block
     d = X.shape[1]

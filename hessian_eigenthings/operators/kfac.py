@@ -436,10 +436,10 @@ class EKFACOperator(_KFACFactors):
     ``T`` times the first pass's backwards for ``T`` rows; Monte-Carlo draws and the empirical
     Fisher need no split. With ``fisher_type="mc"`` the second pass draws its labels afresh from
     the same seed (NOTE [fresh draws] in ``operators.factor_pass``): given KFAC's eigenbasis, an
-    unbiased estimate of the Fisher's diagonal there. Costs a second pass over the data. ``factors`` are KFAC's; the operator's
-    blocks are in their eigenbases with the corrected eigenvalues, fixed at construction: a
-    change in place to ``factors`` does not change the operator (its eigenbases were taken from
-    them then), a change to ``corrected_eigenvalues`` or to ``eigh()``'s eigenvectors (the
+    unbiased estimate of the Fisher's diagonal there. Costs a second pass over the data.
+    ``factors`` are KFAC's; the operator's blocks are in their eigenbases with the corrected
+    eigenvalues, fixed at construction: a change in place to ``factors`` does not change the
+    operator (its eigenbases were taken from them then), a change to ``corrected_eigenvalues`` or to ``eigh()``'s eigenvectors (the
     tensors themselves) is followed by every method.
     """
 

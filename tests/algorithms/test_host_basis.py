@@ -260,7 +260,9 @@ def test_a_basis_too_large_for_the_device_says_so(monkeypatch: pytest.MonkeyPatc
 
     def no_room(*size: Any, **kwargs: Any) -> torch.Tensor:
         shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
-        if len(shape) == 2 and shape[1] == N and shape[0] >= 10:  # the basis alone
+        two, three = len(shape) == 2 and shape[0] >= 10, len(shape) == 3
+        basis = (two or three) and shape[-1] == N
+        if basis:  # Lanczos's (rows, n) basis, or the lockstep runs' (runs, steps, n)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
         return empty(*size, **kwargs)
 
@@ -270,6 +272,12 @@ def test_a_basis_too_large_for_the_device_says_so(monkeypatch: pytest.MonkeyPatc
     message = str(err.value)
     assert "Krylov basis (" in message and f"vectors of {N} float64" in message
     assert "basis_device='cpu'" in message and "smaller ncv" in message
+    # spectral density's lockstep runs: the same line, with its own arguments to shrink it
+    with pytest.raises(torch.cuda.OutOfMemoryError) as err:
+        spectral_density(op, num_runs=2, lanczos_steps=8)
+    message = str(err.value)
+    assert f"(16 vectors of {N} float64" in message and "basis_device='cpu'" in message
+    assert "fewer num_runs or lanczos_steps, or reorthogonalize=False" in message
     monkeypatch.undo()
     # the one line's size: rows × n × bytes
     line = basis_mod.basis_too_large(20, 1_235_814_400, torch.float32, torch.device("cuda", 0))
